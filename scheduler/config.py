@@ -1,0 +1,125 @@
+"""Scheduler settings: one frozen dataclass, checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+SYNC_POLICIES = ("vote", "every_step")
+PREEMPTION_ORDERS = ("lcfs", "fcfs")
+
+# Settings every DP rank must share: a difference would put the ranks' attempt points, step
+# kinds or block arithmetic out of step, which shows up as a hang inside a collective.
+GROUP_AGREED_FIELDS = (
+    "block_size",
+    "prefill_attempt_interval",
+    "prefill_any_attempt_interval",
+    "sync_policy",
+    "max_model_len",
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int = 1024  # KV blocks in the pool, including the reserved block 0
+    num_state_slots: int = 0  # per-sequence state slots incl. reserved slot 0; 0 = no state pool
+    chunked_prefill: bool = True
+    # Recompute (False) keeps every request's result; True fails the victim fast instead.
+    stop_preempted_request: bool = False
+    preemption_order: str = "lcfs"
+    prefill_attempt_interval: int = 70
+    prefill_any_attempt_interval: int = 100
+    prefill_watermark: float = 0.9
+    prefill_max_sum_seqlen_k: int | None = None  # None: no limit on the step's sum of K lengths
+    enable_prefix_caching: bool = False
+    lookahead_tokens: int = 0
+    cp_size: int = 1
+    sync_policy: str = "vote"
+    vocab_size: int | None = None  # when set, prompts with out-of-range ids are failed
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+            "prefill_attempt_interval",
+            "prefill_any_attempt_interval",
+            "cp_size",
+        ):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("num_blocks", self.num_blocks, minimum=2)
+        _require_int("lookahead_tokens", self.lookahead_tokens, minimum=0)
+        _require_int("num_state_slots", self.num_state_slots, minimum=0)
+        if self.num_state_slots == 1:
+            raise ValueError("num_state_slots=1 leaves no usable slot (slot 0 is reserved)")
+        for name in ("prefill_max_sum_seqlen_k", "vocab_size"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name), minimum=1)
+        for name in ("chunked_prefill", "stop_preempted_request", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.prefill_watermark, (int, float)) or not (
+            0.0 < self.prefill_watermark <= 1.0
+        ):
+            raise ValueError(f"prefill_watermark must be in (0, 1], got {self.prefill_watermark!r}")
+        _require_choice("sync_policy", self.sync_policy, SYNC_POLICIES)
+        _require_choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked_prefill a prompt must fit one step: max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        if (
+            self.prefill_max_sum_seqlen_k is not None
+            and self.prefill_max_sum_seqlen_k < self.max_model_len
+        ):
+            # A prompt longer than the limit could never be admitted and would block the queue.
+            raise ValueError(
+                f"prefill_max_sum_seqlen_k ({self.prefill_max_sum_seqlen_k}) must be >= "
+                f"max_model_len ({self.max_model_len}) or None"
+            )
+        if self.max_num_batched_tokens % self.cp_align:
+            # Chunks are charged in whole units: an unaligned budget could leave a prompt that
+            # fits the budget unable to fit it once aligned.
+            raise ValueError(
+                f"with cp_size={self.cp_size}, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be a multiple of {self.cp_align}"
+            )
+
+    @property
+    def cp_align(self) -> int:
+        """Chunk lengths are multiples of this: context parallelism splits each chunk zigzag."""
+        return 2 * self.cp_size if self.cp_size > 1 else 1
+
+    @property
+    def min_chunk_tokens(self) -> int:
+        return max(self.lookahead_tokens, 1)
+
+    def group_agreed(self) -> dict[str, object]:
+        """The settings every rank of a DP group must share (compared at start-up)."""
+        return {name: getattr(self, name) for name in GROUP_AGREED_FIELDS}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> SchedulerConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown scheduler setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _require_int(name: str, value: object, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _require_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

@@ -1,0 +1,121 @@
+"""Prefill assembly: which waiting sequences enter this prompt step, and how many tokens each.
+
+The head of ``waiting`` is served first and nobody overtakes it: an unschedulable head, or one
+whose blocks are not free yet, ends the assembly for this step. Checks run in a fixed order and
+nothing is allocated until every check for a sequence has passed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.block_pool import AllocStatus
+from scheduler.config import SchedulerConfig
+from scheduler.kv_manager import KvManager
+from scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class PrefillBatch:
+    seqs: list[Sequence]
+    seqlens_q: list[int]
+    num_batched_tokens: int
+
+
+def chunk_length(seq: Sequence, start: int, budget_left: int, config: SchedulerConfig) -> int:
+    """Tokens of ``seq``'s prompt to compute this step from position ``start``; 0 means none.
+
+    Order: the token budget (aligned down to the context-parallel unit), the next chunk
+    checkpoint, unsplittable spans (shrink to the span's start, or extend past its end when the
+    shrunken chunk is under the minimum and the budget allows), then the minimum chunk.
+    """
+    align = config.cp_align
+    num_left = len(seq.token_ids) - start
+    length = num_left
+    aligned_budget = budget_left // align * align
+    if length > aligned_budget:
+        if not config.chunked_prefill:
+            return 0  # the whole prompt must fit one step; it will in a later one
+        length = aligned_budget
+    for checkpoint in seq.chunk_checkpoints:
+        if checkpoint > start:
+            length = min(length, checkpoint - start)
+            break
+    end = start + length
+    for span_start, span_end in seq.unsplittable_spans:
+        if span_start < end < span_end:
+            length = span_start - start
+            if length < config.min_chunk_tokens:
+                extended = span_end - start
+                if -(-extended // align) * align <= budget_left:
+                    length = extended
+            break
+    # The minimum applies to partial chunks only: a prompt's last piece may be shorter, or a
+    # short remainder could never be scheduled at all.
+    if length < num_left and length < config.min_chunk_tokens:
+        return 0
+    return max(length, 0)
+
+
+def assemble_prefill(
+    waiting: deque[Sequence],
+    num_running: int,
+    kv: KvManager,
+    config: SchedulerConfig,
+    terminate: Callable[[Sequence, SequenceStatus], None],
+) -> PrefillBatch:
+    seqs: list[Sequence] = []
+    seqlens_q: list[int] = []
+    num_batched = 0
+    num_seqs = num_running
+    sum_k_left = config.prefill_max_sum_seqlen_k or float("inf")
+    prompt_limit = config.max_model_len if config.chunked_prefill else config.max_num_batched_tokens
+    align = config.cp_align
+    while waiting:
+        seq = waiting[0]
+        if seq.is_finished:  # aborted or failed while queued; already reported
+            waiting.popleft()
+            continue
+        if not seq.schedulable:
+            break
+        length = len(seq.token_ids)
+        if length > prompt_limit:
+            waiting.popleft()
+            terminate(seq, SequenceStatus.IGNORED)
+            continue
+        if num_seqs + 1 > config.max_num_seqs or sum_k_left < length:
+            break
+        plan = None
+        start = seq.num_tokens
+        if not seq.block_table:
+            plan = kv.plan_admission(seq)
+            if plan.status is AllocStatus.NEVER:
+                waiting.popleft()
+                terminate(seq, SequenceStatus.IGNORED)
+                continue
+            if plan.status is AllocStatus.LATER:
+                break
+            start = len(plan.cached_blocks) * kv.block_size
+        seqlen_q = chunk_length(seq, start, config.max_num_batched_tokens - num_batched, config)
+        if seqlen_q == 0:
+            break
+        # Every check passed: from here on, side effects.
+        waiting.popleft()
+        if plan is not None:
+            kv.admit(seq, plan)
+        seq.advance_optimistically(seqlen_q)
+        seq.in_flight = True
+        while seq.chunk_checkpoints and seq.chunk_checkpoints[0] <= seq.num_tokens:
+            seq.chunk_checkpoints.popleft()
+        num_batched += -(-seqlen_q // align) * align
+        sum_k_left -= length
+        seqs.append(seq)
+        seqlens_q.append(seqlen_q)
+        seq.chunked_rest_len = length - seq.num_tokens
+        if seq.chunked_rest_len:
+            break  # one chunk of one chunked prompt per step; others get the next step
+        seq.status = SequenceStatus.RUNNING
+        num_seqs += 1
+    return PrefillBatch(seqs, seqlens_q, num_batched)

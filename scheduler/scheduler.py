@@ -1,0 +1,386 @@
+"""The per-rank scheduler: queues, the step policy, and output accounting.
+
+One step is ``schedule()`` then, once the model has run, ``process_outputs()``. The policy:
+
+    at an attempt point, vote; if the group prefills, assemble a prompt batch and vote again
+    on whether any rank got one; otherwise (and between attempt points) decode.
+
+``decode_step`` and the previous vote are identical on every rank, so every rank reaches the
+same attempt points and takes the same collectives. Not thread-safe: one engine thread owns it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from scheduler.config import SchedulerConfig
+from scheduler.decode import assemble_decode
+from scheduler.kv_manager import KvManager
+from scheduler.outputs import SchedulerOutputs
+from scheduler.prefill import PrefillBatch, assemble_prefill
+from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.vote import (
+    AttemptPoint,
+    GroupView,
+    LocalState,
+    LocalVote,
+    Vote,
+    attempt_point,
+    group_prefills,
+)
+
+_RUNNING = SequenceStatus.RUNNING
+_STOPPED = SequenceStatus.STOPPED
+_LENGTH_CAPPED = SequenceStatus.LENGTH_CAPPED
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, vote: Vote | None = None) -> None:
+        self.config = config
+        self.vote: Vote = vote if vote is not None else LocalVote()
+        self.kv = KvManager(config)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._live: dict[str, Sequence] = {}
+        self._terminated: list[Sequence] = []  # ended by the scheduler, reported next schedule()
+        self._needs_sweep = False  # some queued sequence ended and still sits in a queue
+        self._num_arrivals = 0
+        # Step-policy state; identical on every rank of a group.
+        self.decode_step = 0
+        self.step_index = 0
+        self.group_idle = False
+        self.drain_step: int | None = None
+        # Set by the engine before schedule(); carried in the vote vector.
+        self.wake_epoch = 0
+        self.shutdown_requested = False
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a request. A bad one is ended at once and reported by the next schedule()."""
+        if seq.request_id in self._live:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        if seq.status is not SequenceStatus.WAITING or seq.num_tokens or seq.block_table:
+            raise ValueError(f"sequence {seq.request_id!r} is not new: {seq!r}")
+        seq.arrival_index = self._num_arrivals
+        self._num_arrivals += 1
+        problem = self._check_prompt(seq)
+        if problem is not None:
+            status, message = problem
+            seq.error_message = message
+            self._finish(seq, status)
+            self._terminated.append(seq)
+            return
+        self._live[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def _check_prompt(self, seq: Sequence) -> tuple[SequenceStatus, str] | None:
+        tokens = seq.token_ids
+        if not tokens:
+            return SequenceStatus.FAILED, "empty prompt"
+        if not all(type(t) is int for t in tokens):
+            bad = next(t for t in tokens if type(t) is not int)
+            return SequenceStatus.FAILED, f"prompt token {bad!r} is not an int"
+        vocab = self.config.vocab_size
+        low, high = min(tokens), max(tokens)
+        if low < 0 or (vocab is not None and high >= vocab):
+            bad = low if low < 0 else high
+            return (
+                SequenceStatus.FAILED,
+                f"prompt token id {bad} at position {tokens.index(bad)} is outside the "
+                f"vocabulary [0, {vocab if vocab is not None else 'inf'})",
+            )
+        limit = (
+            self.config.max_model_len
+            if self.config.chunked_prefill
+            else self.config.max_num_batched_tokens
+        )
+        if len(tokens) > limit:
+            return SequenceStatus.IGNORED, f"prompt of {len(tokens)} tokens exceeds {limit}"
+        return None
+
+    def abort(self, request_id: str, reason: str | None = None) -> Sequence | None:
+        """End a request in any state: ABORTED, or FAILED with ``reason``.
+
+        Returns the sequence (the caller reports it), or None if unknown or already finished.
+        Resources of a sequence in flight are released when its step's outputs come back.
+        """
+        seq = self._live.get(request_id)
+        if seq is None:
+            return None
+        seq.error_message = reason or ""
+        self._finish(seq, SequenceStatus.FAILED if reason else SequenceStatus.ABORTED)
+        if not seq.in_flight:
+            self.kv.release(seq)
+        self._needs_sweep = True
+        return seq
+
+    def set_schedulable(self, request_id: str, schedulable: bool = True) -> None:
+        seq = self._live.get(request_id)
+        if seq is None:
+            raise KeyError(f"no live request {request_id!r}")
+        seq.schedulable = schedulable
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        return self._live.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self._head_schedulable()
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutputs:
+        if self._needs_sweep:
+            self._sweep()
+        decided_on = self.decode_step
+        point = attempt_point(
+            decided_on,
+            self.config.prefill_attempt_interval,
+            self.config.prefill_any_attempt_interval,
+            group_idle=self.group_idle,
+            every_step=self.config.sync_policy == "every_step",
+            drain_step=self.drain_step,
+        )
+        outputs = None
+        view = None
+        if point is not AttemptPoint.NONE:
+            view = self._vote_group()
+            if group_prefills(point, view):
+                outputs = self._try_prefill()
+        if outputs is None:
+            outputs = self._decode(known_empty=view is not None and view.none_running)
+        outputs.step_index = self.step_index
+        outputs.decode_step = decided_on
+        outputs.point = point
+        outputs.group = view
+        if self._terminated:
+            outputs.ignored_seqs.extend(self._terminated)
+            self._terminated = []
+        self.step_index += 1
+        self.decode_step = 0 if outputs.prompt_run else decided_on + 1
+        self.group_idle = outputs.known_empty
+        if view is not None:
+            remaining = view.max_remaining_tokens
+            decoding = not outputs.prompt_run and remaining > 0
+            self.drain_step = decided_on + remaining if decoding else None
+        return outputs
+
+    def _vote_group(self) -> GroupView:
+        has_running = bool(self.running)
+        head_ready = self._head_schedulable()
+        local = LocalState(
+            want=head_ready and self.kv.usage() <= self.config.prefill_watermark,
+            has_running=has_running,
+            has_work=has_running or head_ready,
+            wake_epoch=self.wake_epoch,
+            shutdown=self.shutdown_requested,
+            max_remaining_tokens=self._max_remaining_tokens(),
+        )
+        return GroupView.decode(self.vote.allreduce_min(local.encode()))
+
+    def _max_remaining_tokens(self) -> int:
+        """Most tokens any running sequence may still produce before a stop rule ends it."""
+        max_model_len = self.config.max_model_len
+        return max(
+            (
+                min(
+                    seq.max_tokens - seq.num_output_tokens,
+                    max_model_len - len(seq.token_ids),
+                )
+                for seq in self.running
+            ),
+            default=0,
+        )
+
+    def _try_prefill(self) -> SchedulerOutputs | None:
+        batch = assemble_prefill(
+            self.waiting, len(self.running), self.kv, self.config, self._terminate
+        )
+        # Vote 2: if no rank assembled anything, a prompt step would be empty everywhere and
+        # the next step would vote again: the empty-prefill livelock. Decode instead.
+        any_scheduled = self.vote.allreduce_min([0 if batch.seqs else 1])[0] == 0
+        if not any_scheduled:
+            assert not batch.seqs
+            return None
+        outputs = self._prompt_outputs(batch)
+        outputs.any_scheduled = True
+        return outputs
+
+    @staticmethod
+    def _prompt_outputs(batch: PrefillBatch) -> SchedulerOutputs:
+        return SchedulerOutputs(
+            prompt_run=True,
+            scheduled_seqs=batch.seqs,
+            seqlens_q=batch.seqlens_q,
+            num_batched_tokens=batch.num_batched_tokens,
+        )
+
+    def _decode(self, *, known_empty: bool) -> SchedulerOutputs:
+        if known_empty:
+            assert not self.running
+            return SchedulerOutputs(False, [], [], 0, known_empty=True)
+        scheduled, left = assemble_decode(self.running, self.kv, self.config, self._preempt)
+        # Keep running in preemption order (victims first) so that ties stay in the same
+        # order from step to step: the oldest of equals is always the first victim.
+        self.running = left + scheduled[::-1]
+        return SchedulerOutputs(False, scheduled, [1] * len(scheduled), len(scheduled))
+
+    # -- accounting -------------------------------------------------------------------------
+    def process_outputs(
+        self, outputs: SchedulerOutputs, sampled_token_ids: list[int]
+    ) -> list[Sequence]:
+        """Commit one step's results; returns the sequences that finished with it.
+
+        ``sampled_token_ids`` has one id per scheduled sequence, in order; the ids of prompt
+        chunks that do not end their prompt are ignored.
+        """
+        seqs = outputs.scheduled_seqs
+        if len(sampled_token_ids) != len(seqs):
+            raise ValueError(
+                f"step {outputs.step_index} scheduled {len(seqs)} sequences but got "
+                f"{len(sampled_token_ids)} sampled tokens"
+            )
+        if outputs.prompt_run:
+            return self._account_prefill(outputs, sampled_token_ids)
+        return self._account_decode(seqs, sampled_token_ids)
+
+    def _account_prefill(
+        self, outputs: SchedulerOutputs, sampled_token_ids: list[int]
+    ) -> list[Sequence]:
+        finished: list[Sequence] = []
+        now = time.monotonic()
+        for seq, seqlen_q, token in zip(
+            outputs.scheduled_seqs, outputs.seqlens_q, sampled_token_ids, strict=True
+        ):
+            seq.in_flight = False
+            if seq.is_finished:  # ended while in flight; its release was deferred to now
+                self.kv.release(seq)
+                continue
+            seq.commit_processed_tokens(seqlen_q)
+            self.kv.register_full_blocks(seq)
+            if seq.num_tokens < len(seq.token_ids):
+                assert seq.status is SequenceStatus.WAITING, seq
+                self.waiting.appendleft(seq)  # the next chunk goes first
+                continue
+            assert seq.status is _RUNNING, seq
+            self.running.append(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self._append_token(seq, token, now):
+                finished.append(seq)
+        return finished
+
+    def _account_decode(self, seqs: list[Sequence], sampled_token_ids: list[int]) -> list[Sequence]:
+        finished: list[Sequence] = []
+        now = time.monotonic()
+        prefix_caching = self.kv.prefix_cache is not None
+        block_size = self.config.block_size
+        max_model_len = self.config.max_model_len
+        for seq, token in zip(seqs, sampled_token_ids, strict=True):
+            seq.in_flight = False
+            if seq.status is not _RUNNING:
+                # Ended while in flight (release deferred to now), or preempted for recompute
+                # after this step was issued: its output belongs to a discarded history.
+                if seq.is_finished:
+                    self.kv.release(seq)
+                continue
+            seq.num_tokens = seq.previous_num_tokens + 1  # commit: decode accepts its one token
+            if prefix_caching and seq.num_tokens % block_size == 0:
+                self.kv.register_full_blocks(seq)
+            # _append_token, inlined: a call per sequence is a fifth of this loop's cost.
+            tokens = seq.token_ids
+            tokens.append(token)
+            seq.num_output_tokens = num_output = seq.num_output_tokens + 1
+            seq.token_times.append(now)
+            if token == seq.eos_token_id or token in seq.stop_token_ids:
+                self._end_by_token(seq, _STOPPED)
+            elif num_output >= seq.max_tokens or len(tokens) >= max_model_len:
+                self._end_by_token(seq, _LENGTH_CAPPED)
+            else:
+                continue
+            finished.append(seq)
+        return finished
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> bool:
+        """Append one committed token and apply the stop rules in order; True if finished."""
+        tokens = seq.token_ids
+        tokens.append(token)
+        seq.num_output_tokens = num_output = seq.num_output_tokens + 1
+        seq.token_times.append(now)
+        if token == seq.eos_token_id or token in seq.stop_token_ids:
+            self._end_by_token(seq, _STOPPED)
+        elif num_output >= seq.max_tokens or len(tokens) >= self.config.max_model_len:
+            self._end_by_token(seq, _LENGTH_CAPPED)
+        else:
+            return False
+        return True
+
+    def _end_by_token(self, seq: Sequence, status: SequenceStatus) -> None:
+        self._finish(seq, status)
+        self.kv.release(seq)
+        self._needs_sweep = True
+
+    # -- endings ----------------------------------------------------------------------------
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        assert not seq.is_finished, f"{seq!r} finished twice"
+        seq.status = status
+        seq.finish_time = time.monotonic()
+        self._live.pop(seq.request_id, None)
+
+    def _terminate(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence for a scheduler reason; it is reported by this step's outputs."""
+        self._finish(seq, status)
+        self.kv.release(seq)
+        self._terminated.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.release(seq)
+        # Recompute cannot help a sequence whose next token needs more blocks than the whole
+        # pool: it would be re-admitted and preempted again forever.
+        hopeless = self.kv.num_blocks_for(len(seq.token_ids) + 1) > self.kv.blocks.num_usable
+        if self.config.stop_preempted_request or hopeless:
+            self._terminate(seq, SequenceStatus.PREEMPTED)
+            return
+        seq.reset_for_recompute()
+        # The victim goes to the head of waiting, but behind a prompt whose prefill is under
+        # way: that prompt holds blocks, and a victim in front of it that cannot fit beside
+        # them would block it forever.
+        waiting = self.waiting
+        index = 0
+        while index < len(waiting) and waiting[index].block_table:
+            index += 1
+        waiting.insert(index, seq)
+
+    def _sweep(self) -> None:
+        """Drop ended sequences from the queues. Dead heads of ``waiting`` must go even on the
+        decode path: a rank whose head stays dead never wants to prefill, and an ALL vote could
+        then never pass."""
+        self.running = [seq for seq in self.running if not seq.is_finished]
+        if any(seq.is_finished for seq in self.waiting):
+            self.waiting = deque(seq for seq in self.waiting if not seq.is_finished)
+        self._needs_sweep = False
+
+    def _head_schedulable(self) -> bool:
+        waiting = self.waiting
+        while waiting and waiting[0].is_finished:
+            waiting.popleft()
+        return bool(waiting) and waiting[0].schedulable
+
+    # -- checks -----------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Between steps: every live sequence sits in exactly one queue, and the pools' counts
+        equal the references the live sequences hold."""
+        self.kv.check_integrity()
+        queued = [seq for seq in self.waiting if not seq.is_finished]
+        queued += [seq for seq in self.running if not seq.is_finished]
+        ids = [seq.request_id for seq in queued]
+        assert len(ids) == len(set(ids)), "a sequence is queued twice"
+        assert set(ids) == set(self._live), "live sequences and queues disagree"
+        expected = [0] * self.kv.blocks.num_blocks
+        for seq in queued:
+            for block in seq.block_table:
+                expected[block] += 1
+        assert expected == self.kv.blocks.ref_counts, "block reference counts are off"

@@ -1,0 +1,187 @@
+"""The DP step vote: attempt points, the vote vector and the group decision.
+
+Everything here is a pure function of allreduced values and of state every rank shares
+(``decode_step``, the config, the previous vote), never of one rank's local state alone.
+That is what keeps all ranks on the same step kind, and so inside matching all-to-alls.
+
+Vote 1 is one MIN-allreduce of a small vector. "Any" and "max" travel through MIN as
+complements, so one collective answers every question the step needs:
+
+    index  sent                      MIN means
+    0      want ? 1 : 0              1 -> every rank wants to prefill      (ALL)
+    1      want ? 0 : 1              0 -> some rank wants to prefill       (ANY)
+    2      running ? 0 : 1           1 -> no rank has running sequences
+    3      work ? 0 : 1              1 -> no rank has any work (the group may sleep)
+    4      -wake_epoch               -(highest wake epoch seen by any rank)
+    5      shutdown ? 0 : 1          0 -> some rank asks the group to shut down
+    6      -remaining                -(most tokens any running sequence may still produce)
+
+Entry 6 gives the group a *drain point*: if the group decodes from here, then after that many
+decode steps no sequence running now can still be running, so the group votes again there
+instead of running placeholder forwards until the next regular attempt point. An extra vote is
+always safe; this only decides when to look.
+
+Vote 2 is ``[scheduled ? 0 : 1]``: whether any rank assembled a prefill batch.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Vote(Protocol):
+    def allreduce_min(self, values: list[int]) -> list[int]:
+        """Element-wise minimum of ``values`` over every rank of the group."""
+        ...
+
+
+class LocalVote:
+    """The vote of a group of one: no collective at all."""
+
+    def allreduce_min(self, values: list[int]) -> list[int]:
+        return list(values)
+
+
+class AttemptPoint(enum.Enum):
+    NONE = "none"  # a plain decode step: no vote
+    ALL = "all"  # prefill only if every rank wants to
+    ANY = "any"  # prefill if any rank wants to (the starvation guard)
+    IDLE = "idle"  # the last vote saw no rank decoding: ANY at every step
+    DRAIN = "drain"  # every sequence seen running at the last vote must have finished
+    EVERY = "every"  # the every_step policy: ANY at every step
+
+
+def attempt_point(
+    decode_step: int,
+    all_interval: int,
+    any_interval: int,
+    *,
+    group_idle: bool,
+    every_step: bool,
+    drain_step: int | None = None,
+) -> AttemptPoint:
+    if every_step:
+        return AttemptPoint.EVERY
+    if group_idle:
+        return AttemptPoint.IDLE
+    if decode_step != 0 and decode_step % any_interval == 0:
+        return AttemptPoint.ANY  # where both points coincide, ANY wins
+    if decode_step % all_interval == 0:
+        return AttemptPoint.ALL
+    if decode_step == drain_step:
+        return AttemptPoint.DRAIN
+    return AttemptPoint.NONE
+
+
+@dataclass(frozen=True)
+class LocalState:
+    want: bool  # KV usage under the watermark and a schedulable head of waiting
+    has_running: bool
+    has_work: bool
+    wake_epoch: int = 0
+    shutdown: bool = False
+    max_remaining_tokens: int = 0
+
+    def encode(self) -> list[int]:
+        return [
+            int(self.want),
+            int(not self.want),
+            int(not self.has_running),
+            int(not self.has_work),
+            -self.wake_epoch,
+            int(not self.shutdown),
+            -self.max_remaining_tokens,
+        ]
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """What vote 1 told every rank about the whole group."""
+
+    all_want: bool
+    any_want: bool
+    none_running: bool
+    none_work: bool
+    max_wake_epoch: int
+    shutdown: bool
+    max_remaining_tokens: int
+
+    @classmethod
+    def decode(cls, values: list[int]) -> GroupView:
+        if len(values) != VOTE_VECTOR_LEN:
+            raise ValueError(f"vote vector must have {VOTE_VECTOR_LEN} entries, got {values}")
+        return cls(
+            all_want=values[0] == 1,
+            any_want=values[1] == 0,
+            none_running=values[2] == 1,
+            none_work=values[3] == 1,
+            max_wake_epoch=-values[4],
+            shutdown=values[5] == 0,
+            max_remaining_tokens=-values[6],
+        )
+
+
+VOTE_VECTOR_LEN = len(LocalState(False, False, False).encode())
+
+
+def group_prefills(point: AttemptPoint, view: GroupView) -> bool:
+    """The step-kind decision at an attempt point.
+
+    Where no rank is decoding there is no decode to protect, so any rank's wish suffices.
+    """
+    if point in (AttemptPoint.ALL, AttemptPoint.DRAIN) and not view.none_running:
+        return view.all_want
+    return view.any_want
+
+
+class InProcessVoteGroup:
+    """A MIN vote among threads of one process: the vote of simulations and protocol tests.
+
+    ``member(rank)`` returns that rank's ``Vote``. A rank that stops voting breaks the barrier
+    for the others after ``timeout_s``, so a protocol bug shows up as an error, not a hang.
+    """
+
+    def __init__(self, num_ranks: int, timeout_s: float = 30.0) -> None:
+        self.num_ranks = num_ranks
+        self.timeout_s = timeout_s
+        self._values: list[list[int] | None] = [None] * num_ranks
+        self._result: list[int] = []
+        self._barrier = threading.Barrier(num_ranks, action=self._reduce)
+        # A second barrier keeps a fast rank from overwriting its slot before every rank has
+        # read the previous result.
+        self._barrier_after = threading.Barrier(num_ranks)
+        self.num_collectives = 0
+
+    def _reduce(self) -> None:
+        rows = [row or [] for row in self._values]
+        if len({len(row) for row in rows}) != 1:
+            self._result = []  # mismatched calls: every rank raises below
+        else:
+            self._result = [min(column) for column in zip(*rows, strict=True)]
+        self._values = [None] * self.num_ranks
+        self.num_collectives += 1
+
+    def member(self, rank: int) -> Vote:
+        group = self
+
+        class _Member:
+            def allreduce_min(self, values: list[int]) -> list[int]:
+                group._values[rank] = list(values)
+                try:
+                    group._barrier.wait(group.timeout_s)
+                    result = list(group._result)
+                    group._barrier_after.wait(group.timeout_s)
+                except threading.BrokenBarrierError as exc:
+                    raise RuntimeError(f"rank {rank}: in-process vote broken or timed out") from exc
+                if len(result) != len(values):
+                    raise RuntimeError(f"rank {rank}: ranks voted with vectors of different length")
+                return result
+
+        return _Member()
+
+    def abort(self) -> None:
+        self._barrier.abort()
+        self._barrier_after.abort()
