@@ -1,0 +1,32 @@
+"""Mixture-of-Experts: routing, local experts, expert placement, EP dispatch/combine.
+
+Knows nothing of scheduling; never imports `scheduler`, `dist_engine` or `launcher`.
+"""
+
+from moe.dispatch import DispatchMeta, DispatchMode, combine, dispatch, run_local_experts
+from moe.dispatch_common import ReceivedRouting
+from moe.dispatch_low_latency import LowLatencyDispatchMeta
+from moe.dispatch_normal import NormalDispatchMeta
+from moe.experts import LocalExperts
+from moe.layer import MoELayer, dense_reference_moe
+from moe.placement import ExpertPlacement, choose_replicas
+from moe.routing import RoutingResult, sigmoid_grouped_topk, softmax_topk
+
+__all__ = [
+    "DispatchMeta",
+    "DispatchMode",
+    "ExpertPlacement",
+    "LocalExperts",
+    "LowLatencyDispatchMeta",
+    "MoELayer",
+    "NormalDispatchMeta",
+    "ReceivedRouting",
+    "RoutingResult",
+    "choose_replicas",
+    "combine",
+    "dense_reference_moe",
+    "dispatch",
+    "run_local_experts",
+    "sigmoid_grouped_topk",
+    "softmax_topk",
+]

@@ -1,0 +1,175 @@
+"""The MoE layer as model code sees it, plus the dense reference it must equal.
+
+Shape legend: T = tokens on this rank, E = logical experts, P = physical slots,
+S = slots per rank, K = top-k, D = hidden, I = expert intermediate.
+
+Model code is single-device: it routes, then calls `forward` with logical expert ids. EP is
+applied here, from outside the model: replica choice, dispatch, local experts, combine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe.dispatch import DispatchMode, combine, dispatch, run_local_experts
+from moe.dispatch_common import ReceivedRouting
+from moe.dispatch_low_latency import check_capacity
+from moe.experts import LocalExperts
+from moe.placement import ExpertPlacement, choose_replicas_from_maps
+
+
+class MoELayer(nn.Module):
+    """Routed experts of one MoE layer, sharded over an EP group by `placement`.
+
+    With `group=None` the layer is single-process: the placement must have one rank, and the
+    same LocalExperts path runs with no collectives.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        placement: ExpertPlacement,
+        rank: int = 0,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        ll_max_tokens_per_rank: int = 256,
+    ) -> None:
+        super().__init__()
+        if placement.num_experts != num_experts:
+            raise ValueError(
+                f"num_experts={num_experts} but the placement maps "
+                f"{placement.num_experts} logical experts"
+            )
+        num_group_ranks = 1 if group is None else dist.get_world_size(group)
+        if placement.num_ranks != num_group_ranks:
+            raise ValueError(
+                f"placement is for num_ranks={placement.num_ranks} but the group has "
+                f"{num_group_ranks} rank(s) (group={'None' if group is None else 'set'})"
+            )
+        if group is not None and dist.get_rank(group) != rank:
+            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)}")
+        if ll_max_tokens_per_rank < 1:
+            raise ValueError(f"ll_max_tokens_per_rank must be >= 1, got {ll_max_tokens_per_rank}")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.placement = placement
+        self.rank = rank
+        self.group = group
+        self.ll_max_tokens_per_rank = ll_max_tokens_per_rank
+        self.hosted_slots = placement.hosted_slots(rank)
+        self.experts = LocalExperts(len(self.hosted_slots), hidden_size, intermediate_size, dtype)
+        # Device copies of the replica maps: they follow `.to(device)`, so replica choice never
+        # copies from the host in the forward pass. Not persistent: the placement is config.
+        self.register_buffer("log2phy", placement.log2phy.clone(), persistent=False)
+        self.register_buffer("logcnt", placement.logcnt.clone(), persistent=False)
+
+    def load_expert(
+        self, logical_id: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
+        """Copy one logical expert's weights into every local slot that hosts it.
+
+        gate: [I, D]; up: [I, D]; down: [D, I] (the Hugging Face Linear layouts).
+        """
+        size_i, size_d = self.intermediate_size, self.hidden_size
+        if gate.shape != (size_i, size_d) or up.shape != (size_i, size_d):
+            raise ValueError(
+                f"gate and up must be [I={size_i}, D={size_d}], got {tuple(gate.shape)} and "
+                f"{tuple(up.shape)} for expert {logical_id}"
+            )
+        if down.shape != (size_d, size_i):
+            raise ValueError(
+                f"down must be [D={size_d}, I={size_i}], got {tuple(down.shape)} "
+                f"for expert {logical_id}"
+            )
+        phy2log = self.placement.phy2log[self.hosted_slots].tolist()
+        local_slots = [slot for slot, logical in enumerate(phy2log) if logical == logical_id]
+        if not local_slots:
+            raise ValueError(
+                f"rank {self.rank} does not host logical expert {logical_id}; it hosts "
+                f"{self.placement.hosted_logical(self.rank)}"
+            )
+        with torch.no_grad():
+            for slot in local_slots:
+                self.experts.w13[slot, :size_i].copy_(gate)
+                self.experts.w13[slot, size_i:].copy_(up)
+                self.experts.w2[slot].copy_(down)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        mode: DispatchMode,
+        token_offset: int = 0,
+    ) -> torch.Tensor:
+        """hidden: [T, D]; topk_weights, topk_ids: [T, K] (logical ids) → [T, D].
+
+        token_offset: global index of this rank's first token, only used to spread tokens over
+        replicas deterministically. Every rank of the group must call this with the same mode,
+        even with T = 0.
+        """
+        num_tokens = hidden.shape[0]
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(
+                f"hidden must be [T, D={self.hidden_size}], got shape {tuple(hidden.shape)}"
+            )
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+            raise ValueError(
+                f"topk_ids must be [T={num_tokens}, K], got shape {tuple(topk_ids.shape)}"
+            )
+        if topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"topk_weights shape {tuple(topk_weights.shape)} != topk_ids shape "
+                f"{tuple(topk_ids.shape)}"
+            )
+        if not isinstance(mode, DispatchMode):
+            raise ValueError(f"mode must be a DispatchMode, got {mode!r}")
+        if mode is DispatchMode.LOW_LATENCY:
+            check_capacity(num_tokens, self.ll_max_tokens_per_rank)
+        physical_ids = choose_replicas_from_maps(topk_ids, self.log2phy, self.logcnt, token_offset)
+        if self.group is None:
+            local = ReceivedRouting(local_slots=physical_ids, weights=topk_weights.float())
+            return run_local_experts(self.experts, hidden, local)
+        recv_hidden, recv_routing, meta = dispatch(
+            mode,
+            hidden,
+            topk_weights,
+            physical_ids,
+            self.placement.slots_per_rank,
+            self.group,
+            self.ll_max_tokens_per_rank,
+        )
+        expert_out = run_local_experts(self.experts, recv_hidden, recv_routing)
+        return combine(expert_out, meta, self.group)
+
+
+def dense_reference_moe(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+) -> torch.Tensor:
+    """Obviously-correct MoE: every expert on every token, masked by the routing weights.
+
+    hidden: [T, D]; topk_weights, topk_ids: [T, K]; gate, up: [E, I, D]; down: [E, D, I].
+    Returns [T, D] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden[t]).
+    """
+    num_experts = gate.shape[0]
+    # dense_weights[t, e] = sum of the weights token t gives expert e (0 if not chosen).
+    dense_weights = hidden.new_zeros(hidden.shape[0], num_experts)
+    dense_weights.scatter_add_(1, topk_ids, topk_weights.to(hidden.dtype))
+    out = torch.zeros_like(hidden)
+    for expert in range(num_experts):
+        expert_out = F.linear(
+            F.silu(F.linear(hidden, gate[expert])) * F.linear(hidden, up[expert]), down[expert]
+        )
+        out += dense_weights[:, expert : expert + 1] * expert_out
+    return out

@@ -1,0 +1,165 @@
+"""Expert parallelism over real gloo groups (2 and 4 ranks) against the dense reference.
+
+Each world size spawns ONE group and runs every case in it (process start-up dominates the cost).
+Children return their outputs; the parent regenerates the same inputs from the case seeds and
+compares each rank's output with `dense_reference_moe` computed independently here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank_utils import run_multirank
+
+from moe import (
+    DispatchMode,
+    ExpertPlacement,
+    MoELayer,
+    choose_replicas,
+    dense_reference_moe,
+    dispatch,
+    softmax_topk,
+)
+
+NUM_EXPERTS = 8
+HIDDEN = 16
+INTERMEDIATE = 24
+CAPACITY = 12  # ll_max_tokens_per_rank, the same on every rank
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: DispatchMode
+    top_k: int
+    replicas: bool
+    seed: int
+    token_counts: str = "random"  # "random" (one rank forced to 0), "zero" or "over_capacity"
+
+
+def build_cases() -> list[Case]:
+    cases = []
+    seed = 0
+    for mode in DispatchMode:
+        for top_k in (1, 2, 4):
+            for replicas in (False, True):
+                cases.append(Case(mode, top_k, replicas, seed))
+                seed += 1
+        cases.append(Case(mode, 2, True, seed, token_counts="zero"))
+        seed += 1
+    # Every rank over capacity: each must raise before any collective, and the group must stay
+    # usable (the case after it runs normally).
+    cases.append(Case(DispatchMode.LOW_LATENCY, 2, False, seed, token_counts="over_capacity"))
+    cases.append(Case(DispatchMode.LOW_LATENCY, 2, True, seed + 1))
+    return cases
+
+
+def make_placement(case: Case, world_size: int) -> ExpertPlacement:
+    if not case.replicas:
+        return ExpertPlacement.even(NUM_EXPERTS, world_size)
+    gen = torch.Generator().manual_seed(1000 + case.seed)
+    num_physical = world_size * (NUM_EXPERTS // world_size + 2)
+    extra = torch.randint(NUM_EXPERTS, (num_physical - NUM_EXPERTS,), generator=gen)
+    phy2log = torch.cat([torch.arange(NUM_EXPERTS), extra])
+    phy2log = phy2log[torch.randperm(num_physical, generator=gen)]
+    return ExpertPlacement.from_phy2log(phy2log, NUM_EXPERTS, world_size)
+
+
+def make_expert_weights(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, up: [E, I, D]; down: [E, D, I] — identical on every rank."""
+    gen = torch.Generator().manual_seed(2000 + case.seed)
+    gate = torch.randn(NUM_EXPERTS, INTERMEDIATE, HIDDEN, generator=gen) * 0.3
+    up = torch.randn(NUM_EXPERTS, INTERMEDIATE, HIDDEN, generator=gen) * 0.3
+    down = torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.3
+    return gate, up, down
+
+
+def make_tokens(case: Case, rank: int, world_size: int):
+    """This rank's inputs: hidden [T, D], topk_weights [T, K], topk_ids [T, K], token_offset."""
+    gen = torch.Generator().manual_seed(3000 + 100 * case.seed + rank)
+    if case.token_counts == "zero" or (
+        case.token_counts == "random" and rank == case.seed % world_size
+    ):
+        num_tokens = 0
+    elif case.token_counts == "over_capacity":
+        num_tokens = CAPACITY + 1
+    else:
+        num_tokens = int(torch.randint(1, CAPACITY + 1, (1,), generator=gen))
+    hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
+    logits = torch.randn(num_tokens, NUM_EXPERTS, generator=gen)
+    routing = softmax_topk(logits, case.top_k, renormalize=True)
+    token_offset = int(torch.randint(0, 1000, (1,), generator=gen))
+    return hidden, routing.topk_weights, routing.topk_ids, token_offset
+
+
+def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
+    """Runs in each spawned rank: every case through MoELayer, plus a raw dispatch for counts."""
+    group = dist.group.WORLD
+    results = []
+    for case in cases:
+        placement = make_placement(case, world_size)
+        layer = MoELayer(
+            NUM_EXPERTS,
+            HIDDEN,
+            INTERMEDIATE,
+            placement,
+            rank=rank,
+            group=group,
+            ll_max_tokens_per_rank=CAPACITY,
+        )
+        gate, up, down = make_expert_weights(case)
+        for logical in placement.hosted_logical(rank):
+            layer.load_expert(logical, gate[logical], up[logical], down[logical])
+        hidden, weights, ids, offset = make_tokens(case, rank, world_size)
+        try:
+            output = layer(hidden, weights, ids, case.mode, token_offset=offset)
+        except ValueError as exc:
+            results.append({"error": str(exc)})
+            continue
+        physical = choose_replicas(ids, placement, offset)
+        recv_hidden, _, _ = dispatch(
+            case.mode, hidden, weights, physical, placement.slots_per_rank, group, CAPACITY
+        )
+        results.append({"output": output, "num_received": recv_hidden.shape[0]})
+    return results
+
+
+def num_token_rank_pairs(case: Case, world_size: int) -> int:
+    """Distinct (token, destination rank) pairs over all ranks: what normal mode must send."""
+    placement = make_placement(case, world_size)
+    total = 0
+    for rank in range(world_size):
+        _, _, ids, offset = make_tokens(case, rank, world_size)
+        dest = choose_replicas(ids, placement, offset) // placement.slots_per_rank
+        total += sum(len(set(row)) for row in dest.tolist())
+    return total
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ep_matches_dense_reference(world_size: int) -> None:
+    cases = build_cases()
+    per_rank = run_multirank(world_size, ep_worker, (cases,), timeout_s=90)
+    for index, case in enumerate(cases):
+        gate, up, down = make_expert_weights(case)
+        results = [per_rank[rank][index] for rank in range(world_size)]
+        if case.token_counts == "over_capacity":
+            for result in results:
+                assert "error" in result, (case, result)
+                assert f"T={CAPACITY + 1}" in result["error"], result["error"]
+                assert f"C={CAPACITY}" in result["error"], result["error"]
+            continue
+        for rank, result in enumerate(results):
+            assert "output" in result, (case, rank, result)
+            hidden, weights, ids, _ = make_tokens(case, rank, world_size)
+            expected = dense_reference_moe(hidden, weights, ids, gate, up, down)
+            torch.testing.assert_close(
+                result["output"], expected, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank}"
+            )
+        received = sum(result["num_received"] for result in results)
+        if case.mode is DispatchMode.NORMAL:
+            assert received == num_token_rank_pairs(case, world_size), case
+        else:
+            assert received == world_size * world_size * CAPACITY, case

@@ -1,0 +1,85 @@
+"""LocalExperts against a per-row loop; dense_reference_moe against transformers' experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from moe import LocalExperts, dense_reference_moe
+
+HIDDEN, INTERMEDIATE, NUM_SLOTS = 16, 24, 5
+
+
+def random_experts(seed: int) -> LocalExperts:
+    gen = torch.Generator().manual_seed(seed)
+    experts = LocalExperts(NUM_SLOTS, HIDDEN, INTERMEDIATE)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=gen) * 0.3)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.3)
+    return experts
+
+
+def per_row_loop(experts: LocalExperts, hidden, slot_ids, weights) -> torch.Tensor:
+    """The slow, obvious version: one token at a time."""
+    rows = []
+    for row, slot in enumerate(slot_ids.tolist()):
+        gate = experts.w13[slot, :INTERMEDIATE] @ hidden[row]
+        up = experts.w13[slot, INTERMEDIATE:] @ hidden[row]
+        out = experts.w2[slot] @ (F.silu(gate) * up)
+        rows.append(out if weights is None else out * weights[row])
+    return torch.stack(rows) if rows else hidden.new_zeros(0, HIDDEN)
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 40])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_local_experts_match_per_row_loop(num_rows: int, weighted: bool) -> None:
+    experts = random_experts(seed=num_rows)
+    gen = torch.Generator().manual_seed(100 + num_rows)
+    hidden = torch.randn(num_rows, HIDDEN, generator=gen)
+    slot_ids = torch.randint(NUM_SLOTS, (num_rows,), generator=gen)
+    weights = torch.rand(num_rows, generator=gen) if weighted else None
+    out = experts(hidden, slot_ids, weights)
+    assert out.shape == (num_rows, HIDDEN)
+    torch.testing.assert_close(out, per_row_loop(experts, hidden, slot_ids, weights))
+
+
+def test_local_experts_validate_inputs() -> None:
+    experts = LocalExperts(NUM_SLOTS, HIDDEN, INTERMEDIATE)
+    hidden = torch.randn(3, HIDDEN)
+    with pytest.raises(ValueError, match=r"reach slot 5 but this rank hosts num_slots=5"):
+        experts(hidden, torch.tensor([0, 5, 1]))
+    with pytest.raises(ValueError, match=r"must be \[N=3\], got slot_ids \(2,\)"):
+        experts(hidden, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"hidden must be \[N, D=16\], got shape \(3, 8\)"):
+        experts(torch.randn(3, 8), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"num_slots=-1"):
+        LocalExperts(-1, HIDDEN, INTERMEDIATE)
+
+
+def test_dense_reference_matches_transformers_experts() -> None:
+    """Pins the reference itself: same weights in the HF fused layout, same routing."""
+    num_experts, num_tokens, top_k = 6, 20, 2
+    config = Qwen3MoeConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTERMEDIATE,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+    )
+    hf_experts = Qwen3MoeExperts(config)
+    gen = torch.Generator().manual_seed(3)
+    gate = torch.randn(num_experts, INTERMEDIATE, HIDDEN, generator=gen)
+    up = torch.randn(num_experts, INTERMEDIATE, HIDDEN, generator=gen)
+    down = torch.randn(num_experts, HIDDEN, INTERMEDIATE, generator=gen)
+    with torch.no_grad():
+        hf_experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
+        hf_experts.down_proj.copy_(down)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
+    ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    with torch.no_grad():
+        expected = hf_experts(hidden, ids, weights)
+    ours = dense_reference_moe(hidden, weights, ids, gate, up, down)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-4)

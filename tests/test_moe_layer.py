@@ -1,0 +1,101 @@
+"""MoELayer in a single process (group=None) against dense_reference_moe; its input checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
+
+NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 16, 24
+
+
+def expert_weights(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(NUM_EXPERTS, INTERMEDIATE, HIDDEN, generator=gen) * 0.3
+    up = torch.randn(NUM_EXPERTS, INTERMEDIATE, HIDDEN, generator=gen) * 0.3
+    down = torch.randn(NUM_EXPERTS, HIDDEN, INTERMEDIATE, generator=gen) * 0.3
+    return gate, up, down
+
+
+def loaded_layer(placement: ExpertPlacement, seed: int, **kwargs) -> MoELayer:
+    layer = MoELayer(NUM_EXPERTS, HIDDEN, INTERMEDIATE, placement, **kwargs)
+    gate, up, down = expert_weights(seed)
+    for logical in placement.hosted_logical(0):
+        layer.load_expert(logical, gate[logical], up[logical], down[logical])
+    return layer
+
+
+@pytest.mark.parametrize("mode", list(DispatchMode))
+@pytest.mark.parametrize("top_k", [1, 2, 4])
+@pytest.mark.parametrize("num_tokens", [0, 1, 33])
+@pytest.mark.parametrize("replicas", [False, True])
+def test_single_process_layer_matches_dense(
+    mode: DispatchMode, top_k: int, num_tokens: int, replicas: bool
+) -> None:
+    phy2log = [0, 1, 2, 3, 4, 5, 6, 7] + ([0, 0, 5] if replicas else [])
+    placement = ExpertPlacement.from_phy2log(phy2log, NUM_EXPERTS, num_ranks=1)
+    layer = loaded_layer(placement, seed=top_k, ll_max_tokens_per_rank=64)
+    gen = torch.Generator().manual_seed(num_tokens)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
+    routing = softmax_topk(torch.randn(num_tokens, NUM_EXPERTS, generator=gen), top_k, True)
+    out = layer(hidden, routing.topk_weights, routing.topk_ids, mode, token_offset=3)
+    expected = dense_reference_moe(
+        hidden, routing.topk_weights, routing.topk_ids, *expert_weights(seed=top_k)
+    )
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_load_expert_fills_every_replica() -> None:
+    placement = ExpertPlacement.from_phy2log([0, 1, 0, 1, 0], 2, num_ranks=1)
+    layer = MoELayer(2, HIDDEN, INTERMEDIATE, placement)
+    gate, up, down = (w[0] for w in expert_weights(0))
+    layer.load_expert(0, gate, up, down)
+    for slot in (0, 2, 4):
+        assert torch.equal(layer.experts.w13[slot], torch.cat([gate, up]))
+        assert torch.equal(layer.experts.w2[slot], down)
+    for slot in (1, 3):
+        assert not layer.experts.w13[slot].any()
+
+
+def test_layer_rejects_bad_construction_and_inputs() -> None:
+    two_ranks = ExpertPlacement.even(NUM_EXPERTS, 2)
+    with pytest.raises(ValueError, match=r"num_ranks=2 but the group has 1 rank"):
+        MoELayer(NUM_EXPERTS, HIDDEN, INTERMEDIATE, two_ranks)
+    one_rank = ExpertPlacement.even(NUM_EXPERTS, 1)
+    with pytest.raises(ValueError, match=r"num_experts=4 but the placement maps 8"):
+        MoELayer(4, HIDDEN, INTERMEDIATE, one_rank)
+    layer = MoELayer(NUM_EXPERTS, HIDDEN, INTERMEDIATE, one_rank, ll_max_tokens_per_rank=4)
+    gate, up, down = (w[0] for w in expert_weights(0))
+    with pytest.raises(ValueError, match=r"down must be \[D=16, I=24\], got \(24, 16\)"):
+        layer.load_expert(0, gate, up, down.t())
+    with pytest.raises(ValueError, match=r"does not host logical expert 9"):
+        layer.load_expert(9, gate, up, down)
+    hidden = torch.randn(5, HIDDEN)
+    ids = torch.zeros(5, 2, dtype=torch.int64)
+    weights = torch.ones(5, 2)
+    with pytest.raises(ValueError, match=r"T=5 tokens but ll_max_tokens_per_rank C=4"):
+        layer(hidden, weights, ids, DispatchMode.LOW_LATENCY)
+    layer(hidden, weights, ids, DispatchMode.NORMAL)  # normal mode has no capacity
+    with pytest.raises(ValueError, match=r"mode must be a DispatchMode, got 'normal'"):
+        layer(hidden, weights, ids, "normal")
+    with pytest.raises(ValueError, match=r"topk_weights shape \(5, 1\) != topk_ids shape"):
+        layer(hidden, weights[:, :1], ids, DispatchMode.NORMAL)
+    with pytest.raises(ValueError, match=r"hidden must be \[T, D=16\], got shape \(5, 3\)"):
+        layer(hidden[:, :3], weights, ids, DispatchMode.NORMAL)
+
+
+def test_moe_imports_nothing_above_it() -> None:
+    """moe/ sits below dist_engine and beside scheduler (DESIGN §1)."""
+    code = (
+        "import sys, moe; "
+        "bad = sorted({m.split('.')[0] for m in sys.modules} "
+        "& {'scheduler', 'dist_engine', 'launcher'}); "
+        "assert not bad, bad"
+    )
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)
