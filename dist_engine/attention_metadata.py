@@ -1,0 +1,150 @@
+"""Per-step attention metadata: where each new token's K/V goes and what each query may see.
+
+Shape legend: T = tokens in the flat batch (sequences concatenated, no padding), B = sequences,
+MB = block-table columns (enough for the longest context), BS = block size, Lq = longest query
+in the step, S = MB * BS key slots gathered per sequence.
+
+Built once per step on the host from the scheduler's per-sequence view, then shared by every
+layer — which is why the masks are precomputed here rather than in each attention call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMetadata:
+    """Frozen description of one step's batch for paged attention.
+
+    positions:         [T] int64 — position of each token in its sequence.
+    slot_mapping:      [T] int64 — flat cache slot (`block * BS + offset`) each new K/V goes to.
+    block_tables:      [B, MB] int64 — padded with block 0 (reserved, always masked out).
+    num_cached_tokens: [B] int64 — context already in the cache before this step.
+    context_lens:      [B] int64 — context after this step (cached + new).
+    query_start_loc:   [B + 1] int64 — sequence b's tokens are rows
+                       `query_start_loc[b]:query_start_loc[b + 1]` of the flat batch.
+    token_seq_idx:     [T] int64 — the sequence each token belongs to.
+    token_query_idx:   [T] int64 — the token's index within its sequence's query.
+    attn_mask:         [B, 1, Lq, S] bool — True where query i of sequence b may attend key j
+                       (causal over cached prefix + itself).
+    is_prefill:        the step kind the scheduler chose (selects the MoE dispatch mode upstream).
+    max_query_len:     Lq; 1 selects the decode fast path.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    num_cached_tokens: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    token_seq_idx: torch.Tensor
+    token_query_idx: torch.Tensor
+    attn_mask: torch.Tensor
+    is_prefill: bool
+    max_query_len: int
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: Sequence[Sequence[int]],
+        num_cached_tokens: Sequence[int],
+        num_new_tokens: Sequence[int],
+        block_size: int,
+        is_prefill: bool,
+        device: torch.device | str | None = None,
+    ) -> AttentionMetadata:
+        """From per-sequence (block table, tokens already cached, tokens new in this step).
+
+        The flat batch must list the sequences' new tokens in the same order. An empty batch
+        (B = 0) is valid: it is the placeholder forward of a rank with nothing to run.
+        """
+        num_seqs = len(block_tables)
+        if not len(num_cached_tokens) == len(num_new_tokens) == num_seqs:
+            raise ValueError(
+                f"block_tables, num_cached_tokens and num_new_tokens must have one entry per "
+                f"sequence; got {num_seqs}, {len(num_cached_tokens)}, {len(num_new_tokens)}"
+            )
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        _check_sequences(block_tables, num_cached_tokens, num_new_tokens, block_size)
+        context_lens = [c + n for c, n in zip(num_cached_tokens, num_new_tokens, strict=True)]
+        num_columns = max((-(-length // block_size) for length in context_lens), default=0)
+        padded_tables = [list(t[:num_columns]) + [0] * (num_columns - len(t)) for t in block_tables]
+
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_idx: list[int] = []
+        query_idx: list[int] = []
+        for b, (table, cached, new) in enumerate(
+            zip(block_tables, num_cached_tokens, num_new_tokens, strict=True)
+        ):
+            for i in range(new):
+                position = cached + i
+                positions.append(position)
+                slots.append(table[position // block_size] * block_size + position % block_size)
+                seq_idx.append(b)
+                query_idx.append(i)
+        max_query_len = max(num_new_tokens, default=0)
+
+        def as_tensor(values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        cached_t = as_tensor(list(num_cached_tokens))
+        starts = [0]
+        for new in num_new_tokens:
+            starts.append(starts[-1] + new)
+        key_idx = torch.arange(num_columns * block_size, device=device)
+        query_pos = torch.arange(max_query_len, device=device)
+        # Key j is visible to query i of sequence b iff j <= num_cached[b] + i. Padding query
+        # rows (i >= query length) always see key 0, so no softmax row is fully masked (NaN).
+        visible_until = cached_t[:, None] + query_pos[None, :]  # [B, Lq]
+        attn_mask = key_idx[None, None, :] <= visible_until[:, :, None]
+        return cls(
+            positions=as_tensor(positions),
+            slot_mapping=as_tensor(slots),
+            block_tables=as_tensor(padded_tables).view(num_seqs, num_columns),
+            num_cached_tokens=cached_t,
+            context_lens=as_tensor(context_lens),
+            query_start_loc=as_tensor(starts),
+            token_seq_idx=as_tensor(seq_idx),
+            token_query_idx=as_tensor(query_idx),
+            attn_mask=attn_mask.unsqueeze(1),
+            is_prefill=is_prefill,
+            max_query_len=max_query_len,
+            block_size=block_size,
+        )
+
+
+def _check_sequences(
+    block_tables: Sequence[Sequence[int]],
+    num_cached_tokens: Sequence[int],
+    num_new_tokens: Sequence[int],
+    block_size: int,
+) -> None:
+    for b, (table, cached, new) in enumerate(
+        zip(block_tables, num_cached_tokens, num_new_tokens, strict=True)
+    ):
+        if cached < 0 or new < 1:
+            raise ValueError(
+                f"sequence {b}: need num_cached_tokens >= 0 and num_new_tokens >= 1, got "
+                f"{cached} and {new}"
+            )
+        needed = -(-(cached + new) // block_size)
+        if len(table) < needed:
+            raise ValueError(
+                f"sequence {b}: context of {cached + new} tokens needs {needed} blocks of "
+                f"{block_size}, but its block table has {len(table)}: {list(table)}"
+            )

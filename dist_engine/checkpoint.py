@@ -1,0 +1,226 @@
+"""Load a Hugging Face checkpoint directory into `MoECausalLM`, reading only hosted experts.
+
+A directory holds `config.json` and either `model.safetensors`, or shards listed by
+`model.safetensors.index.json`, or (no index) any number of `*.safetensors` files. Tensors are
+read lazily by name through `safetensors.safe_open`, so a rank touches only the attention/dense
+weights and the experts `placement.hosted_logical(rank)` names; other experts' bytes are never
+read.
+
+Policy on unexpected tensors: an error. A tensor we do not know (shared experts, biases, a
+different architecture under the same `model_type`) would otherwise be dropped silently and the
+model would produce wrong tokens with no warning. Only tensors HF itself ignores are skipped:
+`lm_head.weight` when embeddings are tied, and `rotary_emb.inv_freq` buffers.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dist_engine.model import MoECausalLM
+from dist_engine.model_config import ModelConfig
+from dist_engine.moe_block import ExpertParallelContext, MoEBlock
+from dist_engine.weight_names import dense_tensor_shapes, expert_names, expert_shapes
+
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_NAMES_IN_ERROR = 10
+
+
+class CheckpointReader:
+    """Name-indexed, lazy access to the tensors of a checkpoint directory.
+
+    `tensors_read` records every read (`name`, or `name[e]` for one expert's slice of a fused
+    tensor) so callers and tests can see exactly what a rank touched.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+        self._file_of: dict[str, str] = self._index_tensors()
+        self.tensors_read: list[str] = []
+
+    def _index_tensors(self) -> dict[str, str]:
+        index_path = self.model_dir / INDEX_FILE
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(f"{index_path} has no 'weight_map' object")
+            for file_name in sorted(set(weight_map.values())):
+                if not (self.model_dir / file_name).is_file():
+                    raise FileNotFoundError(
+                        f"{index_path} lists shard {file_name!r}, which is not in {self.model_dir}"
+                    )
+            return dict(weight_map)
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {self.model_dir}")
+        file_of: dict[str, str] = {}
+        for path in files:
+            for name in self._open(path.name).keys():  # noqa: SIM118 (safe_open is not a dict)
+                if name in file_of:
+                    raise ValueError(
+                        f"tensor {name!r} appears in both {file_of[name]} and {path.name}"
+                    )
+                file_of[name] = path.name
+        return file_of
+
+    def _open(self, file_name: str) -> Any:
+        if file_name not in self._handles:
+            path = self.model_dir / file_name
+            self._handles[file_name] = self._stack.enter_context(safe_open(str(path), "pt"))
+        return self._handles[file_name]
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self._file(name)).get_slice(name).get_shape())
+
+    def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole tensor `name`, after checking it has `shape`."""
+        self.check_shape(name, shape)
+        self.tensors_read.append(name)
+        return self._open(self._file(name)).get_tensor(name)
+
+    def read_row(self, name: str, row: int) -> torch.Tensor:
+        """`name[row]` of a stacked tensor, reading only that row's bytes (check the whole
+        tensor's shape with `check_shape` first)."""
+        self.tensors_read.append(f"{name}[{row}]")
+        return self._open(self._file(name)).get_slice(name)[row]
+
+    def require(self, name: str) -> None:
+        """Raise ValueError naming `name` if the checkpoint lacks it (reads nothing)."""
+        self._file(name)
+
+    def _file(self, name: str) -> str:
+        if name not in self._file_of:
+            raise ValueError(f"checkpoint {self.model_dir} is missing tensor {name!r}")
+        return self._file_of[name]
+
+    def check_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        actual = self.shape(name)
+        if actual != tuple(shape):
+            raise ValueError(
+                f"tensor {name!r} in {self.model_dir} has shape {list(actual)}, "
+                f"expected {list(shape)}"
+            )
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    ep_context: ExpertParallelContext | None = None,
+) -> MoECausalLM:
+    """Build the model described by `model_dir/config.json` and load this rank's weights."""
+    config = ModelConfig.from_pretrained(model_dir)
+    model = MoECausalLM(config, dtype=dtype, device=device, ep_context=ep_context)
+    with CheckpointReader(model_dir) as reader:
+        load_weights(model, reader)
+    return model
+
+
+def load_weights(model: MoECausalLM, reader: CheckpointReader) -> None:
+    """Copy every dense tensor and this rank's hosted experts from `reader` into `model`."""
+    config = model.config
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected: set[str] = set()
+    filled: set[str] = set()
+    for name, shape in dense_tensor_shapes(config).items():
+        source = _resolve_router_name(config, reader, name)
+        expected.add(source)
+        target = name.replace(".block_sparse_moe.", ".mlp.")
+        with torch.no_grad():
+            params[target].copy_(reader.read(source, shape))
+        filled.add(target)
+    for layer_idx in config.moe_layer_indices:
+        expected |= _load_layer_experts(model, reader, layer_idx)
+    _check_no_extra_tensors(config, reader, expected)
+    if config.tie_word_embeddings:
+        filled.add("lm_head.weight")
+    unfilled = [
+        n for n in params if n not in filled and ".mlp.experts." not in n and "rotary" not in n
+    ]
+    assert not unfilled, f"parameters with no checkpoint mapping: {unfilled}"
+
+
+def _resolve_router_name(config: ModelConfig, reader: CheckpointReader, name: str) -> str:
+    """Mixtral's router is `block_sparse_moe.gate` in hub checkpoints, `mlp.gate` when fused."""
+    if config.model_type != "mixtral" or ".block_sparse_moe.gate." not in name or reader.has(name):
+        return name
+    fused_name = name.replace(".block_sparse_moe.", ".mlp.")
+    return fused_name if reader.has(fused_name) else name
+
+
+def _load_layer_experts(model: MoECausalLM, reader: CheckpointReader, layer_idx: int) -> set[str]:
+    """Load the hosted experts of one layer; return every expert tensor name of the layer."""
+    config = model.config
+    block = model.model.layers[layer_idx].mlp
+    assert isinstance(block, MoEBlock)
+    names = expert_names(config, layer_idx)
+    context = model.ep_context
+    hosted = context.resolve_placement(config.num_experts).hosted_logical(context.rank)
+    gate_shape, up_shape, down_shape = expert_shapes(config)
+    size, num_experts = config.moe_intermediate_size, config.num_experts
+    if reader.has(names.fused_gate_up) or reader.has(names.fused_down):
+        # Fused layout: one [E, ...] tensor per projection; read only the hosted rows.
+        reader.check_shape(names.fused_gate_up, (num_experts, 2 * size, config.hidden_size))
+        reader.check_shape(names.fused_down, (num_experts, *down_shape))
+        for expert in hosted:
+            gate_up = reader.read_row(names.fused_gate_up, expert)
+            down = reader.read_row(names.fused_down, expert)
+            block.experts.load_expert(expert, gate_up[:size], gate_up[size:], down)
+        return {names.fused_gate_up, names.fused_down}
+    for expert in hosted:
+        gate_name, up_name, down_name = names.per_expert(expert)
+        block.experts.load_expert(
+            expert,
+            reader.read(gate_name, gate_shape),
+            reader.read(up_name, up_shape),
+            reader.read(down_name, down_shape),
+        )
+    for expert in range(num_experts):
+        for name in names.per_expert(expert):
+            # Presence only (no read): a checkpoint missing any expert is broken on some rank,
+            # so every rank reports it rather than just the one hosting it.
+            reader.require(name)
+    return {name for e in range(num_experts) for name in names.per_expert(e)}
+
+
+def _check_no_extra_tensors(
+    config: ModelConfig, reader: CheckpointReader, expected: set[str]
+) -> None:
+    ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    extra = sorted(
+        name
+        for name in reader.names() - expected
+        if name not in ignorable and not name.endswith("rotary_emb.inv_freq")
+    )
+    if extra:
+        shown = extra[:_MAX_NAMES_IN_ERROR]
+        more = f" (and {len(extra) - len(shown)} more)" if len(extra) > len(shown) else ""
+        raise ValueError(
+            f"checkpoint {reader.model_dir} has {len(extra)} tensor(s) the {config.model_type} "
+            f"model does not use: {shown}{more}"
+        )

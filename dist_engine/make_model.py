@@ -1,0 +1,281 @@
+"""Write tiny random Hugging Face-format MoE checkpoints (no hub, no transformers needed).
+
+The directory holds `config.json` with the keys transformers 5.x writes, the weights in the
+per-expert layout hub checkpoints use (one `model.safetensors`, or shards plus
+`model.safetensors.index.json`), and a byte-level BPE `tokenizer.json`.
+
+CLI: `lockstep make-model --arch qwen3_moe|mixtral --out DIR [--seed N] [--hidden-size ...]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dist_engine.model_config import ModelConfig
+from dist_engine.weight_names import dense_tensor_shapes, expert_names, expert_shapes
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+EOS_TOKEN = "<|endoftext|>"
+
+# A few lines of text so the BPE merges are real merges rather than an empty table.
+_TOKENIZER_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Mixture-of-experts models route every token to a few experts.",
+    "Data-parallel attention keeps a full copy of the attention weights on each rank.",
+    "Wide expert parallelism spreads the experts over all ranks of the group.",
+    "def forward(self, hidden_states): return self.experts(hidden_states)",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \"",
+]
+
+
+def make_tiny_checkpoint(
+    arch: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    num_experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate_size: int = 32,
+    intermediate_size: int = 96,
+    mlp_only_layers: Sequence[int] = (),
+    norm_topk_prob: bool = True,
+    tie_word_embeddings: bool = False,
+    initializer_range: float = 0.1,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 4096,
+    dtype: str = "float32",
+    num_shards: int = 1,
+    write_tokenizer: bool = True,
+) -> Path:
+    """Write a random checkpoint of `arch` ("qwen3_moe" or "mixtral") to `out_dir`.
+
+    `initializer_range` defaults well above HF's 0.02 so that greedy logits are not near-tied
+    (near ties make parity tests flaky). Norm weights are 1 + noise so tests see them applied.
+    For Mixtral, `moe_intermediate_size` is the expert size and `intermediate_size`,
+    `mlp_only_layers` and `norm_topk_prob` are ignored (Mixtral has no dense layers and always
+    renormalises). Returns the directory.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if initializer_range <= 0:
+        raise ValueError(f"initializer_range must be positive, got {initializer_range}")
+    hf_config = _hf_config(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=moe_intermediate_size,
+        intermediate_size=intermediate_size,
+        mlp_only_layers=list(mlp_only_layers),
+        norm_topk_prob=norm_topk_prob,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+        eos_token_id=0 if write_tokenizer else None,
+    )
+    config = ModelConfig.from_hf_dict(hf_config)  # validates the sizes before any work
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = random_weights(config, seed, initializer_range, DTYPES[dtype])
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    save_safetensors(tensors, out, num_shards)
+    if write_tokenizer:
+        write_byte_level_tokenizer(out, vocab_size)
+    return out
+
+
+def _hf_config(arch: str, **opts: Any) -> dict[str, Any]:
+    common = {
+        "vocab_size": opts["vocab_size"],
+        "hidden_size": opts["hidden_size"],
+        "num_hidden_layers": opts["num_layers"],
+        "num_attention_heads": opts["num_heads"],
+        "num_key_value_heads": opts["num_kv_heads"],
+        "head_dim": opts["head_dim"],
+        "hidden_act": "silu",
+        "initializer_range": opts["initializer_range"],
+        "max_position_embeddings": opts["max_position_embeddings"],
+        "rope_parameters": {"rope_theta": opts["rope_theta"], "rope_type": "default"},
+        "num_experts_per_tok": opts["top_k"],
+        "num_local_experts": opts["num_experts"],
+        "tie_word_embeddings": opts["tie_word_embeddings"],
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": opts["eos_token_id"],
+        "pad_token_id": None,
+        "dtype": opts["dtype"],
+        "use_cache": True,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "transformers_version": "5.24.0",
+    }
+    if arch == "qwen3_moe":
+        return {
+            **common,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "rms_norm_eps": 1e-6,
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "decoder_sparse_step": 1,
+            "moe_intermediate_size": opts["moe_intermediate_size"],
+            "intermediate_size": opts["intermediate_size"],
+            "mlp_only_layers": opts["mlp_only_layers"],
+            "norm_topk_prob": opts["norm_topk_prob"],
+        }
+    if arch == "mixtral":
+        return {
+            **common,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "rms_norm_eps": 1e-5,
+            "intermediate_size": opts["moe_intermediate_size"],
+            "router_jitter_noise": 0.0,
+        }
+    raise ValueError(f"arch must be 'qwen3_moe' or 'mixtral', got {arch!r}")
+
+
+def random_weights(
+    config: ModelConfig, seed: int, std: float, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, drawn from one seeded generator in a fixed order."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def draw(shape: tuple[int, ...], is_norm: bool) -> torch.Tensor:
+        values = torch.randn(shape, generator=generator, dtype=torch.float64)
+        return (1.0 + 0.1 * values if is_norm else std * values).to(dtype)
+
+    tensors = {
+        name: draw(shape, is_norm=len(shape) == 1 and "proj" not in name)
+        for name, shape in dense_tensor_shapes(config).items()
+    }
+    for layer in config.moe_layer_indices:
+        names = expert_names(config, layer)
+        for expert in range(config.num_experts):
+            for name, shape in zip(names.per_expert(expert), expert_shapes(config), strict=True):
+                tensors[name] = draw(shape, is_norm=False)
+    return tensors
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) -> None:
+    """One `model.safetensors`, or `num_shards` files plus the HF index, split in name order."""
+    names = sorted(tensors)
+    if num_shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    if num_shards > len(names):
+        raise ValueError(f"num_shards ({num_shards}) exceeds the number of tensors ({len(names)})")
+    weight_map: dict[str, str] = {}
+    per_shard = -(-len(names) // num_shards)
+    for shard in range(num_shards):
+        file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        chunk = names[shard * per_shard : (shard + 1) * per_shard]
+        save_file({n: tensors[n] for n in chunk}, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, file_name))
+    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_byte_level_tokenizer(out: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer whose ids all fall inside the model's vocabulary.
+
+    The end-of-text token is id 0 (trainer special tokens come first); the 256 byte symbols
+    follow, then as many merges as the vocabulary leaves room for.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    minimum = 257  # 256 byte symbols + the end-of-text token
+    if vocab_size < minimum:
+        raise ValueError(
+            f"a byte-level tokenizer needs vocab_size >= {minimum}, got {vocab_size}; "
+            "pass write_tokenizer=False for smaller vocabularies"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
+    assert tokenizer.get_vocab_size() <= vocab_size
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`lockstep make-model`: write a tiny random checkpoint and print its directory."""
+    parser = argparse.ArgumentParser(
+        prog="lockstep make-model", description="Write a tiny random HF-format MoE checkpoint."
+    )
+    parser.add_argument("--arch", required=True, choices=["qwen3_moe", "mixtral"])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--num-experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--moe-intermediate-size", type=int, default=32)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument("--initializer-range", type=float, default=0.1)
+    parser.add_argument("--shards", type=int, default=1)
+    args = parser.parse_args(argv)
+    out = make_tiny_checkpoint(
+        args.arch,
+        args.out,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        moe_intermediate_size=args.moe_intermediate_size,
+        initializer_range=args.initializer_range,
+        dtype=args.dtype,
+        num_shards=args.shards,
+    )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

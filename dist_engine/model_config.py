@@ -1,0 +1,223 @@
+"""Model architecture settings parsed from a Hugging Face `config.json`.
+
+Supported `model_type`s: `qwen3_moe` and `mixtral`. Both spellings that exist in the wild are
+accepted where they differ: `num_experts` (Qwen hub checkpoints) or `num_local_experts` (what
+transformers 5.x writes for both), and a top-level `rope_theta` (transformers 4.x) or
+`rope_parameters: {"rope_theta": ...}` (5.x).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
+
+# Keys every supported architecture must state; the others have HF defaults.
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_experts_per_tok",
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one MoE causal LM, in the names this project uses."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    # Size of the dense MLP in layers that have one (Qwen3-MoE `mlp_only_layers`); Mixtral has none.
+    intermediate_size: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+    # Qwen3 normalises each head of q and k (RMSNorm over the head dim) before RoPE.
+    use_qk_norm: bool
+    attention_bias: bool
+
+    def __post_init__(self) -> None:
+        positive = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        for key, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config key {key!r} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) exceeds the number of experts "
+                f"({self.num_experts})"
+            )
+        if self.rope_theta <= 0:
+            raise ValueError(f"config key 'rope_theta' must be positive, got {self.rope_theta!r}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"config key 'rms_norm_eps' must be positive, got {self.rms_norm_eps}")
+        bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad_layers:
+            raise ValueError(
+                f"mlp_only_layers {list(self.mlp_only_layers)} has layers {bad_layers} outside "
+                f"[0, {self.num_layers})"
+            )
+        if any(not self.is_moe_layer(i) for i in range(self.num_layers)) and (
+            self.intermediate_size <= 0
+        ):
+            raise ValueError(
+                f"config has dense MLP layers but intermediate_size is {self.intermediate_size}"
+            )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Qwen3-MoE's rule: sparse unless listed in mlp_only_layers or off the sparse step."""
+        if layer_idx in self.mlp_only_layers:
+            return False
+        return (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layer_indices(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Parse the contents of an HF config.json; raises ValueError naming the bad key."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
+            )
+        for key in _REQUIRED_KEYS:
+            if key not in hf:
+                raise ValueError(f"config.json for {model_type} is missing the key {key!r}")
+        _check_unsupported_features(hf)
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or _int(hf, "hidden_size") // _int(hf, "num_attention_heads")
+        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+        if num_experts is None:
+            raise ValueError(
+                f"config.json for {model_type} names neither 'num_experts' nor 'num_local_experts'"
+            )
+        is_qwen = model_type == "qwen3_moe"
+        intermediate_size = hf.get("intermediate_size", 0)
+        mlp_only_layers = hf.get("mlp_only_layers") or []
+        if not isinstance(mlp_only_layers, list):
+            raise ValueError(
+                f"config key 'mlp_only_layers' must be a list, got {mlp_only_layers!r}"
+            )
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads", num_heads),
+            head_dim=head_dim,
+            rope_theta=float(_rope_theta(hf, default=1e6 if not is_qwen else 1e4)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if is_qwen else 1e-5)),
+            num_experts=num_experts,
+            top_k=hf["num_experts_per_tok"],
+            moe_intermediate_size=(
+                hf.get("moe_intermediate_size", 0) if is_qwen else intermediate_size
+            ),
+            intermediate_size=intermediate_size if is_qwen else 0,
+            # Mixtral always renormalises the top-k probabilities.
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if is_qwen else True,
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) if is_qwen else 1,
+            mlp_only_layers=tuple(mlp_only_layers) if is_qwen else (),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            use_qk_norm=is_qwen,
+            attention_bias=bool(hf.get("attention_bias", False)) if is_qwen else False,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        """Read `<model_dir>/config.json`."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not valid JSON: {error}") from error
+        if not isinstance(hf, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+        return cls.from_hf_dict(hf)
+
+
+def _int(hf: dict[str, Any], key: str) -> int:
+    value = hf[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"config key {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope_theta(hf: dict[str, Any], default: float) -> float:
+    params = hf.get("rope_parameters") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", default))
+    if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+        raise ValueError(f"config key 'rope_theta' must be a number, got {theta!r}")
+    return theta
+
+
+def _check_unsupported_features(hf: dict[str, Any]) -> None:
+    """Refuse settings that would silently change the math if ignored."""
+    params = hf.get("rope_parameters") or {}
+    rope_type = params.get("rope_type", "default")
+    scaling = hf.get("rope_scaling")
+    if rope_type != "default" or scaling:
+        raise ValueError(
+            f"only default RoPE is supported; got rope_parameters={params!r}, "
+            f"rope_scaling={scaling!r}"
+        )
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config key 'hidden_act' must be 'silu', got {act!r}")
+    if hf.get("model_type") == "qwen3_moe":
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    else:
+        window = hf.get("sliding_window")
+    if window is not None:
+        raise ValueError(f"sliding-window attention is not supported; got sliding_window={window}")
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    raise ValueError(f"config key 'eos_token_id' must be an int or a list of ints, got {value!r}")

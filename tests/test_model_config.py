@@ -1,0 +1,150 @@
+"""ModelConfig parsing, the tiny-checkpoint writer's extras (tokenizer, CLI, tied embeddings)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from model_fixtures import TINY_SIZES, hf_model, random_prompts
+
+from dist_engine.attention_metadata import AttentionMetadata
+from dist_engine.checkpoint import load_model
+from dist_engine.kv_cache import KVCache
+from dist_engine.make_model import main, make_tiny_checkpoint
+from dist_engine.model_config import ModelConfig
+from moe import DispatchMode
+
+QWEN_HUB_STYLE = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "rms_norm_eps": 1e-6,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "eos_token_id": 151645,
+    "max_position_embeddings": 40960,
+    "use_sliding_window": False,
+    "sliding_window": None,
+}
+
+
+def test_qwen3_hub_config_parses() -> None:
+    config = ModelConfig.from_hf_dict(QWEN_HUB_STYLE)
+    assert (config.num_experts, config.top_k, config.head_dim) == (128, 8, 128)
+    assert config.rope_theta == 1e6 and config.norm_topk_prob and config.use_qk_norm
+    assert config.eos_token_ids == (151645,)
+    assert config.moe_layer_indices == list(range(48))
+
+
+def test_qwen3_dense_layers_follow_hf_rule() -> None:
+    config = ModelConfig.from_hf_dict(
+        {**QWEN_HUB_STYLE, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    )
+    # Sparse where (i + 1) % step == 0 and i not in mlp_only_layers.
+    assert config.moe_layer_indices == [1, 5]
+
+
+def test_mixtral_config_always_renormalises_and_derives_head_dim() -> None:
+    config = ModelConfig.from_hf_dict(
+        {
+            "model_type": "mixtral",
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": None,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 14336,
+            "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+            "eos_token_id": [2, 3],
+        }
+    )
+    assert config.head_dim == 128 and config.moe_intermediate_size == 14336
+    assert config.norm_topk_prob and not config.use_qk_norm and config.mlp_only_layers == ()
+    assert config.eos_token_ids == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "llama"}, "unsupported model_type 'llama'"),
+        ({"hidden_size": None}, "missing the key 'hidden_size'"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' must be a positive integer, got 0"),
+        ({"num_key_value_heads": 5}, r"num_attention_heads \(32\) must be a multiple of .*\(5\)"),
+        ({"num_experts_per_tok": 200}, r"num_experts_per_tok \(200\) exceeds .* \(128\)"),
+        ({"mlp_only_layers": [2, 48]}, r"has layers \[48\] outside \[0, 48\)"),
+        ({"rope_scaling": {"type": "yarn"}}, "only default RoPE is supported"),
+        ({"hidden_act": "gelu"}, "'hidden_act' must be 'silu', got 'gelu'"),
+        ({"use_sliding_window": True, "sliding_window": 4096}, "sliding_window=4096"),
+        ({"eos_token_id": "eos"}, "'eos_token_id' must be an int or a list of ints, got 'eos'"),
+    ],
+)
+def test_bad_config_names_key_and_value(change: dict, message: str) -> None:
+    hf = {**QWEN_HUB_STYLE, **change}
+    hf = {k: v for k, v in hf.items() if v is not None or k not in change}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(hf)
+
+
+def test_bad_json_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_tokenizer_ids_fit_the_vocabulary(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    model_dir = make_tiny_checkpoint("mixtral", tmp_path, vocab_size=300)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() <= 300
+    text = "Wide experts, ünïcödé and 123!"
+    ids = tokenizer.encode(text).ids
+    assert max(ids) < 300 and tokenizer.decode(ids) == text
+    assert tokenizer.token_to_id("<|endoftext|>") == 0
+    assert json.loads((model_dir / "config.json").read_text())["eos_token_id"] == 0
+
+
+def test_cli_writes_a_loadable_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "cli"
+    argv = ["--arch", "qwen3_moe", "--out", str(out), "--seed", "2", "--num-layers", "1"]
+    assert main([*argv, "--num-experts", "4", "--top-k", "1", "--shards", "2"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    config = ModelConfig.from_pretrained(out)
+    assert (config.num_layers, config.num_experts, config.top_k) == (1, 4, 1)
+    assert (out / "model.safetensors.index.json").is_file()
+    load_model(out)
+
+
+def test_tied_embeddings_match_transformers(tmp_path: Path) -> None:
+    model_dir = make_tiny_checkpoint(
+        "qwen3_moe", tmp_path, seed=9, tie_word_embeddings=True, **TINY_SIZES
+    )
+    ours = load_model(model_dir)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    prompt = random_prompts(1, TINY_SIZES["vocab_size"], 12, 12, seed=3)[0]
+    ours.attach_kv_cache(KVCache.for_model(ours.config, 8, 4, ours.dtype))
+    attn = AttentionMetadata.build([[1, 2, 3]], [0], [12], 4, is_prefill=True)
+    hidden = ours(torch.tensor(prompt), attn.positions, attn, DispatchMode.NORMAL)
+    logits = ours.compute_logits(hidden)
+    with torch.no_grad():
+        expected = hf_model(model_dir)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=2e-5, rtol=0)
