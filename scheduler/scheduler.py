@@ -171,8 +171,13 @@ class Scheduler:
     def _vote_group(self) -> GroupView:
         has_running = bool(self.running)
         head_ready = self._head_schedulable()
+        # A prompt whose chunked prefill is under way already holds its blocks: the watermark
+        # must not stop it, or its own blocks could keep it from ever finishing.
+        want = head_ready and (
+            bool(self.waiting[0].block_table) or self.kv.usage() <= self.config.prefill_watermark
+        )
         local = LocalState(
-            want=head_ready and self.kv.usage() <= self.config.prefill_watermark,
+            want=want,
             has_running=has_running,
             has_work=has_running or head_ready,
             wake_epoch=self.wake_epoch,

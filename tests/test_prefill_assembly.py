@@ -179,3 +179,13 @@ def test_dead_heads_are_swept():
     outputs, _ = run_step(sched)
     assert [s.request_id for s in outputs.scheduled_seqs] == ["live"]
     assert isinstance(sched.waiting, deque) and not sched.waiting
+
+
+def test_watermark_does_not_stall_a_chunked_prompt_holding_its_blocks():
+    # The first chunk reserves every block of the pool (usage 1.0 > 0.9); the rest of the
+    # prompt must still be prefilled.
+    sched = make_scheduler(block_size=8, num_blocks=6, max_num_batched_tokens=16)
+    sched.add_sequence(make_seq("a", 33, max_tokens=1))
+    lengths = [run_step(sched)[0].seqlens_q for _ in range(3)]
+    assert lengths == [[16], [16], [1]]
+    assert sched.num_unfinished == 0
