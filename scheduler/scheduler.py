@@ -46,6 +46,7 @@ class Scheduler:
         self._terminated: list[Sequence] = []  # ended by the scheduler, reported next schedule()
         self._needs_sweep = False  # some queued sequence ended and still sits in a queue
         self._num_arrivals = 0
+        self.num_preemptions = 0
         # Step-policy state; identical on every rank of a group.
         self.decode_step = 0
         self.step_index = 0
@@ -342,6 +343,7 @@ class Scheduler:
         self._terminated.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.kv.release(seq)
         # Recompute cannot help a sequence whose next token needs more blocks than the whole
         # pool: it would be re-admitted and preempted again forever.
