@@ -72,7 +72,8 @@ def run_local_experts(
     row already weighted, so one row per (token, rank) pair travels back.
     """
     row, choice = (routing.local_slots >= 0).nonzero(as_tuple=True)
-    partial = experts(hidden[row], routing.local_slots[row, choice], routing.weights[row, choice])
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, row, partial.float())
+    experts.add_weighted(
+        out, hidden, row, routing.local_slots[row, choice], routing.weights[row, choice]
+    )
     return out.to(hidden.dtype)

@@ -1,18 +1,22 @@
-"""Benchmark one EP MoE layer (dispatch + expert compute + combine) over a real gloo group.
+"""Benchmark one EP MoE layer (router + dispatch + expert compute + combine) over a gloo group.
 
-    .venv/bin/python -m scripts.bench_moe [--repeats 10] [--out bench_results/moe.json]
+    .venv/bin/python scripts/bench_moe.py [--repeats 10] [--out bench_results/moe.json]
 
-(from the repository root; `-m` keeps the root importable without a sys.path edit)
+(from the repository root, with the package installed editable; `-m scripts.bench_moe` also works)
 
-For each tokens-per-rank size and both dispatch modes, every rank runs `MoELayer.forward` on its
-own tokens; a repeat's time is the slowest rank's (the layer ends in a collective, so that is
-the step's time). Reported: the median over repeats after warm-up. Baselines, in one process with
-the same expert weights and as many torch threads as one EP rank has:
-  local  — MoELayer(group=None) holding all E experts, on T tokens (same FLOPs as one EP rank);
-  dense  — dense_reference_moe: every expert on every token (E / K times the FLOPs).
-DeepSpeed's MoE layer (`drop_tokens=False`, `top2_2nd_expert_sampling=False`) runs over the same
-group when `import deepspeed` works; its time includes its own gate (ours excludes routing).
-Low-latency capacity C is set to T for each size (bytes sent grow with C, not with T).
+For each tokens-per-rank size every rank maps its own hidden states [T, D] to the MoE output
+[T, D]; every contender starts from hidden states and includes its router (a Linear, softmax,
+top-k, renormalise), because DeepSpeed's layer cannot skip its gate. Contenders over the group:
+  EP normal / EP LL — `MoELayer.forward` in each dispatch mode (LL capacity C = T);
+  DeepSpeed         — `deepspeed.moe.layer.MoE` (`drop_tokens=False`, so capacity is the largest
+                      expert count in the group: dropless), when `import deepspeed` works.
+They run interleaved (one call of each per repeat, a barrier before each), so machine noise
+hits all of them alike; a call's time is the slowest rank's (the layer ends in a collective).
+Reported: the median over repeats after warm-up. Baselines, in one process afterwards, with the
+same weights and one torch thread (what each EP rank has):
+  1p local — MoELayer(group=None) holding all E experts, on T tokens (same FLOPs as one EP rank);
+  1p dense — dense_reference_moe: every expert on every token (E / K times the FLOPs).
+Every contender's output is checked against dense_reference_moe on the same tokens.
 Shape legend: T = tokens per rank, E = experts, K = top-k, D = hidden, I = expert intermediate.
 """
 
@@ -23,8 +27,8 @@ import json
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,7 @@ from torch import nn
 from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
 
 DEEPSPEED_SKIP = "skipped: deepspeed not installed (pip install -e '.[deepspeed]' torch==2.13.0)"
+EP_CONTENDERS = ("normal", "low_latency", "deepspeed")
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--timeout", type=float, default=600.0, help="whole-run limit, seconds")
+    parser.add_argument("--timeout", type=float, default=900.0, help="whole-run limit, seconds")
     parser.add_argument("--out", default="bench_results/moe.json")
     return parser.parse_args()
 
@@ -66,12 +71,16 @@ def expert_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     }
 
 
-def make_tokens(args: argparse.Namespace, num_tokens: int, rank: int):
-    """hidden [T, D], router logits' top-k weights and ids [T, K]."""
+def make_hidden(args: argparse.Namespace, num_tokens: int, rank: int) -> torch.Tensor:
+    """hidden [T, D], different on every rank."""
     gen = torch.Generator().manual_seed(10_000 * rank + num_tokens)
-    hidden = torch.randn(num_tokens, args.hidden, generator=gen)
-    routing = softmax_topk(hidden @ expert_weights(args)["router"].t(), args.top_k, True)
-    return hidden, routing.topk_weights, routing.topk_ids
+    return torch.randn(num_tokens, args.hidden, generator=gen)
+
+
+def route(hidden: torch.Tensor, router: torch.Tensor, top_k: int):
+    """The same gate DeepSpeed's k > 2 path computes: softmax, top-k, renormalise to sum 1."""
+    routing = softmax_topk(F.linear(hidden, router), top_k, renormalize=True)
+    return routing.topk_weights, routing.topk_ids
 
 
 def build_layer(args, placement, rank, group, weights, capacity: int) -> MoELayer:
@@ -91,44 +100,67 @@ def build_layer(args, placement, rank, group, weights, capacity: int) -> MoELaye
     return layer
 
 
-def timed(fn, args: argparse.Namespace, group=None) -> list[float]:
-    """Seconds per call after warm-up; with a group, the slowest rank's time per call."""
-    for _ in range(args.warmup):
-        fn()
-    times = []
-    for _ in range(args.repeats):
-        if group is not None:
-            dist.barrier(group)
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        if group is not None:
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        times.append(float(elapsed))
-    return times
+def ours(layer: MoELayer, mode, hidden, weights, top_k: int) -> Callable[[], torch.Tensor]:
+    """hidden [T, D] → [T, D] through our router and layer."""
+    return lambda: layer(hidden, *route(hidden, weights["router"], top_k), mode)
+
+
+def dense(hidden, weights, top_k: int) -> Callable[[], torch.Tensor]:
+    expert_w = (weights["gate"], weights["up"], weights["down"])
+    return lambda: dense_reference_moe(hidden, *route(hidden, weights["router"], top_k), *expert_w)
+
+
+def time_once(fn: Callable[[], Any], group=None) -> float:
+    """Seconds for one call; with a group, the slowest rank's (a barrier lines the ranks up)."""
+    if group is not None:
+        dist.barrier(group)
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed)
+
+
+def interleaved_medians(contenders: dict[str, Callable], args, group=None) -> dict[str, float]:
+    """Median seconds per contender; each repeat calls every contender once, in turn."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for repeat in range(args.warmup + args.repeats):
+        for name, fn in contenders.items():
+            elapsed = time_once(fn, group)
+            if repeat >= args.warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def max_over_ranks(value: float, group) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return float(tensor)
 
 
 def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     group = dist.group.WORLD
     weights = expert_weights(args)
     placement = ExpertPlacement.even(args.experts, world_size)
-    results: dict[str, Any] = {"ep": {}, "max_abs_err": 0.0, "deepspeed": {}}
+    deepspeed_moe, deepspeed_status = build_deepspeed(rank, world_size, args, weights)
+    results: dict[str, Any] = {"ep": {}, "max_abs_err": {}, "deepspeed": deepspeed_status}
     with torch.no_grad():
-        for mode in DispatchMode:
-            for num_tokens in args.tokens:
-                # Low-latency capacity = T: the engine's tightest setting (C = max_num_seqs).
-                layer = build_layer(args, placement, rank, group, weights, capacity=num_tokens)
-                hidden, topk_w, topk_ids = make_tokens(args, num_tokens, rank)
-                out = layer(hidden, topk_w, topk_ids, mode)
-                if num_tokens == args.tokens[0]:
-                    ref = dense_reference_moe(
-                        hidden, topk_w, topk_ids, weights["gate"], weights["up"], weights["down"]
-                    )
-                    err = float((out - ref).abs().max())
-                    results["max_abs_err"] = max(results["max_abs_err"], err)
-                times = timed(partial(layer, hidden, topk_w, topk_ids, mode), args, group)
-                results["ep"][f"{mode.value}/{num_tokens}"] = statistics.median(times)
-        results["deepspeed"] = deepspeed_times(rank, world_size, args, weights, group)
+        for num_tokens in args.tokens:
+            # Low-latency capacity = T: the engine's tightest setting (C = max_num_seqs).
+            layer = build_layer(args, placement, rank, group, weights, capacity=num_tokens)
+            hidden = make_hidden(args, num_tokens, rank)
+            contenders = {
+                mode.value: ours(layer, mode, hidden, weights, args.top_k) for mode in DispatchMode
+            }
+            if deepspeed_moe is not None:
+                contenders["deepspeed"] = lambda m=deepspeed_moe, h=hidden: m(h)[0]
+            reference = dense(hidden, weights, args.top_k)()
+            for name, fn in contenders.items():
+                err = max_over_ranks(float((fn() - reference).abs().max()), group)
+                results["max_abs_err"][name] = max(results["max_abs_err"].get(name, 0.0), err)
+            for name, seconds in interleaved_medians(contenders, args, group).items():
+                results["ep"][f"{name}/{num_tokens}"] = seconds
     return results
 
 
@@ -145,13 +177,18 @@ class SwiGLUExpert(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def deepspeed_times(rank, world_size, args, weights, group) -> dict[str, Any]:
-    """Median seconds of DeepSpeed's MoE per size, or {"skipped": reason}. Never raises."""
+def build_deepspeed(rank, world_size, args, weights) -> tuple[nn.Module | None, str]:
+    """DeepSpeed's MoE with our router and expert weights, or (None, why not). Never raises.
+
+    drop_tokens=False makes DeepSpeed size every expert's buffer to the largest expert count in
+    the group (an all-reduce MAX per call), so nothing is dropped; top2_2nd_expert_sampling only
+    matters for k = 2 but is set off so the gate is the deterministic top-k for any k.
+    """
     try:
         import deepspeed
         from deepspeed.moe.layer import MoE
     except ImportError:
-        return {"skipped": DEEPSPEED_SKIP}
+        return None, DEEPSPEED_SKIP
     try:
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         moe = MoE(
@@ -165,6 +202,7 @@ def deepspeed_times(rank, world_size, args, weights, group) -> dict[str, Any]:
             top2_2nd_expert_sampling=False,
         ).eval()
         moe.set_deepspeed_parallelism()
+        # DeepSpeed hosts experts in contiguous blocks per rank, like ExpertPlacement.even.
         num_local = args.experts // world_size
         with torch.no_grad():
             moe.deepspeed_moe.gate.wg.weight.copy_(weights["router"])
@@ -173,14 +211,9 @@ def deepspeed_times(rank, world_size, args, weights, group) -> dict[str, Any]:
                 expert.gate_proj.weight.copy_(weights["gate"][logical])
                 expert.up_proj.weight.copy_(weights["up"][logical])
                 expert.down_proj.weight.copy_(weights["down"][logical])
-        out = {}
-        for num_tokens in args.tokens:
-            hidden, _, _ = make_tokens(args, num_tokens, rank)
-            times = timed(partial(moe, hidden), args, group)
-            out[str(num_tokens)] = statistics.median(times)
-        return out
+        return moe, f"ok (deepspeed {deepspeed.__version__})"
     except Exception:
-        return {"skipped": "deepspeed failed:\n" + traceback.format_exc()}
+        return None, "skipped: deepspeed failed:\n" + traceback.format_exc()
 
 
 def child(rank, world_size, port, args, queue) -> None:
@@ -188,7 +221,7 @@ def child(rank, world_size, port, args, queue) -> None:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
         )
         queue.put((rank, rank_main(rank, world_size, args)))
         dist.destroy_process_group()
@@ -228,52 +261,69 @@ def single_process_times(args: argparse.Namespace) -> dict[str, dict[int, float]
     out: dict[str, dict[int, float]] = {"local": {}, "dense": {}}
     with torch.no_grad():
         for num_tokens in args.tokens:
-            hidden, topk_w, topk_ids = make_tokens(args, num_tokens, rank=0)
-            local = timed(partial(layer, hidden, topk_w, topk_ids, DispatchMode.NORMAL), args)
-            expert_w = (weights["gate"], weights["up"], weights["down"])
-            dense = timed(partial(dense_reference_moe, hidden, topk_w, topk_ids, *expert_w), args)
-            out["local"][num_tokens] = statistics.median(local)
-            out["dense"][num_tokens] = statistics.median(dense)
+            hidden = make_hidden(args, num_tokens, rank=0)
+            contenders = {
+                "local": ours(layer, DispatchMode.NORMAL, hidden, weights, args.top_k),
+                "dense": dense(hidden, weights, args.top_k),
+            }
+            for name, seconds in interleaved_medians(contenders, args).items():
+                out[name][num_tokens] = seconds
     return out
+
+
+def table_rows(args, ep: dict[str, Any], single: dict[str, dict[int, float]]) -> list[dict]:
+    rows = []
+    for num_tokens in args.tokens:
+        normal = ep["ep"][f"normal/{num_tokens}"]
+        deepspeed = ep["ep"].get(f"deepspeed/{num_tokens}")
+        rows.append(
+            {
+                "tokens_per_rank": num_tokens,
+                "ep_normal_ms": 1e3 * normal,
+                "ep_low_latency_ms": 1e3 * ep["ep"][f"low_latency/{num_tokens}"],
+                "single_local_ms": 1e3 * single["local"][num_tokens],
+                "single_dense_ms": 1e3 * single["dense"][num_tokens],
+                "deepspeed_ms": None if deepspeed is None else 1e3 * deepspeed,
+                "deepspeed_over_normal": None if deepspeed is None else deepspeed / normal,
+            }
+        )
+    return rows
+
+
+def print_table(args, rows: list[dict], ep: dict[str, Any]) -> None:
+    print(
+        f"MoE layer, {args.world_size} ranks gloo, D={args.hidden} I={args.intermediate} "
+        f"E={args.experts} K={args.top_k}, median of {args.repeats} (ms), router included; "
+        f"1 thread per process"
+    )
+    columns = ("T/rank", "EP normal", "EP LL", "1p local", "1p dense", "DeepSpeed", "DS/normal")
+    print(f"{columns[0]:>7}" + "".join(f" {name:>10}" for name in columns[1:]))
+    for row in rows:
+        cells = [row[key] for key in ("ep_normal_ms", "ep_low_latency_ms")]
+        cells += [row[key] for key in ("single_local_ms", "single_dense_ms", "deepspeed_ms")]
+        text = ["-" if cell is None else f"{cell:.2f}" for cell in cells]
+        ratio = row["deepspeed_over_normal"]
+        text.append("-" if ratio is None else f"{ratio:.2f}x")
+        print(f"{row['tokens_per_rank']:>7}" + "".join(f" {cell:>10}" for cell in text))
+    errors = ", ".join(f"{name} {err:.2e}" for name, err in ep["max_abs_err"].items())
+    print(f"max abs error vs dense_reference_moe, over all sizes and ranks: {errors}")
+    print(f"DeepSpeed: {ep['deepspeed']}")
 
 
 def main() -> None:
     args = parse_args()
     ep = run_ranks(args)
     single = single_process_times(args)
-    ds = ep["deepspeed"]
-    rows = []
-    for num_tokens in args.tokens:
-        rows.append(
-            {
-                "tokens_per_rank": num_tokens,
-                "ep_normal_ms": 1e3 * ep["ep"][f"normal/{num_tokens}"],
-                "ep_low_latency_ms": 1e3 * ep["ep"][f"low_latency/{num_tokens}"],
-                "single_local_ms": 1e3 * single["local"][num_tokens],
-                "single_dense_ms": 1e3 * single["dense"][num_tokens],
-                "deepspeed_ms": None if "skipped" in ds else 1e3 * ds[str(num_tokens)],
-            }
-        )
-    header = f"{'T/rank':>7} {'EP normal':>10} {'EP LL':>10} {'1p local':>10} {'1p dense':>10}"
-    print(
-        f"MoE layer, {args.world_size} ranks gloo, D={args.hidden} I={args.intermediate} "
-        f"E={args.experts} K={args.top_k}, median of {args.repeats} (ms); 1 thread per process"
-    )
-    print(header + f" {'DeepSpeed':>10}")
-    for row in rows:
-        ds_cell = "-" if row["deepspeed_ms"] is None else f"{row['deepspeed_ms']:.2f}"
-        print(
-            f"{row['tokens_per_rank']:>7} {row['ep_normal_ms']:>10.2f} "
-            f"{row['ep_low_latency_ms']:>10.2f} {row['single_local_ms']:>10.2f} "
-            f"{row['single_dense_ms']:>10.2f} {ds_cell:>10}"
-        )
-    print(f"EP vs dense reference, max abs error: {ep['max_abs_err']:.2e}")
-    if "skipped" in ds:
-        print(f"DeepSpeed: {ds['skipped']}")
+    rows = table_rows(args, ep, single)
+    print_table(args, rows, ep)
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"config": vars(args), "rows": rows, "max_abs_err": ep["max_abs_err"]}
-    payload["deepspeed"] = ds.get("skipped", "ok")
+    payload = {
+        "config": vars(args),
+        "rows": rows,
+        "max_abs_err": ep["max_abs_err"],
+        "deepspeed": ep["deepspeed"],
+    }
     out_path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out_path}")
 

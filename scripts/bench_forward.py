@@ -1,0 +1,241 @@
+"""Benchmark the model forward (prefill and one decode step) against transformers, same weights.
+
+    .venv/bin/python scripts/bench_forward.py [--repeats 10] [--out bench_results/forward.json]
+
+(from the repository root, with the package installed editable)
+
+One process, float32, a tiny-but-not-trivial random Qwen3-MoE written by `make_tiny_checkpoint`
+(defaults: hidden 256, 4 layers, 16 experts top-4, expert intermediate 256, vocab 2048, 8 query
+/ 4 kv heads of 32). Both sides get the same token ids and the same torch thread count.
+  prefill — B prompts of L tokens from an empty cache, logits of each prompt's last token
+            (what serving samples from). Ours: AttentionMetadata.build + forward +
+            compute_logits; transformers: forward with `logits_to_keep=1`.
+  decode  — one new token for each of B sequences holding L cached tokens, logits for all B.
+            Ours: a paged KVCache filled by a prefill, then metadata build + forward +
+            compute_logits at position L; transformers: forward with a DynamicCache filled by
+            the same prefill, then cropped back to L after each timed step (untimed), so every
+            repeat is the same step.
+Contenders run interleaved (one call of each per repeat) so machine noise hits both alike;
+reported is the median over repeats after warm-up, as tokens/s (prefill: B * L / time,
+decode: B / time). Each side's logits are checked against the other's (max abs error).
+Shape legend: B = sequences, L = tokens per sequence, V = vocab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dist_engine.attention_metadata import AttentionMetadata
+from dist_engine.checkpoint import load_model
+from dist_engine.kv_cache import KVCache
+from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.model import MoECausalLM
+from moe import DispatchMode
+
+MODEL_SIZES = {
+    "hidden_size": 256,
+    "num_layers": 4,
+    "num_experts": 16,
+    "top_k": 4,
+    "vocab_size": 2048,
+    "moe_intermediate_size": 256,
+    "num_heads": 8,
+    "num_kv_heads": 4,
+    "head_dim": 32,
+}
+
+Step = Callable[[], torch.Tensor]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prefill-seqs", type=int, default=8)
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--decode-seqs", type=int, default=32)
+    parser.add_argument("--decode-context", type=int, default=256, help="cached tokens per seq")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--hf-experts", default=None, help="transformers experts_implementation (its default)"
+    )
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default="bench_results/forward.json")
+    return parser.parse_args()
+
+
+def load_both(model_dir: Path, args: argparse.Namespace) -> tuple[MoECausalLM, Any]:
+    from transformers import AutoModelForCausalLM
+
+    ours = load_model(model_dir, dtype=torch.float32)
+    options = {} if args.hf_experts is None else {"experts_implementation": args.hf_experts}
+    reference = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True, **options
+    )
+    return ours, reference.eval()
+
+
+class PagedBatch:
+    """Ours: B sequences of contiguous block runs in one KVCache (block 0 stays reserved)."""
+
+    def __init__(self, model: MoECausalLM, num_seqs: int, max_len: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        blocks_per_seq = -(-max_len // block_size)
+        self.tables = [
+            list(range(1 + b * blocks_per_seq, 1 + (b + 1) * blocks_per_seq))
+            for b in range(num_seqs)
+        ]
+        cache = KVCache.for_model(
+            model.config, 1 + num_seqs * blocks_per_seq, block_size, model.dtype
+        )
+        model.attach_kv_cache(cache)
+
+    def step(self, token_ids: torch.Tensor, num_cached: int, is_prefill: bool) -> torch.Tensor:
+        """token_ids: [B, Lq], new after `num_cached` cached tokens → last-token logits [B, V]."""
+        num_seqs, num_new = token_ids.shape
+        attn = AttentionMetadata.build(
+            self.tables, [num_cached] * num_seqs, [num_new] * num_seqs, self.block_size, is_prefill
+        )
+        mode = DispatchMode.NORMAL if is_prefill else DispatchMode.LOW_LATENCY
+        hidden = self.model(token_ids.reshape(-1), attn.positions, attn, mode)
+        last_rows = attn.query_start_loc[1:] - 1
+        return self.model.compute_logits(hidden[last_rows])
+
+
+def hf_step(model, token_ids: torch.Tensor, cache=None) -> torch.Tensor:
+    """transformers forward of [B, Lq] → last-token logits [B, V]; appends to `cache`."""
+    out = model(token_ids, cache=cache, use_cache=cache is not None, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+def time_once(fn: Step) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved_medians(contenders: dict[str, tuple[Step, Callable]], args) -> dict[str, float]:
+    """Median seconds per contender; each repeat calls every one once, then its untimed reset."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for repeat in range(args.warmup + args.repeats):
+        for name, (step, reset) in contenders.items():
+            elapsed = time_once(step)
+            reset()
+            if repeat >= args.warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def no_reset() -> None:
+    return None
+
+
+def bench_prefill(ours: MoECausalLM, reference, args) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    shape = (args.prefill_seqs, args.prefill_len)
+    token_ids = torch.randint(0, MODEL_SIZES["vocab_size"], shape, generator=gen)
+    batch = PagedBatch(ours, args.prefill_seqs, args.prefill_len, args.block_size)
+    contenders = {
+        "ours": (lambda: batch.step(token_ids, 0, is_prefill=True), no_reset),
+        "transformers": (lambda: hf_step(reference, token_ids), no_reset),
+    }
+    return summarize(contenders, args, num_tokens=token_ids.numel())
+
+
+def bench_decode(ours: MoECausalLM, reference, args) -> dict[str, Any]:
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(2)
+    num_seqs, context = args.decode_seqs, args.decode_context
+    prompt = torch.randint(0, MODEL_SIZES["vocab_size"], (num_seqs, context), generator=gen)
+    next_ids = torch.randint(0, MODEL_SIZES["vocab_size"], (num_seqs, 1), generator=gen)
+    batch = PagedBatch(ours, num_seqs, context + 1, args.block_size)
+    hf_cache = DynamicCache(config=reference.config)
+    with torch.no_grad():
+        batch.step(prompt, 0, is_prefill=True)  # fills both caches with the same context
+        hf_step(reference, prompt, hf_cache)
+    contenders = {
+        # Re-running the step rewrites the same slot L, so ours needs no reset.
+        "ours": (lambda: batch.step(next_ids, context, is_prefill=False), no_reset),
+        "transformers": (lambda: hf_step(reference, next_ids, hf_cache), lambda: crop(hf_cache)),
+    }
+    return summarize(contenders, args, num_tokens=num_seqs)
+
+
+def crop(cache) -> None:
+    """Drop the token the timed step appended, so the next repeat runs the same step."""
+    cache.crop(-1)
+
+
+def summarize(contenders: dict[str, tuple[Step, Callable]], args, num_tokens: int) -> dict:
+    with torch.no_grad():
+        logits = {}
+        for name, (step, reset) in contenders.items():
+            logits[name] = step()
+            reset()
+        seconds = interleaved_medians(contenders, args)
+    err = float((logits["ours"] - logits["transformers"]).abs().max())
+    return {
+        "ours_ms": 1e3 * seconds["ours"],
+        "transformers_ms": 1e3 * seconds["transformers"],
+        "ours_tok_s": num_tokens / seconds["ours"],
+        "transformers_tok_s": num_tokens / seconds["transformers"],
+        "speedup": seconds["transformers"] / seconds["ours"],
+        "max_abs_logit_err": err,
+    }
+
+
+def print_table(args, rows: dict[str, dict[str, Any]], hf_experts: str) -> None:
+    sizes = " ".join(f"{key}={value}" for key, value in MODEL_SIZES.items())
+    print(f"Model forward, float32, {args.threads} torch threads, median of {args.repeats}")
+    print(f"Qwen3-MoE {sizes}; transformers experts_implementation={hf_experts}")
+    header = ("step", "batch", "ours ms", "HF ms", "ours tok/s", "HF tok/s", "speedup", "max err")
+    print(f"{header[0]:<8} {header[1]:>9}" + "".join(f" {name:>10}" for name in header[2:]))
+    shapes = {
+        "prefill": f"{args.prefill_seqs}x{args.prefill_len}",
+        "decode": f"{args.decode_seqs}x{args.decode_context}",
+    }
+    for step, row in rows.items():
+        print(
+            f"{step:<8} {shapes[step]:>9} {row['ours_ms']:>10.2f} {row['transformers_ms']:>10.2f}"
+            f" {row['ours_tok_s']:>10.0f} {row['transformers_tok_s']:>10.0f}"
+            f" {row['speedup']:>9.2f}x {row['max_abs_logit_err']:>10.1e}"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_checkpoint("qwen3_moe", tmp, seed=0, **MODEL_SIZES)
+        ours, reference = load_both(model_dir, args)
+    hf_experts = reference.config._experts_implementation
+    rows = {
+        "prefill": bench_prefill(ours, reference, args),
+        "decode": bench_decode(ours, reference, args),
+    }
+    print_table(args, rows, hf_experts)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "config": vars(args),
+        "model": MODEL_SIZES,
+        "transformers_experts_implementation": hf_experts,
+        "rows": rows,
+    }
+    out_path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
