@@ -129,6 +129,9 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self._live)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._live)
+
     def has_work(self) -> bool:
         return bool(self.running) or self._head_schedulable()
 
@@ -147,12 +150,15 @@ class Scheduler:
         )
         outputs = None
         view = None
+        any_scheduled = None
         if point is not AttemptPoint.NONE:
             view = self._vote_group()
             if group_prefills(point, view):
                 outputs = self._try_prefill()
+                any_scheduled = outputs is not None
         if outputs is None:
             outputs = self._decode(known_empty=view is not None and view.none_running)
+        outputs.any_scheduled = any_scheduled
         outputs.step_index = self.step_index
         outputs.decode_step = decided_on
         outputs.point = point
@@ -211,9 +217,7 @@ class Scheduler:
         if not any_scheduled:
             assert not batch.seqs
             return None
-        outputs = self._prompt_outputs(batch)
-        outputs.any_scheduled = True
-        return outputs
+        return self._prompt_outputs(batch)
 
     @staticmethod
     def _prompt_outputs(batch: PrefillBatch) -> SchedulerOutputs:
@@ -301,7 +305,7 @@ class Scheduler:
             tokens.append(token)
             seq.num_output_tokens = num_output = seq.num_output_tokens + 1
             seq.token_times.append(now)
-            if token == seq.eos_token_id or token in seq.stop_token_ids:
+            if token in seq.stop_token_ids:
                 self._end_by_token(seq, _STOPPED)
             elif num_output >= seq.max_tokens or len(tokens) >= max_model_len:
                 self._end_by_token(seq, _LENGTH_CAPPED)
@@ -316,7 +320,7 @@ class Scheduler:
         tokens.append(token)
         seq.num_output_tokens = num_output = seq.num_output_tokens + 1
         seq.token_times.append(now)
-        if token == seq.eos_token_id or token in seq.stop_token_ids:
+        if token in seq.stop_token_ids:
             self._end_by_token(seq, _STOPPED)
         elif num_output >= seq.max_tokens or len(tokens) >= self.config.max_model_len:
             self._end_by_token(seq, _LENGTH_CAPPED)

@@ -60,7 +60,6 @@ class Sequence:
         "block_table",
         "chunk_checkpoints",
         "chunked_rest_len",
-        "eos_token_id",
         "error_message",
         "finish_time",
         "first_token_time",
@@ -88,7 +87,7 @@ class Sequence:
         prompt_token_ids: Iterable[int],
         sampling_params: SamplingParams | None = None,
         *,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
         schedulable: bool = True,
         chunk_checkpoints: Iterable[int] = (),
         unsplittable_spans: Iterable[tuple[int, int]] = (),
@@ -101,8 +100,12 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_output_tokens = 0
         self.max_tokens = self.sampling_params.max_tokens
-        self.eos_token_id = None if self.sampling_params.ignore_eos else eos_token_id
-        self.stop_token_ids = self.sampling_params.stop_token_ids
+        # EOS ids and stop ids end a sequence the same way ("stop"), so the hot path tests one
+        # set; ignore_eos leaves the EOS ids out of it.
+        eos: frozenset[int] = frozenset()
+        if eos_token_id is not None and not self.sampling_params.ignore_eos:
+            eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        self.stop_token_ids = self.sampling_params.stop_token_ids | eos
         # KV ledger.
         self.num_tokens = 0
         self.previous_num_tokens = 0

@@ -38,9 +38,12 @@ def test_token_ledger_views():
     assert seq.prompt_token_ids == [5, 6] and seq.output_token_ids == [7, 8] and len(seq) == 4
 
 
-def test_ignore_eos_drops_the_eos_id():
-    seq = Sequence("r", [1], SamplingParams(ignore_eos=True), eos_token_id=2)
-    assert seq.eos_token_id is None
+def test_eos_ids_join_the_stop_ids_unless_ignored():
+    params = SamplingParams(stop_token_ids=[7])
+    assert Sequence("r", [1], params, eos_token_id=2).stop_token_ids == {2, 7}
+    assert Sequence("r", [1], params, eos_token_id=(2, 3)).stop_token_ids == {2, 3, 7}
+    ignored = SamplingParams(stop_token_ids=[7], ignore_eos=True)
+    assert Sequence("r", [1], ignored, eos_token_id=2).stop_token_ids == {7}
 
 
 @pytest.mark.parametrize("spans", [[(3, 2)], [(0, 4), (3, 5)], [(2, 11)], [(-1, 2)]])
