@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _POLL_S = 0.2
+_STORE: dist.Store | None = None  # the child's client of the parent's TCPStore
 # After the first failure, how long to wait for the other ranks' reports (a peer's error usually
 # follows within ~0.1 s on gloo) so the message shows every traceback, not only the first.
 _ERROR_GRACE_S = 2.0
@@ -45,6 +46,8 @@ def _child(
     try:
         torch.set_num_threads(num_threads)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        global _STORE
+        _STORE = store
         dist.init_process_group(
             "gloo",
             store=store,
@@ -63,6 +66,12 @@ def _child(
             dist.destroy_process_group()
 
 
+def current_store() -> dist.Store:
+    """Inside `fn`: this rank's client of the group's TCPStore."""
+    assert _STORE is not None, "current_store() is only available inside run_multirank's fn"
+    return _STORE
+
+
 def run_multirank(
     world_size: int,
     fn: Callable[..., Any],
@@ -70,12 +79,15 @@ def run_multirank(
     timeout_s: float = 60.0,
     group_timeout_s: float = 60.0,
     num_threads: int | None = None,
+    may_exit: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results by rank.
 
     timeout_s: hard limit for the whole run (start-up included); children are killed after it.
     group_timeout_s: the process group's collective timeout.
     num_threads: torch threads per child (default: CPU cores // world_size, at least 1).
+    may_exit: ranks allowed to exit without reporting (a test that kills them); their result is
+    None.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -97,21 +109,26 @@ def run_multirank(
     for proc in procs:
         proc.start()
     try:
-        reports = _collect(procs, results, timeout_s)
+        reports = _collect(procs, results, timeout_s, may_exit)
     finally:
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
         for proc in procs:
             proc.join(timeout=5)
-    return [torch.load(io.BytesIO(reports[rank]), weights_only=False) for rank in range(world_size)]
+    return [
+        None if reports[rank] is None else torch.load(io.BytesIO(reports[rank]), weights_only=False)
+        for rank in range(world_size)
+    ]
 
 
-def _collect(procs: list[Any], results: Any, timeout_s: float) -> dict[int, bytes]:
+def _collect(
+    procs: list[Any], results: Any, timeout_s: float, may_exit: frozenset[int] = frozenset()
+) -> dict[int, bytes | None]:
     """Wait for one report per rank; raise on any error, a silent death or the deadline."""
     world_size = len(procs)
     deadline = time.monotonic() + timeout_s
-    payloads: dict[int, bytes] = {}
+    payloads: dict[int, bytes | None] = {}
     errors: dict[int, str] = {}
     exited_at: dict[int, float] = {}  # ranks seen exited without a report yet
     stop_at = deadline
@@ -122,7 +139,7 @@ def _collect(procs: list[Any], results: Any, timeout_s: float) -> dict[int, byte
         try:
             rank, status, payload = results.get(timeout=_POLL_S)
         except queue.Empty:
-            _note_silent_deaths(procs, payloads, errors, exited_at)
+            _note_silent_deaths(procs, payloads, errors, exited_at, may_exit)
             if errors:
                 stop_at = min(stop_at, time.monotonic() + _ERROR_GRACE_S)
             continue
@@ -145,9 +162,10 @@ def _collect(procs: list[Any], results: Any, timeout_s: float) -> dict[int, byte
 
 def _note_silent_deaths(
     procs: list[Any],
-    payloads: dict[int, bytes],
+    payloads: dict[int, bytes | None],
     errors: dict[int, str],
     exited_at: dict[int, float],
+    may_exit: frozenset[int] = frozenset(),
 ) -> None:
     """Turn a rank that exited without reporting into an error, after a moment's grace: its
     report may still be in the pipe if it exited right after sending it."""
@@ -157,4 +175,7 @@ def _note_silent_deaths(
             continue
         exited_at.setdefault(rank, now)
         if now - exited_at[rank] > 1.0:
-            errors[rank] = f"exited with code {proc.exitcode} without reporting\n"
+            if rank in may_exit:
+                payloads[rank] = None
+            else:
+                errors[rank] = f"exited with code {proc.exitcode} without reporting\n"

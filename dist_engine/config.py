@@ -1,0 +1,212 @@
+"""Engine settings: frozen dataclasses, one per YAML section, checked on construction.
+
+    model: /path/to/hf_dir
+    dtype: float32
+    parallel: {dp_size: 2, launcher: ray, backend: auto}
+    scheduler: {max_num_seqs: 64, block_size: 16, ...}      # scheduler.SchedulerConfig
+    moe: {ll_max_tokens_per_rank: 64}
+    check_lockstep: false
+
+Errors name the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scheduler import SchedulerConfig
+
+LAUNCHERS = ("ray", "torchrun", "local")
+BACKENDS = ("auto", "nccl", "gloo")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp_size: int = 1
+    launcher: str = "ray"
+    backend: str = "auto"  # of the MoE group; the vote group is always gloo (CPU)
+    placement_strategy: str = "PACK"
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive_int("parallel.dp_size", self.dp_size)
+        _choice("parallel.launcher", self.launcher, LAUNCHERS)
+        _choice("parallel.backend", self.backend, BACKENDS)
+        _choice("parallel.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        if (
+            not isinstance(self.collective_timeout_s, (int, float))
+            or self.collective_timeout_s <= 0
+        ):
+            raise ValueError(
+                "parallel.collective_timeout_s must be > 0 seconds, got "
+                f"{self.collective_timeout_s!r}"
+            )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    # Tokens each rank may send in a low-latency (decode) dispatch; None = max_num_seqs.
+    ll_max_tokens_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ll_max_tokens_per_rank is not None:
+            _positive_int("moe.ll_max_tokens_per_rank", self.ll_max_tokens_per_rank)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    check_lockstep: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
+        _choice("dtype", self.dtype, tuple(DTYPES))
+        if not isinstance(self.check_lockstep, bool):
+            raise ValueError(f"check_lockstep must be true or false, got {self.check_lockstep!r}")
+        capacity = self.ll_capacity
+        if capacity < self.scheduler.max_num_seqs:
+            # A decode step sends one token per running sequence; a smaller capacity would
+            # have to drop tokens, so refuse to start instead.
+            raise ValueError(
+                f"moe.ll_max_tokens_per_rank ({capacity}) must be >= scheduler.max_num_seqs "
+                f"({self.scheduler.max_num_seqs})"
+            )
+
+    @property
+    def ll_capacity(self) -> int:
+        return self.moe.ll_max_tokens_per_rank or self.scheduler.max_num_seqs
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        values = dict(values)
+        _reject_unknown("", values, {f.name for f in fields(cls)})
+        sections = {"parallel": ParallelConfig, "scheduler": SchedulerConfig, "moe": MoEConfig}
+        for name, section_cls in sections.items():
+            section = values.get(name) or {}
+            if not isinstance(section, dict):
+                raise ValueError(f"{name} must be a mapping, got {section!r}")
+            _reject_unknown(f"{name}.", section, {f.name for f in fields(section_cls)})
+            try:
+                values[name] = section_cls(**section)
+            except ValueError as error:
+                message = str(error)
+                prefixed = message if message.startswith(name) else f"{name}.{message}"
+                raise ValueError(prefixed) from None
+        if "model" not in values:
+            raise ValueError("model is required: a Hugging Face checkpoint directory")
+        values["model"] = str(values["model"])
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
+        import yaml
+
+        text = Path(path).read_text()
+        try:
+            values = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path}: not valid YAML: {error}") from error
+        if not isinstance(values, dict):
+            raise ValueError(
+                f"{path}: the top level must be a mapping, got {type(values).__name__}"
+            )
+        return cls.from_dict(values)
+
+    def with_overrides(self, **overrides: Any) -> EngineConfig:
+        """Flat overrides: a top-level field, or any field of a section by its own name
+        (``max_num_seqs=8``, ``dp_size=2``) or dotted (``scheduler.max_num_seqs``)."""
+        values = self.to_dict()
+        for key, value in overrides.items():
+            section, name = _locate(key)
+            (values[section] if section else values)[name] = value
+        return EngineConfig.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def group_agreed(self, model_identity: str) -> dict[str, object]:
+        """Settings every rank must share, compared at start-up."""
+        return {
+            **{f"scheduler.{k}": v for k, v in self.scheduler.group_agreed().items()},
+            "parallel.dp_size": self.parallel.dp_size,
+            "moe.ll_max_tokens_per_rank": self.ll_capacity,
+            "dtype": self.dtype,
+            "check_lockstep": self.check_lockstep,
+            "model": model_identity,
+        }
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """A short hash of the checkpoint's config.json: same architecture on every rank."""
+    text = (Path(model_dir) / "config.json").read_bytes()
+    canonical = json.dumps(json.loads(text), sort_keys=True).encode()
+    return hashlib.sha256(canonical).hexdigest()[:16]
+
+
+_SECTION_FIELDS = {
+    "parallel": {f.name for f in fields(ParallelConfig)},
+    "scheduler": {f.name for f in fields(SchedulerConfig)},
+    "moe": {f.name for f in fields(MoEConfig)},
+}
+_TOP_FIELDS = {f.name for f in fields(EngineConfig)} - set(_SECTION_FIELDS)
+
+
+def _locate(key: str) -> tuple[str, str]:
+    if "." in key:
+        section, name = key.split(".", 1)
+        if section in _SECTION_FIELDS and name in _SECTION_FIELDS[section]:
+            return section, name
+    elif key in _TOP_FIELDS:
+        return "", key
+    else:
+        owners = [section for section, names in _SECTION_FIELDS.items() if key in names]
+        if len(owners) == 1:
+            return owners[0], key
+    known = sorted(_TOP_FIELDS) + sorted(
+        f"{s}.{n}" for s, ns in _SECTION_FIELDS.items() for n in ns
+    )
+    raise ValueError(f"unknown setting {key!r}; known settings: {', '.join(known)}")
+
+
+def _reject_unknown(prefix: str, values: dict[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown setting(s) {[prefix + k for k in unknown]}; allowed: "
+            f"{sorted(prefix + k for k in known)}"
+        )
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

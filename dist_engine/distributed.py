@@ -1,0 +1,81 @@
+"""Process groups of a DP group: the CPU vote group and the MoE (expert-parallel) group.
+
+The vote is a few integers per attempt point; it always runs on a gloo (CPU) group so that it
+needs no device synchronisation, also where the MoE all-to-alls run on NCCL. Rendezvous goes
+through a TCPStore that rank 0 creates on port 0 (no port race) and hands out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    store: dist.Store
+    vote_group: dist.ProcessGroup
+    moe_group: dist.ProcessGroup
+    moe_backend: str
+    device: torch.device
+    timeout_s: float
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` means NCCL where CUDA is available, gloo otherwise."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend is 'nccl' but CUDA is not available; use auto or gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"parallel.backend must be auto, nccl or gloo, got {backend!r}")
+    return backend
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    store: dist.Store,
+    *,
+    backend: str = "auto",
+    timeout_s: float = 60.0,
+    local_rank: int | None = None,
+) -> DistContext:
+    """Join the group (if this process has not yet) and create the MoE group.
+
+    Every rank must call this in the same order: ``new_group`` is itself collective.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+    if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise ValueError(
+            f"this process is rank {dist.get_rank()} of {dist.get_world_size()}, "
+            f"not rank {rank} of {world_size}"
+        )
+    moe_backend = resolve_backend(backend)
+    moe_group = dist.new_group(backend=moe_backend, timeout=timeout)
+    if moe_backend == "nccl":
+        device = torch.device(
+            "cuda", rank % torch.cuda.device_count() if local_rank is None else local_rank
+        )
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return DistContext(
+        rank=rank,
+        world_size=world_size,
+        store=store,
+        vote_group=dist.group.WORLD,
+        moe_group=moe_group,
+        moe_backend=moe_backend,
+        device=device,
+        timeout_s=timeout_s,
+    )

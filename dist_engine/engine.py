@@ -1,0 +1,372 @@
+"""One DP rank: an inbox, the step loop, and results out.
+
+    intake -> schedule (votes at attempt points) -> forward, placeholder or nothing
+    -> sample -> account -> emit -> (sleep, when the group agreed there is no work)
+
+The sequence of collectives each rank performs is decided only by the scheduler's group state
+and the votes, so it is the same on every rank. Anything that goes wrong in a collective ends
+every outstanding request with an ``error: ...`` result and raises; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from dist_engine.checkpoint import load_model
+from dist_engine.config import EngineConfig, model_identity
+from dist_engine.distributed import DistContext
+from dist_engine.errors import LockstepError, RankFailureError
+from dist_engine.kv_cache import KVCache
+from dist_engine.model import MoECausalLM
+from dist_engine.model_config import ModelConfig
+from dist_engine.moe_block import ExpertParallelContext
+from dist_engine.request_output import RequestOutput
+from dist_engine.runner import ModelRunner
+from dist_engine.step_sync import TorchVote, agree_settings, check_lockstep, find_failed_ranks
+from dist_engine.wake import LocalWake, StoreWake
+from moe import ExpertPlacement
+from scheduler import AttemptPoint, GroupView, SamplingParams, Scheduler, Sequence
+
+OutputCallback = Callable[[RequestOutput], None]
+_MODES = {"prefill": 0, "decode": 1, "empty": 2}
+_SLEEP_POLL_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepTrace:
+    step: int
+    kind: str  # prefill | decode | empty (known-empty: no forward anywhere)
+    point: AttemptPoint
+    group: GroupView | None  # vote 1, when taken
+    any_scheduled: bool | None  # vote 2, when taken
+    num_seqs: int
+    num_tokens: int
+    forward_s: float
+    sync_s: float  # time inside vote and lock-step collectives
+    step_s: float
+    slept_s: float
+
+
+class DPEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        dist_ctx: DistContext | None = None,
+        *,
+        model: MoECausalLM | None = None,
+        on_output: OutputCallback | None = None,
+        trace_limit: int = 1_000_000,
+    ) -> None:
+        self.config = config
+        self.dist = dist_ctx
+        self.rank = dist_ctx.rank if dist_ctx else 0
+        self.world_size = dist_ctx.world_size if dist_ctx else 1
+        if self.world_size != config.parallel.dp_size:
+            raise ValueError(
+                f"parallel.dp_size is {config.parallel.dp_size} but the group has "
+                f"{self.world_size} rank(s)"
+            )
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        sched_config = dataclasses.replace(
+            config.scheduler, vocab_size=self.model_config.vocab_size
+        )
+        if sched_config.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"scheduler.max_model_len ({sched_config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
+            )
+        self.vote: TorchVote | None = None
+        if dist_ctx is not None:
+            # Before anything expensive: a rank with other settings would desynchronise the
+            # group's attempt points and hang in a collective later.
+            agree_settings(dist_ctx.vote_group, config.group_agreed(model_identity(config.model)))
+            self.vote = TorchVote(dist_ctx.vote_group)
+        device = dist_ctx.device if dist_ctx else None
+        self.model = model if model is not None else self._load_model(device)
+        self.model.attach_kv_cache(
+            KVCache.for_model(
+                self.model_config,
+                sched_config.num_blocks,
+                sched_config.block_size,
+                self.model.dtype,
+                device,
+            )
+        )
+        self.runner = ModelRunner(self.model, sched_config.block_size, device or "cpu")
+        self.scheduler = Scheduler(sched_config, vote=self.vote)
+        self.wake = StoreWake(dist_ctx.store, self._new_namespace()) if dist_ctx else LocalWake()
+        self.on_output = on_output
+        self.trace: collections.deque[StepTrace] = collections.deque(maxlen=trace_limit)
+        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._streamed: dict[str, int] = {}  # request id -> output tokens already sent
+        self._shutdown_requested = False
+        self._sleep_epoch = 0  # the wake epoch the group last agreed to sleep on
+        self.stopped = False
+        self._stop_reason = ""
+        self.sleeping = False
+        self.error: BaseException | None = None
+
+    def _new_namespace(self) -> str:
+        """A store namespace that is new for this engine and the same on every rank: a group
+        may start several engines in turn, and stale wake keys must not leak between them."""
+        assert self.dist is not None
+        generation = [None]
+        if self.rank == 0:
+            generation[0] = self.dist.store.add("lockstep/engine_generation", 1)
+        dist.broadcast_object_list(generation, src=0, group=self.dist.vote_group)
+        return f"lockstep/engine{generation[0]}"
+
+    def _load_model(self, device: object) -> MoECausalLM:
+        num_experts = self.model_config.num_experts
+        context = ExpertParallelContext(
+            placement=ExpertPlacement.even(num_experts, self.world_size),
+            rank=self.rank,
+            group=self.dist.moe_group if self.dist and self.world_size > 1 else None,
+            ll_max_tokens_per_rank=self.config.ll_capacity,
+        )
+        return load_model(
+            self.config.model, dtype=self.config.torch_dtype, device=device, ep_context=context
+        )
+
+    # -- called from any thread -------------------------------------------------------------
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        stream: bool = False,
+        schedulable: bool = True,
+    ) -> None:
+        """Queue a request. ``schedulable=False`` holds it (and, since nobody overtakes the
+        head of the queue, those behind it) until ``set_schedulable``: a request whose inputs
+        are still being prepared."""
+        seq = Sequence(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            eos_token_id=self.model_config.eos_token_ids,
+            schedulable=schedulable,
+        )
+        self._post(("add", (seq, stream)))
+
+    def set_schedulable(self, request_id: str, schedulable: bool = True) -> None:
+        self._post(("schedulable", (request_id, schedulable)))
+
+    def abort(self, request_id: str, reason: str | None = None) -> None:
+        self._post(("abort", (request_id, reason)))
+
+    def shutdown(self) -> None:
+        """Ask the group to stop; every rank leaves its loop at the same step."""
+        self._post(("shutdown", None))
+
+    def _post(self, item: tuple[str, object]) -> None:
+        # Inbox first, epoch second: the order the wake protocol's argument relies on.
+        with self._inbox_lock:
+            self._inbox.append(item)
+        if self.stopped:
+            # Nobody will take it in: answer here. (The loop drains once more after setting
+            # `stopped`, so an item posted just before is answered there.)
+            self._reject_inbox()
+            return
+        self.wake.bump()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until the group shuts down. Raises after failing every outstanding request if
+        a collective fails or the ranks diverge."""
+        try:
+            while not self.stopped:
+                self.step()
+        except BaseException as error:
+            self._fail_outstanding(error)
+            if self.error is error:
+                raise
+            raise self.error from error
+
+    def step(self) -> StepTrace:
+        start = time.perf_counter()
+        seen_epoch = self.wake.seen_epoch  # read before draining: see dist_engine/wake.py
+        self._intake()
+        sched = self.scheduler
+        sched.wake_epoch = seen_epoch
+        sched.shutdown_requested = self._shutdown_requested
+        if self.vote is not None:
+            self.vote.seconds = 0.0
+        outputs = sched.schedule()
+        self._emit_all(outputs.ignored_seqs)
+        view = outputs.group
+        kind = "empty" if outputs.known_empty else ("prefill" if outputs.prompt_run else "decode")
+        if self.config.check_lockstep and self.dist is not None:
+            vote_start = time.perf_counter()
+            check_lockstep(self.dist.vote_group, outputs.step_index, kind, _MODES[kind])
+            if self.vote is not None:
+                self.vote.seconds += time.perf_counter() - vote_start
+        if view is not None and view.shutdown:
+            self._stop("engine shut down")
+            return self._record(outputs, kind, start, 0.0, 0.0)
+        forward_start = time.perf_counter()
+        tokens = self.runner.execute(outputs)
+        forward_s = time.perf_counter() - forward_start
+        finished = sched.process_outputs(outputs, tokens)
+        self._emit_stream(outputs.scheduled_seqs)
+        self._emit_all(finished)
+        slept_s = 0.0
+        if view is not None and view.none_work:
+            slept_s = self._maybe_sleep(view)
+        return self._record(outputs, kind, start, forward_s, slept_s)
+
+    def _intake(self) -> None:
+        with self._inbox_lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for action, payload in items:
+            if action == "add":
+                seq, stream = payload
+                if stream:
+                    self._streamed[seq.request_id] = 0
+                try:
+                    self.scheduler.add_sequence(seq)
+                except ValueError as error:  # e.g. a request id already in use
+                    self._reject(seq, str(error))
+            elif action == "schedulable":
+                request_id, schedulable = payload
+                if self.scheduler.get_sequence(request_id) is not None:
+                    self.scheduler.set_schedulable(request_id, schedulable)
+            elif action == "abort":
+                request_id, reason = payload
+                ended = self.scheduler.abort(request_id, reason)
+                if ended is not None:
+                    self.runner.forget(request_id)
+                    self._emit(ended)
+            else:
+                self._shutdown_requested = True
+
+    def _maybe_sleep(self, view: GroupView) -> float:
+        """The group agreed nobody has work. Sleep if no rank saw a newer wake epoch than the
+        one last agreed; else agree on the newest and look again next step."""
+        if view.max_wake_epoch != self._sleep_epoch:
+            self._sleep_epoch = view.max_wake_epoch
+            return 0.0
+        if self.rank == 0:
+            self.wake.forget_through(self._sleep_epoch)
+        start = time.perf_counter()
+        self.sleeping = True
+        try:
+            while not self.wake.wait_beyond(self._sleep_epoch, _SLEEP_POLL_S):
+                pass
+        finally:
+            self.sleeping = False
+        return time.perf_counter() - start
+
+    def _record(
+        self, outputs: object, kind: str, start: float, forward_s: float, slept_s: float
+    ) -> StepTrace:
+        trace = StepTrace(
+            step=outputs.step_index,
+            kind=kind,
+            point=outputs.point,
+            group=outputs.group,
+            any_scheduled=outputs.any_scheduled,
+            num_seqs=outputs.num_seqs,
+            num_tokens=outputs.num_batched_tokens,
+            forward_s=forward_s,
+            sync_s=self.vote.seconds if self.vote is not None else 0.0,
+            step_s=time.perf_counter() - start - slept_s,
+            slept_s=slept_s,
+        )
+        self.trace.append(trace)
+        return trace
+
+    # -- results ----------------------------------------------------------------------------
+    def _emit(self, seq: Sequence) -> None:
+        sent = self._streamed.pop(seq.request_id, 0) if seq.is_finished else 0
+        if seq.is_finished:
+            self.runner.forget(seq.request_id)
+        self._deliver(RequestOutput.of(seq, self.rank, sent))
+
+    def _emit_all(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self._emit(seq)
+
+    def _emit_stream(self, seqs: list[Sequence]) -> None:
+        if not self._streamed:
+            return
+        for seq in seqs:
+            sent = self._streamed.get(seq.request_id)
+            if sent is not None and not seq.is_finished and seq.num_output_tokens > sent:
+                self._streamed[seq.request_id] = seq.num_output_tokens
+                self._deliver(RequestOutput.of(seq, self.rank, sent))
+
+    def _deliver(self, output: RequestOutput) -> None:
+        if self.on_output is not None:
+            self.on_output(output)
+
+    def _reject(self, seq: Sequence, reason: str) -> None:
+        self._streamed.pop(seq.request_id, None)
+        self._deliver(
+            RequestOutput(
+                request_id=seq.request_id,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=[],
+                new_token_ids=[],
+                finished=True,
+                finish_reason=f"error: {reason}",
+                dp_rank=self.rank,
+                arrival_time=seq.arrival_time,
+            )
+        )
+
+    # -- endings ----------------------------------------------------------------------------
+    def _stop(self, reason: str) -> None:
+        """End every request this rank holds or has been sent, then stop taking any."""
+        self._intake()
+        for request_id in self.scheduler.unfinished_request_ids():
+            ended = self.scheduler.abort(request_id, reason)
+            if ended is not None:
+                self._emit(ended)
+        self._stop_reason = reason
+        self.stopped = True
+        self._reject_inbox()
+
+    def _reject_inbox(self) -> None:
+        with self._inbox_lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for action, payload in items:
+            if action == "add":
+                self._reject(payload[0], f"engine stopped: {self._stop_reason}")
+
+    def _fail_outstanding(self, error: BaseException) -> None:
+        if isinstance(error, (LockstepError, KeyboardInterrupt, SystemExit)):
+            self.error = error
+        else:
+            self.error = self._describe_failure(error)
+        self._stop(str(self.error))
+
+    def _describe_failure(self, error: BaseException) -> RankFailureError:
+        if self.dist is None:
+            return RankFailureError(f"rank 0 failed: {error}", [])
+        failed = find_failed_ranks(
+            self.dist.store, self.rank, self.world_size, tag=f"step{self.scheduler.step_index}"
+        )
+        if failed is None:
+            names, failed = "rank 0 (it hosts the rendezvous store, which is gone)", [0]
+        elif failed:
+            names = ", ".join(f"rank {r}" for r in failed) + " stopped answering"
+        else:
+            names = "no rank is missing"
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        return RankFailureError(
+            f"DP group failed at step {self.scheduler.step_index} as seen from rank "
+            f"{self.rank}: {names} ({type(error).__name__}: {first_line})",
+            failed,
+        )

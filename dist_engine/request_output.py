@@ -1,0 +1,47 @@
+"""What a DP rank reports about a request: streamed deltas and exactly one terminal result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler import Sequence
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # every token so far
+    new_token_ids: list[int]  # the tokens since this request's previous output
+    finished: bool
+    finish_reason: str | None
+    dp_rank: int
+    arrival_time: float  # time.monotonic() on the rank
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @classmethod
+    def of(cls, seq: Sequence, dp_rank: int, num_sent: int) -> RequestOutput:
+        """The state of ``seq``; ``num_sent`` output tokens were already streamed."""
+        outputs = seq.output_token_ids
+        finished = seq.is_finished
+        return cls(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=outputs,
+            new_token_ids=outputs[num_sent:],
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            dp_rank=dp_rank,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            token_times=list(seq.token_times) if finished else [],
+        )

@@ -1,0 +1,89 @@
+"""Step synchronisation over torch.distributed: the vote, the lock-step check, the settings
+handshake, and telling which peers are gone when a collective fails."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from dist_engine.errors import LockstepError, SettingsMismatchError
+
+STEP_KINDS = {"prefill": 0, "decode": 1, "empty": 2}
+_KIND_NAMES = {value: key for key, value in STEP_KINDS.items()}
+_MODE_NAMES = {0: "normal", 1: "low_latency", 2: "none"}
+
+
+class TorchVote:
+    """``scheduler.Vote`` as a MIN-allreduce of an int64 vector on the CPU vote group."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.seconds = 0.0  # time spent in the collective; the engine reads and resets it
+        self.num_calls = 0
+
+    def allreduce_min(self, values: list[int]) -> list[int]:
+        start = time.perf_counter()
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        self.seconds += time.perf_counter() - start
+        self.num_calls += 1
+        return tensor.tolist()
+
+
+def check_lockstep(group: dist.ProcessGroup, step_index: int, kind: str, mode: int) -> None:
+    """All-gather ``(step index, step kind, dispatch mode)``; raise on any disagreement.
+
+    A mismatch would otherwise surface as a hang (or garbage) inside the MoE all-to-alls.
+    """
+    world = dist.get_world_size(group)
+    local = torch.tensor([step_index, STEP_KINDS[kind], mode], dtype=torch.int64)
+    gathered = torch.empty(world * 3, dtype=torch.int64)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    views = gathered.view(world, 3).tolist()
+    if any(view != views[0] for view in views):
+        described = "; ".join(
+            f"rank {rank}: step {step} {_KIND_NAMES.get(k, k)} {_MODE_NAMES.get(m, m)}"
+            for rank, (step, k, m) in enumerate(views)
+        )
+        raise LockstepError(f"ranks diverged at step {step_index}: {described}")
+
+
+def agree_settings(group: dist.ProcessGroup, settings: dict[str, object]) -> None:
+    """Refuse to start unless every rank has the same ``settings``; names each differing key."""
+    world = dist.get_world_size(group)
+    everyone: list[dict[str, object] | None] = [None] * world
+    dist.all_gather_object(everyone, settings, group=group)
+    differing = []
+    for key in sorted({k for view in everyone if view for k in view}):
+        values = [view.get(key) if view else None for view in everyone]
+        if any(value != values[0] for value in values):
+            per_rank = ", ".join(f"rank {r}={v!r}" for r, v in enumerate(values))
+            differing.append(f"{key} ({per_rank})")
+    if differing:
+        raise SettingsMismatchError(
+            "ranks were started with settings that must agree: " + "; ".join(differing)
+        )
+
+
+def find_failed_ranks(
+    store: dist.Store, rank: int, world_size: int, *, tag: str, wait_s: float = 2.0
+) -> list[int] | None:
+    """After a failed collective, ask which peers still answer through the store.
+
+    Each survivor announces itself under ``tag`` and waits up to ``wait_s`` for the others.
+    Returns the ranks that did not answer, or None if the store itself is unreachable (it
+    lives in rank 0's process, so that usually means rank 0 is gone).
+    """
+    keys = [f"lockstep/alive/{tag}/{other}" for other in range(world_size)]
+    try:
+        store.set(keys[rank], b"1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [other for other, key in enumerate(keys) if not store.check([key])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.05)
+    except (RuntimeError, OSError, dist.DistError):
+        return None

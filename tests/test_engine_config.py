@@ -1,0 +1,86 @@
+import pytest
+
+from dist_engine.config import EngineConfig, model_identity
+
+
+def test_nested_sections_and_flat_overrides():
+    config = EngineConfig.from_dict(
+        {"model": "/m", "parallel": {"dp_size": 2}, "scheduler": {"max_num_seqs": 8}}
+    )
+    assert config.parallel.dp_size == 2 and config.scheduler.max_num_seqs == 8
+    assert config.ll_capacity == 8
+    changed = config.with_overrides(max_num_seqs=4, dp_size=3, dtype="float64")
+    assert (changed.scheduler.max_num_seqs, changed.parallel.dp_size, changed.dtype) == (
+        4,
+        3,
+        "float64",
+    )
+    assert config.with_overrides(**{"moe.ll_max_tokens_per_rank": 32}).ll_capacity == 32
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"model": "/m", "colour": 1}, "unknown setting(s) ['colour']"),
+        ({"model": "/m", "scheduler": {"max_num_seq": 4}}, "['scheduler.max_num_seq']"),
+        (
+            {"model": "/m", "scheduler": {"block_size": 0}},
+            "scheduler.block_size must be an int >= 1, got 0",
+        ),
+        (
+            {"model": "/m", "parallel": {"backend": "mpi"}},
+            "parallel.backend must be one of ['auto', 'nccl', 'gloo'], got 'mpi'",
+        ),
+        ({"model": "/m", "dtype": "int8"}, "dtype must be one of"),
+        ({"scheduler": {}}, "model is required"),
+        (
+            {
+                "model": "/m",
+                "scheduler": {"max_num_seqs": 64},
+                "moe": {"ll_max_tokens_per_rank": 8},
+            },
+            "moe.ll_max_tokens_per_rank (8) must be >= scheduler.max_num_seqs (64)",
+        ),
+        (
+            {"model": "/m", "scheduler": {"sync_policy": "unified"}},
+            "sync_policy must be one of ['vote', 'every_step']",
+        ),
+    ],
+)
+def test_bad_settings_name_the_key(values, message):
+    with pytest.raises(ValueError) as info:
+        EngineConfig.from_dict(values)
+    assert message in str(info.value)
+
+
+def test_unknown_override_lists_known_settings():
+    with pytest.raises(
+        ValueError, match=r"unknown setting 'speed'; known settings: .*max_num_seqs"
+    ):
+        EngineConfig(model="/m").with_overrides(speed=3)
+
+
+def test_yaml(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model: /m\nscheduler:\n  block_size: 8\n")
+    assert EngineConfig.from_yaml(path).scheduler.block_size == 8
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        EngineConfig.from_yaml(path)
+    path.write_text("- a list\n")
+    with pytest.raises(ValueError, match="top level must be a mapping"):
+        EngineConfig.from_yaml(path)
+
+
+def test_group_agreed_settings_and_model_identity(tmp_path):
+    (tmp_path / "config.json").write_text('{"b": 1, "a": 2}')
+    identity = model_identity(tmp_path)
+    (tmp_path / "config.json").write_text('{"a": 2,\n "b": 1}')
+    assert model_identity(tmp_path) == identity  # formatting does not matter
+    agreed = EngineConfig(model=str(tmp_path)).group_agreed(identity)
+    assert agreed["model"] == identity
+    assert {
+        "scheduler.block_size",
+        "scheduler.prefill_attempt_interval",
+        "moe.ll_max_tokens_per_rank",
+    } <= set(agreed)

@@ -1,0 +1,306 @@
+"""The vote-deadlock suite: DPEngines in real multi-process gloo groups (DP = 2 and 4).
+
+Every scenario runs with check_lockstep on and a hard timeout, and asserts that (a) every
+request ends with exactly one terminal result, (b) the step-kind trace is identical on every
+rank, (c) greedy tokens equal a single-rank reference for every request that ran to its end,
+and (d) the vote never starves a prefill: at an ANY or idle point where some rank wants to
+prefill, the group prefills unless vote 2 found nothing admissible, and attempt points are
+never further apart than the ALL interval.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
+from multirank_utils import run_multirank
+
+from dist_engine.checkpoint import load_model
+from dist_engine.kv_cache import KVCache
+from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.runner import ModelRunner
+from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+
+VOCAB = MODEL_SIZES["vocab_size"]
+ENDED_NORMALLY = ("length", "stop")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("engine_model")
+    return str(make_tiny_checkpoint("qwen3_moe", out, seed=21, **MODEL_SIZES))
+
+
+class Reference:
+    """Greedy tokens from one rank with everything local (float64), computed once per
+    (prompt, max_tokens)."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model = load_model(model_dir, dtype=torch.float64)
+        self.eos = self.model.config.eos_token_ids
+        self.cache: dict[tuple, list[int]] = {}
+
+    def tokens(self, requests: list[tuple[tuple[int, ...], int]]) -> list[list[int]]:
+        missing = sorted({r for r in requests if r not in self.cache})
+        if missing:
+            self._run(missing)
+        return [self.cache[r] for r in requests]
+
+    def _run(self, requests) -> None:
+        config = SchedulerConfig(
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            max_model_len=256,
+            block_size=4,
+            num_blocks=8192,
+        )
+        self.model.attach_kv_cache(KVCache.for_model(self.model.config, 8192, 4, torch.float64))
+        runner = ModelRunner(self.model, 4)
+        sched = Scheduler(config)
+        seqs = [
+            Sequence(str(i), list(prompt), SamplingParams(max_tokens=m), eos_token_id=self.eos)
+            for i, (prompt, m) in enumerate(requests)
+        ]
+        for seq in seqs:
+            sched.add_sequence(seq)
+        while sched.num_unfinished:
+            outputs = sched.schedule()
+            sched.process_outputs(outputs, runner.execute(outputs))
+        for request, seq in zip(requests, seqs, strict=True):
+            self.cache[request] = seq.output_token_ids
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> Reference:
+    return Reference(model_dir)
+
+
+# -- scenarios -------------------------------------------------------------------------------
+def _prompt(rng: random.Random, low: int = 1, high: int = 40) -> tuple[int, ...]:
+    return tuple(rng.randrange(1, VOCAB) for _ in range(rng.randint(low, high)))
+
+
+def _add(rank, step, rid, rng, **kwargs) -> Event:
+    low, high = kwargs.pop("length", (1, 40))
+    return Event(rank, step, "add", rid, _prompt(rng, low, high), **kwargs)
+
+
+def build_scenarios(world: int) -> list[Scenario]:
+    rng = random.Random(world)
+    scenarios = [
+        Scenario(
+            "all_on_one_rank",
+            tuple(
+                _add(0, 2 * i, f"one-{i}", rng, max_tokens=rng.randint(1, 16)) for i in range(12)
+            ),
+        ),
+        Scenario(
+            "staggered",
+            tuple(_add(r, 0, f"long-{r}", rng, max_tokens=40, stream=True) for r in range(world))
+            + tuple(
+                _add(
+                    rng.randrange(world),
+                    rng.randint(3, 60),
+                    f"st-{i}",
+                    rng,
+                    max_tokens=rng.randint(1, 12),
+                )
+                for i in range(20)
+            ),
+        ),
+        Scenario(
+            "unschedulable_head",
+            (
+                _add(1, 0, "held", rng, schedulable=False, max_tokens=5),
+                _add(1, 0, "behind", rng, max_tokens=5),
+                Event(1, 25, "release", "held"),
+            )
+            + tuple(_add(r, 2 + r, f"uh-{r}", rng, max_tokens=20) for r in range(world) if r != 1),
+        ),
+        Scenario(
+            "dead_head",
+            (
+                _add(1, 0, "doomed", rng, schedulable=False),
+                _add(1, 0, "after-doomed", rng, max_tokens=6),
+                Event(1, 9, "abort", "doomed"),
+            )
+            + tuple(_add(r, 0, f"dh-long-{r}", rng, max_tokens=30) for r in range(world))
+            + tuple(_add(r, 4, f"dh-new-{r}", rng, max_tokens=4) for r in range(world)),
+        ),
+        Scenario(
+            "abort_storm",
+            tuple(
+                _add(r, 0, f"as-{r}-{i}", rng, length=(20, 60), max_tokens=12)
+                for r in range(world)
+                for i in range(4)
+            )
+            + tuple(
+                Event(r, rng.randint(1, 30), "abort", f"as-{r}-{i}")
+                for r in range(world)
+                for i in range(4)
+                if (r + i) % 2 == 0
+            ),
+            scheduler={"max_num_batched_tokens": 16},
+        ),
+        Scenario(
+            "too_long_prompt",
+            (Event(world - 1, 3, "add", "too-long", tuple(range(1, 202)), 4),)
+            + tuple(_add(r, 3, f"tl-{r}", rng, max_tokens=4) for r in range(world - 1)),
+        ),
+    ]
+    for stop in (True, False):
+        name = "watermark_stop" if stop else "watermark_recompute"
+        scenarios.append(
+            Scenario(
+                name,
+                tuple(
+                    _add(0, 0, f"{name}-big-{i}", rng, length=(30, 40), max_tokens=40)
+                    for i in range(4)
+                )
+                + tuple(
+                    _add(r, 6 + r, f"{name}-{r}-{i}", rng, max_tokens=6)
+                    for r in range(1, world)
+                    for i in range(2)
+                ),
+                scheduler={"stop_preempted_request": stop},
+                # Rank 0's pool is small: its long requests fill it past the watermark, and
+                # their growth forces preemption.
+                rank_scheduler={0: {"num_blocks": 41}},
+            )
+        )
+    scenarios.append(
+        Scenario(
+            "sleep_wake",
+            tuple(
+                Event(
+                    rng.randrange(world),
+                    0,
+                    "cycle",
+                    f"sw-{i}",
+                    _prompt(rng, 1, 6),
+                    delay_s=rng.choice([0.0, 0.0005, 0.001, 0.002, 0.004]),
+                    cycle=i,
+                )
+                for i in range(200)
+            ),
+        )
+    )
+    scenarios.append(
+        Scenario(
+            "every_step_policy",
+            tuple(
+                _add(
+                    rng.randrange(world),
+                    rng.randint(0, 30),
+                    f"es-{i}",
+                    rng,
+                    max_tokens=rng.randint(1, 10),
+                )
+                for i in range(16)
+            ),
+            sync_policy="every_step",
+        )
+    )
+    return scenarios
+
+
+def soak_scenario(world: int, num_requests: int = 1000) -> Scenario:
+    rng = random.Random(99)
+    events = []
+    for i in range(num_requests):
+        step = rng.randint(0, 400)
+        events.append(
+            _add(
+                rng.randrange(world),
+                step,
+                f"soak-{i}",
+                rng,
+                length=(1, 48),
+                max_tokens=rng.randint(1, 16),
+            )
+        )
+        if rng.random() < 0.1:
+            events.append(Event(events[-1].rank, step + rng.randint(0, 20), "abort", f"soak-{i}"))
+    return Scenario(
+        "soak",
+        tuple(events),
+        scheduler={"max_num_seqs": 32, "num_blocks": 600},
+        timeout_s=240.0,
+    )
+
+
+# -- checks ----------------------------------------------------------------------------------
+def check_scenario(scenario: Scenario, per_rank: list[dict], reference: Reference) -> None:
+    name = scenario.name
+    for rank, result in enumerate(per_rank):
+        assert not result["failure"], f"{name}: rank {rank} failed: {result['failure']}"
+    # (a) exactly one terminal result per request, on the rank it was sent to
+    events = [e for e in scenario.events if e.action in ("add", "cycle")]
+    for event in events:
+        out = per_rank[event.rank]["outputs"].get(event.request_id)
+        assert out is not None, f"{name}: {event.request_id} never reported"
+        assert out["num_terminal"] == 1, f"{name}: {event.request_id} {out}"
+        if event.stream and out["reason"] in ENDED_NORMALLY:
+            assert out["streamed"] == out["tokens"] and out["num_outputs"] > 1, name
+    # (b) the same step kinds, attempt points and votes on every rank
+    kinds = [[(s, k, p, v, a) for s, k, p, v, a, _ in r["trace"]] for r in per_rank]
+    assert all(k == kinds[0] for k in kinds), f"{name}: ranks' traces differ"
+    # (c) tokens equal the single-rank reference
+    ran = [
+        (e, per_rank[e.rank]["outputs"][e.request_id])
+        for e in events
+        if per_rank[e.rank]["outputs"][e.request_id]["reason"] in ENDED_NORMALLY
+    ]
+    expected = reference.tokens(
+        [(e.prompt, 1 if e.action == "cycle" else e.max_tokens) for e, _ in ran]
+    )
+    for (event, out), tokens in zip(ran, expected, strict=True):
+        assert out["tokens"] == tokens, f"{name}: {event.request_id} differs from the reference"
+    # (d) the vote never starves a wanted prefill
+    config = scenario.scheduler_config(0)
+    unvoted = 0
+    for step, kind, point, view, any_scheduled, _ in per_rank[0]["trace"]:
+        if view is None:
+            unvoted += 1
+            assert unvoted < config.prefill_attempt_interval, f"{name}: no vote by step {step}"
+            continue
+        unvoted = 0
+        all_want, any_want, none_running, _ = view
+        wanted = any_want if point in ("any", "idle", "every") or none_running else all_want
+        if wanted:
+            assert kind == "prefill" or any_scheduled is False, f"{name}: step {step} starved"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vote_deadlock_scenarios(world, model_dir, reference):
+    scenarios = build_scenarios(world)
+    results = run_multirank(world, run_scenarios, (model_dir, scenarios), timeout_s=420)
+    for scenario in scenarios:
+        check_scenario(scenario, [r[scenario.name] for r in results], reference)
+    # Scenario-specific facts, so each scenario provably exercised its hazard.
+    by_name = {s.name: [r[s.name] for r in results] for s in scenarios}
+    assert by_name["too_long_prompt"][world - 1]["outputs"]["too-long"]["reason"] == (
+        "prompt_length_exceeded"
+    )
+    assert by_name["dead_head"][1]["outputs"]["doomed"]["reason"] == "abort"
+    stop_reasons = {o["reason"] for o in by_name["watermark_stop"][0]["outputs"].values()}
+    assert "insufficient_system_resource" in stop_reasons
+    assert by_name["watermark_recompute"][0]["num_preemptions"] > 0
+    aborted = {o["reason"] for r in by_name["abort_storm"] for o in r["outputs"].values()}
+    assert "abort" in aborted
+    latencies = sorted(x for r in by_name["sleep_wake"] for x in r["latencies"])
+    assert len(latencies) == 200
+    median = latencies[len(latencies) // 2]
+    assert median < 0.05, f"median wake-to-first-token {median * 1e3:.1f} ms"
+    slept = sum(1 for _, kind, *_ in by_name["sleep_wake"][0]["trace"] if kind == "empty")
+    assert slept > 0
+
+
+def test_soak_dp4(model_dir, reference):
+    scenario = soak_scenario(4)
+    results = run_multirank(4, run_scenarios, (model_dir, [scenario]), timeout_s=300)
+    check_scenario(scenario, [r["soak"] for r in results], reference)
+    reasons = [o["reason"] for r in results for o in r["soak"]["outputs"].values()]
+    assert len(reasons) == 1000 and reasons.count("abort") > 0

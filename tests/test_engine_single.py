@@ -1,0 +1,139 @@
+"""A DP engine of one rank in this process: the loop, sleeping, streaming, bad input, endings."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from engine_harness import MODEL_SIZES
+
+from dist_engine.config import EngineConfig
+from dist_engine.engine import DPEngine
+from dist_engine.make_model import make_tiny_checkpoint
+from scheduler import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("engine_single_model")
+    return str(make_tiny_checkpoint("qwen3_moe", out, seed=8, **MODEL_SIZES))
+
+
+class Running:
+    """An engine looping on a thread, collecting every output."""
+
+    def __init__(self, model_dir: str, **overrides) -> None:
+        settings = dict(max_num_seqs=8, max_model_len=64, block_size=4, num_blocks=128)
+        settings.update(overrides)
+        config = EngineConfig.from_dict({"model": model_dir, "scheduler": settings})
+        self.outputs: dict[str, list] = {}
+        self.lock = threading.Lock()
+        self.engine = DPEngine(config, on_output=self._collect)
+        self.thread = threading.Thread(target=self.engine.run, daemon=True)
+        self.thread.start()
+
+    def _collect(self, output) -> None:
+        with self.lock:
+            self.outputs.setdefault(output.request_id, []).append(output)
+
+    def final(self, request_id: str, timeout_s: float = 20.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                done = [o for o in self.outputs.get(request_id, []) if o.finished]
+            if done:
+                assert len(done) == 1, f"{request_id} ended {len(done)} times"
+                return done[0]
+            time.sleep(0.001)
+        raise AssertionError(f"{request_id} never ended")
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def running(model_dir):
+    engine = Running(model_dir)
+    yield engine
+    engine.close()
+
+
+def test_an_idle_engine_sleeps_and_wakes_promptly(running):
+    running.engine.submit("warm", [1, 2, 3], PARAMS)
+    running.final("warm")
+    time.sleep(0.05)
+    steps_before = len(running.engine.trace)
+    time.sleep(0.3)
+    assert len(running.engine.trace) == steps_before, "the idle engine kept stepping"
+    assert running.engine.sleeping
+    latencies = []
+    for index in range(20):
+        start = time.monotonic()
+        running.engine.submit(f"r{index}", [5, 6, 7], SamplingParams(max_tokens=1))
+        out = running.final(f"r{index}")
+        latencies.append(out.first_token_time - start)
+        time.sleep(0.002 * (index % 3))
+    assert sorted(latencies)[10] < 0.05, latencies
+
+
+def test_streaming_yields_the_final_tokens_in_order(running):
+    running.engine.submit("s", [9, 8, 7, 6], PARAMS, stream=True)
+    final = running.final("s")
+    with running.lock:
+        outs = running.outputs["s"]
+    streamed = [t for o in outs for t in o.new_token_ids]
+    assert streamed == final.output_token_ids and len(final.output_token_ids) == 6
+    assert len(outs) > 1 and final.finish_reason == "length"
+
+
+def test_bad_requests_get_a_terminal_reason(running):
+    running.engine.submit("empty", [], PARAMS)
+    running.engine.submit("vocab", [1, MODEL_SIZES["vocab_size"]], PARAMS)
+    running.engine.submit("ok", [1, 2], PARAMS)
+    running.engine.submit("ok", [3, 4], PARAMS)  # the id is taken
+    assert running.final("empty").finish_reason == "error: empty prompt"
+    assert "outside the vocabulary [0, 384)" in running.final("vocab").finish_reason
+    with running.lock:
+        reasons = sorted(o.finish_reason for o in running.outputs["ok"] if o.finished)
+    deadline = time.monotonic() + 10
+    while len(reasons) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        with running.lock:
+            reasons = sorted(o.finish_reason for o in running.outputs["ok"] if o.finished)
+    assert reasons == ["error: request id 'ok' is already in use", "length"]
+
+
+def test_abort_ends_a_running_request(model_dir):
+    engine = Running(model_dir)
+    try:
+        engine.engine.submit("long", [1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True))
+        while not engine.outputs.get("long") and not engine.engine.scheduler.running:
+            time.sleep(0.001)
+        engine.engine.abort("long")
+        out = engine.final("long")
+        assert out.finish_reason == "abort" and len(out.output_token_ids) < 60
+    finally:
+        engine.close()
+
+
+def test_shutdown_ends_outstanding_requests_and_later_ones(model_dir):
+    engine = Running(model_dir)
+    engine.engine.submit("held", [1, 2], PARAMS, schedulable=False)
+    time.sleep(0.05)
+    engine.close()
+    assert engine.final("held").finish_reason == "error: engine shut down"
+    engine.engine.submit("late", [1, 2], PARAMS)
+    assert engine.final("late").finish_reason == "error: engine stopped: engine shut down"
+
+
+def test_engine_refuses_a_model_len_beyond_the_model(model_dir):
+    config = EngineConfig.from_dict(
+        {"model": model_dir, "scheduler": {"max_model_len": 100_000, "num_blocks": 16}}
+    )
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        DPEngine(config)
