@@ -1,0 +1,106 @@
+"""How the LLM front end reaches its ranks: in this process, or as Ray actors.
+
+A client submits requests to a given rank, aborts them, polls for outputs from every rank, and
+shuts the group down. ``RankFailure`` means a rank's process is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Any
+
+from dist_engine.config import EngineConfig
+from dist_engine.engine import DPEngine
+from dist_engine.request_output import RequestOutput
+from scheduler import SamplingParams
+
+Submission = tuple[str, list[int], SamplingParams, bool]  # id, prompt, params, stream
+
+
+class RankFailure(RuntimeError):
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"DP rank {rank} died: {detail}")
+        self.rank = rank
+
+
+class OutputBuffer:
+    """Outputs of one engine, collected on its loop thread and handed out in batches."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def take(self, timeout_s: float) -> list[RequestOutput]:
+        try:
+            first = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return []
+        items = [first]
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+
+class EngineHost:
+    """One rank's engine running its loop on a thread; used in-process and inside Ray actors."""
+
+    def __init__(self, config: EngineConfig, dist_ctx: Any = None) -> None:
+        self.outputs = OutputBuffer()
+        self.engine = DPEngine(config, dist_ctx, on_output=self.outputs.put)
+        self.thread = threading.Thread(target=self._loop, name="lockstep-engine", daemon=True)
+        self.error: str | None = None
+        self.thread.start()
+
+    def _loop(self) -> None:
+        try:
+            self.engine.run()
+        except BaseException as error:  # reported through status(); the outputs carry it too
+            self.error = f"{type(error).__name__}: {error}"
+
+    def submit(self, batch: list[Submission]) -> None:
+        for request_id, prompt, params, stream in batch:
+            self.engine.submit(request_id, prompt, params, stream=stream)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def take(self, timeout_s: float) -> list[RequestOutput]:
+        return self.outputs.take(timeout_s)
+
+    def shutdown(self, timeout_s: float) -> str | None:
+        self.engine.shutdown()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            return "engine loop did not stop"
+        return self.error
+
+
+class LocalClient:
+    """A group of one, in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.dp_size != 1:
+            raise ValueError(
+                f"the local launcher runs one rank; parallel.dp_size is {config.parallel.dp_size} "
+                "(use launcher ray or torchrun)"
+            )
+        self.num_ranks = 1
+        self.host = EngineHost(dataclasses.replace(config))
+
+    def submit(self, rank: int, batch: list[Submission]) -> None:
+        self.host.submit(batch)
+
+    def abort(self, rank: int, request_id: str) -> None:
+        self.host.abort(request_id)
+
+    def poll(self, timeout_s: float) -> list[RequestOutput]:
+        return self.host.take(timeout_s)
+
+    def shutdown(self) -> None:
+        self.host.shutdown(timeout_s=30.0)

@@ -1,0 +1,164 @@
+"""The Ray launcher: a placement group with one bundle per DP rank and one actor per rank.
+
+Each actor runs its rank's engine loop on a background thread. Rank 0's actor creates the
+group's TCPStore on port 0 (so no port can be taken from under it) and hands the port to the
+others. Works on an embedded Ray that we start (``ray.init`` with local resources) and inside an
+existing cluster (``RAY_ADDRESS``, e.g. under ``ray job submit``), where we only connect.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dist_engine.config import EngineConfig
+from dist_engine.request_output import RequestOutput
+from launcher.clients import EngineHost, RankFailure, Submission
+
+_STARTUP_TIMEOUT_S = 300.0
+
+
+@ray.remote(max_concurrency=8)
+class RankActor:
+    """One DP rank. Methods run on Ray's actor threads; the engine loop has its own thread."""
+
+    def __init__(self, config: EngineConfig, rank: int, num_threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        self.config = config
+        self.rank = rank
+        self.store: Any = None
+        self.host: EngineHost | None = None
+
+    def create_store(self) -> tuple[str, int]:
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        world = self.config.parallel.dp_size
+        self.store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
+        return host, self.store.port
+
+    def start(self, host: str, port: int) -> int:
+        import torch.distributed as dist
+
+        from dist_engine.distributed import init_distributed
+
+        world = self.config.parallel.dp_size
+        if self.store is None:
+            self.store = dist.TCPStore(host, port, world, is_master=False)
+        ctx = init_distributed(
+            self.rank,
+            world,
+            self.store,
+            backend=self.config.parallel.backend,
+            timeout_s=self.config.parallel.collective_timeout_s,
+        )
+        self.host = EngineHost(self.config, ctx)
+        return os.getpid()
+
+    def submit(self, batch: list[Submission]) -> None:
+        self.host.submit(batch)
+
+    def abort(self, request_id: str) -> None:
+        self.host.abort(request_id)
+
+    def take(self, timeout_s: float) -> list[RequestOutput]:
+        return self.host.take(timeout_s)
+
+    def shutdown(self, timeout_s: float) -> str | None:
+        return self.host.shutdown(timeout_s) if self.host is not None else None
+
+
+def connect_ray(num_cpus: int | None = None) -> bool:
+    """Connect to the cluster in RAY_ADDRESS, or start an embedded one. True if we started it."""
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=False)
+        return False
+    # Token auth breaks a local cluster's own node joins; a private embedded Ray needs none.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=256 * 1024 * 1024,
+        log_to_driver=False,
+    )
+    return True
+
+
+class RayClient:
+    def __init__(self, config: EngineConfig) -> None:
+        world = config.parallel.dp_size
+        self.num_ranks = world
+        self.started_ray = connect_ray(num_cpus=max(world, os.cpu_count() or 1))
+        use_gpu = config.parallel.backend != "gloo" and _cluster_has_gpus()
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        self.pg = placement_group([bundle] * world, strategy=config.parallel.placement_strategy)
+        self.actors: list[Any] = []
+        try:
+            ray.get(self.pg.ready(), timeout=_STARTUP_TIMEOUT_S)
+            threads = max(1, (os.cpu_count() or 1) // world)
+            self.actors = [
+                RankActor.options(
+                    num_cpus=1,
+                    num_gpus=1 if use_gpu else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.pg, placement_group_bundle_index=rank
+                    ),
+                ).remote(config, rank, threads)
+                for rank in range(world)
+            ]
+            host, port = ray.get(self.actors[0].create_store.remote(), timeout=_STARTUP_TIMEOUT_S)
+            pids = ray.get(
+                [actor.start.remote(host, port) for actor in self.actors],
+                timeout=_STARTUP_TIMEOUT_S,
+            )
+            self.pids = dict(enumerate(pids))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, rank: int, batch: list[Submission]) -> None:
+        self._get(rank, self.actors[rank].submit.remote(batch))
+
+    def abort(self, rank: int, request_id: str) -> None:
+        self._get(rank, self.actors[rank].abort.remote(request_id))
+
+    def poll(self, timeout_s: float) -> list[RequestOutput]:
+        refs = [actor.take.remote(timeout_s) for actor in self.actors]
+        outputs: list[RequestOutput] = []
+        for rank, ref in enumerate(refs):
+            outputs.extend(self._get(rank, ref))
+        return outputs
+
+    def _get(self, rank: int, ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
+            raise RankFailure(rank, f"its Ray actor is gone ({type(error).__name__})") from error
+
+    def shutdown(self) -> None:
+        """Stop every rank, then kill the actors and free the placement group: nothing stays."""
+        if self.actors:
+            refs = [actor.shutdown.remote(30.0) for actor in self.actors]
+            # A dead actor's ref counts as ready; killing below is enough for it.
+            ray.wait(refs, num_returns=len(refs), timeout=40.0)
+            for actor in self.actors:
+                ray.kill(actor, no_restart=True)
+            self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+
+
+def _cluster_has_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0

@@ -1,0 +1,90 @@
+"""The torchrun launcher: this process is one DP rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+Every process runs the same program with the same prompts; each rank serves its share
+(prompt i goes to rank i mod world, unless pinned), and the results are exchanged through the
+group's TCPStore so that every rank returns all of them in input order.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from dist_engine.config import EngineConfig
+from dist_engine.distributed import init_distributed
+from dist_engine.request_output import RequestOutput
+from launcher.clients import EngineHost, Submission
+
+
+def torchrun_rank() -> tuple[int, int, str, int]:
+    try:
+        rank = int(os.environ["RANK"])
+        world = int(os.environ["WORLD_SIZE"])
+        return rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except KeyError as missing:
+        raise RuntimeError(
+            f"launcher 'torchrun' needs {missing} in the environment: start the job with "
+            "`torchrun --nproc-per-node N -m launcher.cli run ...`"
+        ) from None
+
+
+class TorchrunClient:
+    def __init__(self, config: EngineConfig) -> None:
+        rank, world, host, port = torchrun_rank()
+        if world != config.parallel.dp_size:
+            raise ValueError(
+                f"torchrun started {world} processes but parallel.dp_size is "
+                f"{config.parallel.dp_size}"
+            )
+        self.rank = rank
+        self.num_ranks = world
+        # torchrun's agent already serves a store on MASTER_PORT; otherwise rank 0 hosts it.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        timeout = timedelta(seconds=config.parallel.collective_timeout_s)
+        store = dist.TCPStore(
+            host, port, world, is_master=rank == 0 and not agent_store, timeout=timeout
+        )
+        self._exchange = dist.TCPStore(host, store.port, world, is_master=False, timeout=timeout)
+        ctx = init_distributed(
+            rank,
+            world,
+            store,
+            backend=config.parallel.backend,
+            timeout_s=config.parallel.collective_timeout_s,
+            local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        )
+        self.host = EngineHost(config, ctx)
+        self._num_exchanges = 0
+
+    def submit(self, rank: int, batch: list[Submission]) -> None:
+        assert rank == self.rank, "under torchrun a process only serves its own rank"
+        self.host.submit(batch)
+
+    def abort(self, rank: int, request_id: str) -> None:
+        self.host.abort(request_id)
+
+    def poll(self, timeout_s: float) -> list[RequestOutput]:
+        return self.host.take(timeout_s)
+
+    def exchange(self, mine: dict[int, RequestOutput]) -> dict[int, RequestOutput]:
+        """Give every rank every rank's results (keyed by prompt index)."""
+        self._num_exchanges += 1
+        prefix = f"lockstep/results/{self._num_exchanges}"
+        self._exchange.set(f"{prefix}/{self.rank}", pickle.dumps(mine))
+        keys = [f"{prefix}/{rank}" for rank in range(self.num_ranks)]
+        # Other ranks may still be serving; wait in slices so a failed group is noticed.
+        while not self._exchange.check(keys):
+            if self.host.error is not None:
+                raise RuntimeError(f"rank {self.rank}: the DP group failed: {self.host.error}")
+            time.sleep(0.01)
+        merged: dict[int, RequestOutput] = {}
+        for key in keys:
+            merged.update(pickle.loads(self._exchange.get(key)))
+        return merged
+
+    def shutdown(self) -> None:
+        self.host.shutdown(timeout_s=60.0)

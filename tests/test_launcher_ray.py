@@ -1,0 +1,123 @@
+"""The Ray launcher and the LLM API: a DP=2 group of Ray actors on an embedded Ray."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+from engine_harness import MODEL_SIZES
+
+from dist_engine.errors import LockstepError
+from dist_engine.make_model import make_tiny_checkpoint
+from launcher import LLM, SamplingParams
+
+PROMPTS = [[(7 * i + 3 * j) % 383 + 1 for j in range(3 + 2 * i)] for i in range(8)]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+SETTINGS = dict(dtype="float64", max_num_seqs=8, max_model_len=128, num_blocks=128, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("launcher_model")
+    return str(make_tiny_checkpoint("qwen3_moe", out, seed=13, **MODEL_SIZES))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 1024 * 1024)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> list[list[int]]:
+    with LLM(model=model_dir, dp_size=1, launcher="local", **SETTINGS) as llm:
+        return [o.output_token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, ray_cluster):
+    with LLM(model=model_dir, dp_size=2, launcher="ray", **SETTINGS) as instance:
+        yield instance
+
+
+def test_dp2_equals_the_single_rank_reference(llm, reference):
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.output_token_ids for o in outputs] == reference
+    assert {o.dp_rank for o in outputs} == {0, 1}  # round robin used both ranks
+    assert all(o.finish_reason == "length" and o.ttft_s is not None for o in outputs)
+
+
+def test_dp_rank_pinning_is_honoured(llm, reference):
+    outputs = llm.generate(PROMPTS, PARAMS, dp_rank=1, use_tqdm=False)
+    assert [o.dp_rank for o in outputs] == [1] * len(PROMPTS)
+    pins = [0, 1, 1, 0, None, None, 1, 0]
+    outputs = llm.generate(PROMPTS, PARAMS, dp_rank=pins, use_tqdm=False)
+    assert all(pin is None or o.dp_rank == pin for o, pin in zip(outputs, pins, strict=True))
+    assert [o.output_token_ids for o in outputs] == reference
+    with pytest.raises(ValueError, match=r"dp_rank must be in \[0, 2\), got 2"):
+        llm.generate(PROMPTS[:1], PARAMS, dp_rank=2, use_tqdm=False)
+
+
+def test_streaming_yields_the_tokens_of_generate(llm, reference):
+    streamed: dict[str, list[int]] = {}
+    order: list[str] = []
+    finals = {}
+    for item in llm.generate_stream(PROMPTS, PARAMS):
+        if item.request_id not in streamed:
+            order.append(item.request_id)
+            streamed[item.request_id] = []
+        streamed[item.request_id] += item.new_token_ids
+        if item.finished:
+            finals[item.request_id] = item
+    assert len(finals) == len(PROMPTS)
+    assert all(streamed[rid] == finals[rid].output_token_ids for rid in finals)
+    assert sorted(streamed.values()) == sorted(reference)
+
+
+def test_text_prompts_and_per_prompt_params(llm):
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (1, 5)]
+    outputs = llm.generate(["hello world", "experts"], params, use_tqdm=False)
+    assert [len(o.output_token_ids) for o in outputs] == [1, 5]
+    assert all(isinstance(o.text, str) for o in outputs)
+
+
+def test_bad_requests_end_with_a_reason(llm):
+    outputs = llm.generate([[], [1, 2, 99999]], PARAMS, use_tqdm=False)
+    assert outputs[0].finish_reason == "error: empty prompt"
+    assert "outside the vocabulary" in outputs[1].finish_reason
+
+
+def test_a_killed_actor_fails_generate_and_a_new_llm_starts(model_dir, ray_cluster, reference):
+    llm = LLM(model=model_dir, dp_size=2, launcher="ray", **SETTINGS)
+    pids = dict(llm.client.pids)
+    os.kill(pids[1], 9)
+    start = time.monotonic()
+    with pytest.raises(LockstepError, match="DP rank 1 died") as info:
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert time.monotonic() - start < 60
+    failed = info.value.outputs
+    assert failed and all(o.finish_reason.startswith("error: DP rank 1 died") for o in failed)
+    # Nothing stays behind: both rank processes are gone.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids.values()):
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids.values())
+    with LLM(model=model_dir, dp_size=2, launcher="ray", **SETTINGS) as again:
+        outputs = again.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+    assert [o.output_token_ids for o in outputs] == reference[:2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
