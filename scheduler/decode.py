@@ -20,10 +20,13 @@ _BY_OUTPUT_LEN = attrgetter("num_output_tokens")
 _BY_ARRIVAL = attrgetter("arrival_index")
 
 
+def order_key(policy: str) -> Callable[[Sequence], int]:
+    return _BY_OUTPUT_LEN if policy == "lcfs" else _BY_ARRIVAL
+
+
 def preemption_order(running: list[Sequence], policy: str) -> list[Sequence]:
     """Serve-last-first order: ``order[-1]`` is served first, ``order[0]`` preempted first."""
-    key = _BY_OUTPUT_LEN if policy == "lcfs" else _BY_ARRIVAL
-    return sorted(running, key=key, reverse=True)  # stable: ties keep their current order
+    return sorted(running, key=order_key(policy), reverse=True)  # stable: ties keep their order
 
 
 def assemble_decode(
@@ -31,10 +34,15 @@ def assemble_decode(
     kv: KvManager,
     config: SchedulerConfig,
     preempt: Callable[[Sequence], None],
+    presorted: bool = False,
 ) -> tuple[list[Sequence], list[Sequence]]:
     """Returns ``(scheduled, left_running)``: the step's batch in serving order, and the
-    running sequences the ``max_num_seqs`` cap left out (they stay running), victims first."""
-    order = preemption_order(running, config.preemption_order)
+    running sequences the ``max_num_seqs`` cap left out (they stay running), victims first.
+
+    ``presorted``: the caller knows ``running`` is already in preemption order, which a decode
+    step preserves (every sequence advances by one), so the sort can be skipped.
+    """
+    order = running if presorted else preemption_order(running, config.preemption_order)
     blocks = kv.blocks
     block_size = kv.block_size
     max_seqs = config.max_num_seqs

@@ -15,7 +15,7 @@ import time
 from collections import deque
 
 from scheduler.config import SchedulerConfig
-from scheduler.decode import assemble_decode
+from scheduler.decode import assemble_decode, order_key
 from scheduler.kv_manager import KvManager
 from scheduler.outputs import SchedulerOutputs
 from scheduler.prefill import PrefillBatch, assemble_prefill
@@ -42,6 +42,9 @@ class Scheduler:
         self.kv = KvManager(config)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # True while `running` is known to be in preemption order (victims first).
+        self._running_sorted = False
+        self._order_key = order_key(config.preemption_order)
         self._live: dict[str, Sequence] = {}
         self._terminated: list[Sequence] = []  # ended by the scheduler, reported next schedule()
         self._needs_sweep = False  # some queued sequence ended and still sits in a queue
@@ -232,10 +235,14 @@ class Scheduler:
         if known_empty:
             assert not self.running
             return SchedulerOutputs(False, [], [], 0, known_empty=True)
-        scheduled, left = assemble_decode(self.running, self.kv, self.config, self._preempt)
+        scheduled, left = assemble_decode(
+            self.running, self.kv, self.config, self._preempt, presorted=self._running_sorted
+        )
         # Keep running in preemption order (victims first) so that ties stay in the same
-        # order from step to step: the oldest of equals is always the first victim.
+        # order from step to step: the oldest of equals is always the first victim. Sequences
+        # the batch cap left out did not advance, so then the order may no longer hold.
         self.running = left + scheduled[::-1]
+        self._running_sorted = not left
         return SchedulerOutputs(False, scheduled, [1] * len(scheduled), len(scheduled))
 
     # -- accounting -------------------------------------------------------------------------
@@ -276,11 +283,15 @@ class Scheduler:
                 self.waiting.appendleft(seq)  # the next chunk goes first
                 continue
             assert seq.status is _RUNNING, seq
-            self.running.append(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if self._append_token(seq, token, now):
                 finished.append(seq)
+            # Compare with the key as it now stands: the token just appended counts (lcfs).
+            running = self.running
+            if running and self._order_key(seq) > self._order_key(running[-1]):
+                self._running_sorted = False
+            running.append(seq)
         return finished
 
     def _account_decode(self, seqs: list[Sequence], sampled_token_ids: list[int]) -> list[Sequence]:
@@ -395,3 +406,6 @@ class Scheduler:
             for block in seq.block_table:
                 expected[block] += 1
         assert expected == self.kv.blocks.ref_counts, "block reference counts are off"
+        if self._running_sorted:
+            keys = [self._order_key(seq) for seq in self.running if not seq.is_finished]
+            assert keys == sorted(keys, reverse=True), "running lost its preemption order"

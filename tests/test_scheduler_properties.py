@@ -5,7 +5,7 @@ After every step: blocks are conserved and every live sequence sits in exactly o
 and every request that completed has the tokens of an unconstrained reference run.
 """
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sched_helpers import fake_token, make_seq
 
@@ -76,6 +76,26 @@ def _simulate(config: SchedulerConfig, workload, max_steps=1500):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=requests, overrides=configs)
+# Found by a 1,500-example run: a recomputed sequence re-joins `running` with a long output, so
+# running is no longer in preemption order and the next decode must sort again.
+@example(
+    workload=[(1, 3, 8, None), (1, 5, 6, None), (1, 6, 3, None)],
+    overrides={
+        "block_size": 2,
+        "num_blocks": 6,
+        "max_num_batched_tokens": 16,
+        "max_num_seqs": 3,
+        "chunked_prefill": False,
+        "stop_preempted_request": False,
+        "preemption_order": "lcfs",
+        "enable_prefix_caching": False,
+        "num_state_slots": 0,
+        "prefill_attempt_interval": 1,
+        "prefill_any_attempt_interval": 2,
+        "cp_size": 1,
+        "lookahead_tokens": 0,
+    },
+)
 def test_random_workloads_conserve_blocks_and_report_once(workload, overrides):
     max_model_len = 96 if overrides["chunked_prefill"] else overrides["max_num_batched_tokens"]
     config = SchedulerConfig(max_model_len=max_model_len, **overrides)
