@@ -76,11 +76,16 @@ class EngineConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     check_lockstep: bool = False
     seed: int = 0
+    # When set, each rank's KV pool gets as many blocks as fit in this many bytes, replacing
+    # scheduler.num_blocks.
+    kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
         _choice("dtype", self.dtype, tuple(DTYPES))
+        if self.kv_cache_bytes is not None:
+            _positive_int("kv_cache_bytes", self.kv_cache_bytes)
         if not isinstance(self.check_lockstep, bool):
             raise ValueError(f"check_lockstep must be true or false, got {self.check_lockstep!r}")
         capacity = self.ll_capacity

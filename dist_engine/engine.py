@@ -23,7 +23,7 @@ from dist_engine.checkpoint import load_model
 from dist_engine.config import EngineConfig, model_identity
 from dist_engine.distributed import DistContext
 from dist_engine.errors import LockstepError, RankFailureError
-from dist_engine.kv_cache import KVCache
+from dist_engine.kv_cache import KVCache, num_blocks_for_budget
 from dist_engine.model import MoECausalLM
 from dist_engine.model_config import ModelConfig
 from dist_engine.moe_block import ExpertParallelContext
@@ -77,6 +77,16 @@ class DPEngine:
         sched_config = dataclasses.replace(
             config.scheduler, vocab_size=self.model_config.vocab_size
         )
+        if config.kv_cache_bytes is not None:
+            sched_config = dataclasses.replace(
+                sched_config,
+                num_blocks=num_blocks_for_budget(
+                    self.model_config,
+                    sched_config.block_size,
+                    config.torch_dtype,
+                    config.kv_cache_bytes,
+                ),
+            )
         if sched_config.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"scheduler.max_model_len ({sched_config.max_model_len}) exceeds the model's "

@@ -137,3 +137,15 @@ def test_engine_refuses_a_model_len_beyond_the_model(model_dir):
     )
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
         DPEngine(config)
+
+
+def test_kv_pool_sized_from_a_memory_budget(model_dir):
+    from dist_engine.kv_cache import bytes_per_block
+
+    config = EngineConfig.from_dict(
+        {"model": model_dir, "kv_cache_bytes": 1_000_000, "scheduler": {"max_model_len": 64}}
+    )
+    engine = DPEngine(config)
+    per_block = bytes_per_block(engine.model_config, 16, config.torch_dtype)
+    assert engine.scheduler.kv.blocks.num_blocks == 1_000_000 // per_block
+    assert engine.model.kv_cache.num_blocks == 1_000_000 // per_block
