@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +31,10 @@ _POLL_S = 0.02
 
 
 @dataclass(frozen=True)
-class Completion:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    finish_reason: str | None
-    dp_rank: int
-    finished: bool = True
-    new_token_ids: list[int] = field(default_factory=list)
+class Completion(RequestOutput):
+    """A rank's ``RequestOutput`` plus the output decoded to text (when there is a tokenizer)."""
+
     text: str | None = None
-    ttft_s: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    arrival_time: float | None = None
 
 
 class LLM:
@@ -119,6 +111,15 @@ class LLM:
         count = len(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), count, "sampling_params")
         pins = _per_prompt(dp_rank, count, "dp_rank")
+        # Checked before anything is routed: under torchrun an out-of-range pin would be served
+        # by no rank, and a late error would leave earlier requests counted by the router.
+        for pin in pins:
+            if pin is not None and (
+                not isinstance(pin, int)
+                or isinstance(pin, bool)
+                or not 0 <= pin < self.client.num_ranks
+            ):
+                raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
         return [
             (f"{self._id_prefix}-{next(self._ids)}", self._tokens(prompt), param, pin)
             for prompt, param, pin in zip(prompts, params, pins, strict=True)
@@ -186,19 +187,8 @@ class LLM:
         text = None
         if self.tokenizer is not None and output.finished:
             text = self.tokenizer.decode(output.output_token_ids)
-        return Completion(
-            request_id=output.request_id,
-            prompt_token_ids=output.prompt_token_ids,
-            output_token_ids=output.output_token_ids,
-            finish_reason=output.finish_reason,
-            dp_rank=output.dp_rank,
-            finished=output.finished,
-            new_token_ids=output.new_token_ids,
-            text=text,
-            ttft_s=output.ttft_s,
-            token_times=output.token_times,
-            arrival_time=output.arrival_time,
-        )
+        values = {f.name: getattr(output, f.name) for f in fields(RequestOutput)}
+        return Completion(**values, text=text)
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -43,7 +43,8 @@ class RankActor:
         self.store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
         return host, self.store.port
 
-    def start(self, host: str, port: int) -> int:
+    def start(self, host: str, port: int) -> tuple[int, str]:
+        """Join the group; returns this rank's process id and Ray node id."""
         import torch.distributed as dist
 
         from dist_engine.distributed import init_distributed
@@ -59,7 +60,7 @@ class RankActor:
             timeout_s=self.config.parallel.collective_timeout_s,
         )
         self.host = EngineHost(self.config, ctx)
-        return os.getpid()
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
     def submit(self, batch: list[Submission]) -> None:
         self.host.submit(batch)
@@ -84,6 +85,7 @@ def connect_ray(num_cpus: int | None = None) -> bool:
     # Token auth breaks a local cluster's own node joins; a private embedded Ray needs none.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(
+        address="local",  # a new private instance, even if another cluster runs on this host
         num_cpus=num_cpus,
         include_dashboard=False,
         object_store_memory=256 * 1024 * 1024,
@@ -115,11 +117,12 @@ class RayClient:
                 for rank in range(world)
             ]
             host, port = ray.get(self.actors[0].create_store.remote(), timeout=_STARTUP_TIMEOUT_S)
-            pids = ray.get(
+            started = ray.get(
                 [actor.start.remote(host, port) for actor in self.actors],
                 timeout=_STARTUP_TIMEOUT_S,
             )
-            self.pids = dict(enumerate(pids))
+            self.pids = {rank: pid for rank, (pid, _) in enumerate(started)}
+            self.node_ids = {rank: node for rank, (_, node) in enumerate(started)}
         except BaseException:
             self.shutdown()
             raise

@@ -27,7 +27,12 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 1024 * 1024)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=200 * 1024 * 1024,
+    )
     yield
     ray.shutdown()
 
