@@ -1,0 +1,534 @@
+"""What step synchronisation costs a DP group: sync policy ``vote`` against ``every_step``.
+
+The same seeded workload runs under each policy at DP=2 and DP=4, in real multi-process gloo
+groups (one spawned process per rank, CPU, float32) serving a small random Qwen3-MoE written by
+``make_tiny_checkpoint`` into a temp dir. Each rank's engine loop runs on a thread while the
+rank's main thread submits that rank's requests at their scheduled wall-clock times (Poisson
+arrivals, prompts of 8-128 tokens, 16-64 output tokens, ``ignore_eos`` so every request
+produces exactly ``max_tokens``). The ranks are skewed on purpose: rank 0 gets more and longer
+work, odd ranks get nothing during an opening burst, and every rank pauses mid-run so the group
+drains, sleeps and wakes again. When every rank's requests have ended (ranks report it through
+the TCPStore), rank 0 asks the group to shut down.
+
+Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outputs:
+
+- steps/s: steps per second of busy loop time (``sum(step_s)``, which excludes sleeping).
+- sync %: ``sum(sync_s) / sum(step_s)`` per rank, averaged over ranks. ``sync_s`` is the time
+  inside the vote collectives, which includes waiting for the slowest rank to arrive.
+- per vote: mean seconds per allreduce call (``sum(sync_s) / TorchVote.num_calls``); "floor":
+  the median over vote steps of the *smallest* ``sync_s`` of any rank at that step (per call),
+  i.e. the last rank to arrive, which waits for nobody; and "bare": one gloo MIN-allreduce of
+  7 int64s with the ranks aligned (200 back-to-back calls after a barrier, after the run).
+  "p50": the median call on each rank (vote steps' ``sync_s`` over their calls), averaged.
+- votes/step: allreduce calls per step (vote 1 and vote 2 both count).
+- placeholder %: rank-steps that ran a zero-token forward (``num_seqs == 0``, not known-empty).
+- known-empty %: steps the group knew to be empty everywhere (no forward at all).
+- TTFT and inter-token latency (ITL) in ms (``arrival_time``, ``first_token_time`` and
+  ``token_times`` of each request's final output) and in steps. Steps are the engine's
+  ``step_index``: the output callback runs inside the step that produced a token, so it records
+  ``scheduler.step_index - 1`` for each streamed token; the driver records
+  ``scheduler.step_index`` (the next step to start) when it submits. TTFT in steps is
+  ``first token step - submit step + 1`` (the producing step counts); ITL 1 = consecutive steps.
+- output tok/s: all ranks' output tokens over the time from the first arrival to the last token.
+
+    .venv/bin/python scripts/bench_sync.py [--quick] [--out bench_results/sync.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import random
+import statistics
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dist_engine.config import EngineConfig, ParallelConfig
+from dist_engine.distributed import DistContext, init_distributed
+from dist_engine.engine import DPEngine
+from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.request_output import RequestOutput
+from scheduler import SamplingParams, SchedulerConfig
+
+MODEL_SIZES = dict(
+    vocab_size=512,
+    hidden_size=128,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    num_experts=16,
+    top_k=2,
+    moe_intermediate_size=64,
+    intermediate_size=256,
+)
+SCHEDULER = dict(
+    max_num_seqs=16,
+    max_num_batched_tokens=256,
+    max_model_len=256,
+    block_size=16,
+    num_blocks=320,
+)
+POLICIES = ("vote", "every_step")
+WORLD_SIZES = (2, 4)
+COLLECTIVE_TIMEOUT_S = 60.0
+BARE_CALLS = 200
+VOTE_LEN = 7
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The workload, per rank: the same for every policy and DP size."""
+
+    duration_s: float  # arrivals are spread over this many seconds
+    rate_per_s: float  # mean arrivals per second on the least loaded rank
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class Arrival:
+    request_id: str
+    at_s: float  # seconds after the driver starts
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+# -- workload ----------------------------------------------------------------------------------
+def make_workload(rank: int, world: int, spec: Spec) -> list[Arrival]:
+    """Poisson arrivals with rank skew: rank 0 gets 1.6x the rate and longer prompts; odd ranks
+    sit out the first 15% (ranks disagree about wanting to prefill); all pause at 50-65%."""
+    rng = random.Random(spec.seed * 1000 + rank)
+    rate = spec.rate_per_s * (1.6 if rank == 0 else 1.0)
+    arrivals: list[Arrival] = []
+    now = 0.0
+    while True:
+        now += rng.expovariate(rate)
+        if now >= spec.duration_s:
+            return arrivals
+        phase = now / spec.duration_s
+        if (phase < 0.15 and rank % 2 == 1) or 0.5 <= phase < 0.65:
+            continue
+        low = 48 if rank == 0 else 8
+        prompt = tuple(
+            rng.randrange(1, MODEL_SIZES["vocab_size"]) for _ in range(rng.randint(low, 128))
+        )
+        arrivals.append(Arrival(f"r{rank}-{len(arrivals)}", now, prompt, rng.randint(16, 64)))
+
+
+# -- one rank ----------------------------------------------------------------------------------
+class Collector:
+    """Per-request streamed outputs, with the step each token was produced at."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.engine: DPEngine | None = None
+        self.submit_step: dict[str, int] = {}
+        self.token_steps: dict[str, list[int]] = {}
+        self.final: dict[str, RequestOutput] = {}
+        self.all_done = threading.Event()
+        self.expected = 0
+
+    def __call__(self, output: RequestOutput) -> None:
+        # Runs on the engine thread inside the producing step; schedule() already advanced
+        # step_index, so that step is step_index - 1.
+        assert self.engine is not None
+        step = self.engine.scheduler.step_index - 1
+        with self.lock:
+            steps = self.token_steps.setdefault(output.request_id, [])
+            steps.extend([step] * len(output.new_token_ids))
+            if output.finished:
+                self.final[output.request_id] = output
+                if len(self.final) >= self.expected:
+                    self.all_done.set()
+
+
+def _engine_config(model_dir: str, world: int, policy: str) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir,
+        dtype="float32",
+        parallel=ParallelConfig(
+            dp_size=world,
+            launcher="local",
+            backend="gloo",
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        ),
+        scheduler=SchedulerConfig(**SCHEDULER, sync_policy=policy),
+        check_lockstep=False,
+    )
+
+
+def _play(engine: DPEngine, collector: Collector, arrivals: list[Arrival]) -> None:
+    start = time.monotonic()
+    for arrival in arrivals:
+        delay = start + arrival.at_s - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        with collector.lock:
+            collector.submit_step[arrival.request_id] = engine.scheduler.step_index
+        params = SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True)
+        engine.submit(arrival.request_id, list(arrival.prompt), params, stream=True)
+
+
+def _shut_down_together(engine: DPEngine, store: dist.Store, rank: int, world: int) -> None:
+    """Every rank reports done through the store; rank 0 then asks the group to stop, so no
+    rank leaves while another still needs it in the collectives."""
+    keys = [f"bench_sync/done/{r}" for r in range(world)]
+    store.set(keys[rank], b"1")
+    if rank == 0:
+        while not store.check(keys):
+            time.sleep(0.01)
+        engine.shutdown()
+
+
+def _bare_allreduce(ctx: DistContext) -> list[float]:
+    """Seconds per MIN-allreduce of a vote-sized vector with the ranks aligned."""
+    tensor = torch.zeros(VOTE_LEN, dtype=torch.int64)
+    dist.barrier(group=ctx.vote_group)
+    times = []
+    for _ in range(BARE_CALLS):
+        start = time.perf_counter()
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=ctx.vote_group)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _serve(ctx: DistContext, model_dir: str, policy: str, spec: Spec) -> dict[str, Any]:
+    arrivals = make_workload(ctx.rank, ctx.world_size, spec)
+    collector = Collector()
+    collector.expected = len(arrivals)
+    if not arrivals:
+        collector.all_done.set()
+    engine = DPEngine(_engine_config(model_dir, ctx.world_size, policy), ctx, on_output=collector)
+    collector.engine = engine
+    # The driver's own store connection: a client serves one request at a time.
+    store = dist.TCPStore(ctx.store.host, ctx.store.port, is_master=False)
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    _play(engine, collector, arrivals)
+    if not collector.all_done.wait(spec.duration_s * 10 + 120):
+        raise TimeoutError(f"rank {ctx.rank}: requests never ended")
+    _shut_down_together(engine, store, ctx.rank, ctx.world_size)
+    thread.join(COLLECTIVE_TIMEOUT_S)
+    if thread.is_alive() or engine.error is not None:
+        raise RuntimeError(f"rank {ctx.rank}: engine did not stop cleanly: {engine.error}")
+    return _rank_result(engine, collector, arrivals)
+
+
+def _rank_result(engine: DPEngine, collector: Collector, arrivals: list[Arrival]) -> dict[str, Any]:
+    requests = {}
+    for arrival in arrivals:
+        final = collector.final[arrival.request_id]
+        requests[arrival.request_id] = {
+            "prompt_len": len(arrival.prompt),
+            "max_tokens": arrival.max_tokens,
+            "finish_reason": final.finish_reason,
+            "num_tokens": len(final.output_token_ids),
+            "arrival_time": final.arrival_time,
+            "first_token_time": final.first_token_time,
+            "token_times": final.token_times,
+            "submit_step": collector.submit_step[arrival.request_id],
+            "token_steps": collector.token_steps.get(arrival.request_id, []),
+        }
+    trace = [
+        (
+            t.step,
+            t.kind,
+            t.point.value,
+            (t.group is not None) + (t.any_scheduled is not None),  # allreduce calls
+            t.num_seqs,
+            t.sync_s,
+            t.step_s,
+            t.slept_s,
+        )
+        for t in engine.trace
+    ]
+    assert engine.vote is not None
+    return {"trace": trace, "vote_calls": engine.vote.num_calls, "requests": requests}
+
+
+def _rank_main(
+    rank: int, world: int, port: int, model_dir: str, policy: str, spec: Spec, results: Any
+) -> None:
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        ctx = init_distributed(rank, world, store, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
+        result = _serve(ctx, model_dir, policy, spec)
+        result["bare_allreduce_s"] = _bare_allreduce(ctx)
+        results.put((rank, "ok", result))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# -- the parent --------------------------------------------------------------------------------
+def run_config(model_dir: str, policy: str, world: int, spec: Spec) -> list[dict[str, Any]]:
+    """Spawn ``world`` ranks on one configuration; return their results by rank."""
+    # The parent owns the store, so the port is free by construction (port 0 = pick one).
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world, store.port, model_dir, policy, spec, results),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, spec.duration_s * 10 + 300)
+    finally:
+        # Let every rank leave the group on its own first: killing one mid-teardown makes
+        # its peers' gloo threads fail (std::terminate) while they are still exiting.
+        deadline = time.monotonic() + 15
+        for proc in procs:
+            proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+def _collect(procs: list[Any], results: Any, timeout_s: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    by_rank: dict[int, dict[str, Any]] = {}
+    while len(by_rank) < len(procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(by_rank))} hung")
+        try:
+            rank, status, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"ranks {dead} died without reporting") from None
+            continue
+        if status != "ok":
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        by_rank[rank] = payload
+    return [by_rank[rank] for rank in range(len(procs))]
+
+
+# -- analysis ----------------------------------------------------------------------------------
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _trace_metrics(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    traces = [r["trace"] for r in ranks]
+    steps = len(traces[0])
+    rank_steps = [row for trace in traces for row in trace]
+    busy = [sum(row[6] for row in trace) for trace in traces]
+    sync = [sum(row[5] for row in trace) for trace in traces]
+    calls = [r["vote_calls"] for r in ranks]
+    # Per vote step, the last rank to arrive waits for nobody: its time is the collective's.
+    floors = [
+        min(trace[i][5] for trace in traces) / traces[0][i][3]
+        for i in range(steps)
+        if traces[0][i][3]
+    ]
+    # Per rank, the median call: robust to the CPU-steal outliers that dominate the mean.
+    medians = [_pct([row[5] / row[3] for row in trace if row[3]], 50) for trace in traces]
+    kinds = [row[1] for row in traces[0]]
+    points: dict[str, list[int]] = {}
+    for row in traces[0]:  # per attempt point: [steps, of which prefill]
+        counts = points.setdefault(row[2], [0, 0])
+        counts[0] += 1
+        counts[1] += row[1] == "prefill"
+    return {
+        "steps": steps,
+        "same_steps_on_all_ranks": all(len(t) == steps for t in traces),
+        "steps_per_s": steps / statistics.mean(busy),
+        "busy_s": statistics.mean(busy),
+        "sync_frac": statistics.mean(s / b for s, b in zip(sync, busy, strict=True)),
+        "vote_calls": calls[0],
+        "votes_per_step": calls[0] / steps,
+        "vote_steps_per_step": sum(row[3] > 0 for row in traces[0]) / steps,
+        "s_per_vote": statistics.mean(s / max(c, 1) for s, c in zip(sync, calls, strict=True)),
+        "vote_p50_s": statistics.mean(medians),
+        "vote_floor_s": _pct(floors, 50),
+        "sync_frac_per_rank": [s / b for s, b in zip(sync, busy, strict=True)],
+        "placeholder_frac": sum(r[4] == 0 and r[1] != "empty" for r in rank_steps)
+        / len(rank_steps),
+        "known_empty_frac": sum(r[1] == "empty" for r in rank_steps) / len(rank_steps),
+        "prefill_steps": kinds.count("prefill"),
+        "decode_steps": kinds.count("decode"),
+        "empty_steps": kinds.count("empty"),
+        "points": points,
+        "slept_s": statistics.mean(sum(row[7] for row in trace) for trace in traces),
+        "sleeps": sum(row[7] > 0 for row in traces[0]),
+        "bare_allreduce_p50_s": statistics.mean(_pct(r["bare_allreduce_s"], 50) for r in ranks),
+    }
+
+
+def _latency_metrics(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    reqs = [req for r in ranks for req in r["requests"].values()]
+    ttft_ms = [(q["first_token_time"] - q["arrival_time"]) * 1e3 for q in reqs]
+    ttft_steps = [q["token_steps"][0] - q["submit_step"] + 1 for q in reqs]
+    itl_ms = [(b - a) * 1e3 for q in reqs for a, b in pairwise(q["token_times"])]
+    itl_steps = [b - a for q in reqs for a, b in pairwise(q["token_steps"])]
+    tokens = sum(q["num_tokens"] for q in reqs)
+    span = max(q["token_times"][-1] for q in reqs) - min(q["arrival_time"] for q in reqs)
+    return {
+        "requests": len(reqs),
+        "all_complete": all(q["num_tokens"] == q["max_tokens"] for q in reqs),
+        "output_tokens": tokens,
+        "span_s": span,
+        "output_tok_per_s": tokens / span,
+        "ttft_ms_p50": _pct(ttft_ms, 50),
+        "ttft_ms_p90": _pct(ttft_ms, 90),
+        "ttft_steps_p50": _pct(ttft_steps, 50),
+        "ttft_steps_p90": _pct(ttft_steps, 90),
+        "itl_ms_p50": _pct(itl_ms, 50),
+        "itl_ms_p99": _pct(itl_ms, 99),
+        "itl_steps_p50": _pct(itl_steps, 50),
+        "itl_steps_p99": _pct(itl_steps, 99),
+    }
+
+
+def _by_rank(ranks: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Rank skew shows here: the busiest rank's queue is where requests wait."""
+    per_rank = [_latency_metrics([r]) for r in ranks]
+    keys = ("requests", "ttft_ms_p50", "ttft_ms_p90", "ttft_steps_p50", "ttft_steps_p90")
+    return {f"{key}_by_rank": [m[key] for m in per_rank] for key in keys}
+
+
+def summarise(policy: str, world: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "policy": policy,
+        "dp": world,
+        "oversubscribed": world > (os.cpu_count() or 1),
+        **_trace_metrics(ranks),
+        **_latency_metrics(ranks),
+        **_by_rank(ranks),
+    }
+
+
+# -- output ------------------------------------------------------------------------------------
+COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("DP", "dp", "{}"),
+    ("steps/s", "steps_per_s", "{:.1f}"),
+    ("sync %", "sync_frac", "{:.2%}"),
+    ("ms/vote", "s_per_vote", "ms"),
+    ("p50 ms/vote", "vote_p50_s", "ms"),
+    ("floor ms", "vote_floor_s", "ms"),
+    ("bare ms", "bare_allreduce_p50_s", "ms"),
+    ("votes/step", "votes_per_step", "{:.3f}"),
+    ("placeh. %", "placeholder_frac", "{:.1%}"),
+    ("empty %", "known_empty_frac", "{:.1%}"),
+    ("TTFT p50/p90 ms", ("ttft_ms_p50", "ttft_ms_p90"), "{:.0f} / {:.0f}"),
+    ("TTFT p50/p90 st", ("ttft_steps_p50", "ttft_steps_p90"), "{} / {}"),
+    ("ITL p50/p99 ms", ("itl_ms_p50", "itl_ms_p99"), "{:.1f} / {:.1f}"),
+    ("ITL p50/p99 st", ("itl_steps_p50", "itl_steps_p99"), "{} / {}"),
+    ("out tok/s", "output_tok_per_s", "{:.0f}"),
+)
+
+
+def _cell(row: dict[str, Any], key: str | tuple[str, ...], fmt: str) -> str:
+    if fmt == "ms":
+        return f"{row[key] * 1e3:.3f}"
+    keys = key if isinstance(key, tuple) else (key,)
+    return fmt.format(*(row[k] for k in keys))
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| " + " | ".join(name for name, _, _ in COLUMNS) + " |",
+        "| " + " | ".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + " |",
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row, k, f) for _, k, f in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> list[str]:
+    """Target: under ``vote``, sync time <= 2% of step time."""
+    lines = []
+    for row in rows:
+        if row["policy"] != "vote":
+            continue
+        met = "MET" if row["sync_frac"] <= 0.02 else "MISSED"
+        note = " (oversubscribed: more ranks than cores)" if row["oversubscribed"] else ""
+        lines.append(
+            f"DP={row['dp']}{note}: vote sync {row['sync_frac']:.2%} of step time -> {met}; "
+            f"{row['s_per_vote'] * 1e3:.3f} ms per vote (median {row['vote_p50_s'] * 1e3:.3f}) vs "
+            f"{row['vote_floor_s'] * 1e3:.3f}"
+            f" ms for the last rank to arrive and {row['bare_allreduce_p50_s'] * 1e3:.3f} ms bare"
+        )
+    return lines
+
+
+# -- main --------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_results/sync.json")
+    parser.add_argument("--quick", action="store_true", help="a short run (a few seconds each)")
+    parser.add_argument("--duration", type=float, default=None, help="arrival window, seconds")
+    parser.add_argument("--rate", type=float, default=3.0, help="arrivals/s on a light rank")
+    args = parser.parse_args()
+    spec = Spec(duration_s=args.duration or (4.0 if args.quick else 12.0), rate_per_s=args.rate)
+    cores = os.cpu_count() or 1
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(make_tiny_checkpoint("qwen3_moe", tmp, seed=0, **MODEL_SIZES))
+        for world in WORLD_SIZES:
+            if world > cores:
+                print(
+                    f"note: DP={world} runs {world} rank processes on {cores} cores "
+                    "(oversubscribed): ranks time-share cores, so waits grow"
+                )
+            for policy in POLICIES:
+                started = time.monotonic()
+                row = summarise(policy, world, run_config(model_dir, policy, world, spec))
+                row["wall_s"] = time.monotonic() - started
+                print(
+                    f"{policy} DP={world}: {row['steps']} steps, {row['requests']} requests, "
+                    f"{row['wall_s']:.1f} s",
+                    flush=True,
+                )
+                rows.append(row)
+    print()
+    print(markdown_table(rows))
+    print()
+    print("\n".join(verdict(rows)))
+    _write(args.out, spec, rows)
+
+
+def _write(path: str, spec: Spec, rows: list[dict[str, Any]]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "machine": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "model": MODEL_SIZES,
+        "scheduler": SCHEDULER,
+        "spec": asdict(spec),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
