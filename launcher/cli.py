@@ -65,8 +65,11 @@ def run_job(args: argparse.Namespace) -> int:
     from scheduler import SamplingParams
 
     config = _job_config(args)
-    prompts, params, pins = _load_prompts(args.prompts, args.max_tokens)
-    sampling = [SamplingParams(**p) for p in params]
+    try:
+        SamplingParams(max_tokens=args.max_tokens)
+    except ValueError as error:
+        raise ValueError(f"--max-tokens: {error}") from None
+    prompts, sampling, pins = _load_prompts(args.prompts, args.max_tokens, config.parallel.dp_size)
     start = time.perf_counter()
     with LLM(config=config) as llm:
         ready = time.perf_counter()
@@ -89,6 +92,8 @@ def _job_config(args: argparse.Namespace):
     from dist_engine.config import EngineConfig
 
     if args.config:
+        if not Path(args.config).is_file():
+            raise ValueError(f"--config {args.config}: no such file")
         config = EngineConfig.from_yaml(args.config)
     else:
         from launcher.builtin import builtin_model
@@ -103,7 +108,7 @@ def _job_config(args: argparse.Namespace):
     overrides: dict[str, Any] = {}
     if args.launcher:
         overrides["launcher"] = args.launcher
-    if args.dp_size:
+    if args.dp_size is not None:  # so that --dp-size 0 is refused, not ignored
         overrides["dp_size"] = args.dp_size
     for item in args.set:
         key, sep, value = item.partition("=")
@@ -113,12 +118,16 @@ def _job_config(args: argparse.Namespace):
     return config.with_overrides(**overrides) if overrides else config
 
 
-def _load_prompts(path: str | None, max_tokens: int):
+def _load_prompts(path: str | None, max_tokens: int, dp_size: int):
+    from scheduler import SamplingParams
+
     if path is None:
         from launcher.builtin import BUILTIN_PROMPTS
 
         count = len(BUILTIN_PROMPTS)
-        return BUILTIN_PROMPTS, [{"max_tokens": max_tokens}] * count, [None] * count
+        return BUILTIN_PROMPTS, [SamplingParams(max_tokens=max_tokens)] * count, [None] * count
+    if not Path(path).is_file():
+        raise ValueError(f"--prompts {path}: no such file")
     prompts, params, pins = [], [], []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -129,11 +138,28 @@ def _load_prompts(path: str | None, max_tokens: int):
             raise ValueError(f"{path}:{number}: not JSON: {error}") from None
         if not isinstance(item, dict) or ("prompt" in item) == ("prompt_token_ids" in item):
             raise ValueError(f"{path}:{number}: need exactly one of 'prompt', 'prompt_token_ids'")
-        prompts.append(item.get("prompt", item.get("prompt_token_ids")))
-        params.append(
-            {"max_tokens": max_tokens, **{k: item[k] for k in SAMPLING_KEYS if k in item}}
-        )
-        pins.append(item.get("dp_rank"))
+        prompt = item.get("prompt", item.get("prompt_token_ids"))
+        if "prompt" in item and not isinstance(prompt, str):
+            raise ValueError(f"{path}:{number}: 'prompt' must be a string, got {prompt!r}")
+        if "prompt_token_ids" in item and (
+            not isinstance(prompt, list)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            raise ValueError(
+                f"{path}:{number}: 'prompt_token_ids' must be a list of ints, got {prompt!r}"
+            )
+        settings = {"max_tokens": max_tokens, **{k: item[k] for k in SAMPLING_KEYS if k in item}}
+        try:
+            params.append(SamplingParams(**settings))
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: {error}") from None
+        pin = item.get("dp_rank")
+        if pin is not None and (
+            not isinstance(pin, int) or isinstance(pin, bool) or not 0 <= pin < dp_size
+        ):
+            raise ValueError(f"{path}:{number}: dp_rank must be in [0, {dp_size}), got {pin!r}")
+        prompts.append(prompt)
+        pins.append(pin)
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts, params, pins

@@ -16,10 +16,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dist_engine.config import EngineConfig
+from dist_engine.errors import LockstepError
 from dist_engine.request_output import RequestOutput
 from launcher.clients import EngineHost, RankFailure, Submission
 
 _STARTUP_TIMEOUT_S = 300.0
+_TAKE_S = 0.5  # how long a rank's outstanding `take` waits for outputs before returning empty
 
 
 @ray.remote(max_concurrency=8)
@@ -103,8 +105,16 @@ class RayClient:
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self.pg = placement_group([bundle] * world, strategy=config.parallel.placement_strategy)
         self.actors: list[Any] = []
+        self._takes: dict[int, Any] = {}
         try:
-            ray.get(self.pg.ready(), timeout=_STARTUP_TIMEOUT_S)
+            try:
+                ray.get(self.pg.ready(), timeout=_STARTUP_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise LockstepError(
+                    f"Ray could not place {world} rank(s) of {bundle} with placement_strategy "
+                    f"{config.parallel.placement_strategy} within {_STARTUP_TIMEOUT_S:.0f} s; "
+                    f"the cluster has {_describe_nodes()}"
+                ) from None
             threads = max(1, (os.cpu_count() or 1) // world)
             self.actors = [
                 RankActor.options(
@@ -134,10 +144,21 @@ class RayClient:
         self._get(rank, self.actors[rank].abort.remote(request_id))
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
-        refs = [actor.take.remote(timeout_s) for actor in self.actors]
+        """Outputs from whichever ranks have some, waiting up to ``timeout_s``.
+
+        Each rank always has one ``take`` outstanding, which returns as soon as that rank has
+        outputs (or after ``_TAKE_S``); we wait on all of them together. Asking every rank again
+        every few milliseconds instead cost ~14% of DP=1 throughput on a 2-core machine.
+        """
+        for rank, actor in enumerate(self.actors):
+            if rank not in self._takes:
+                self._takes[rank] = actor.take.remote(_TAKE_S)
+        ready, _ = ray.wait(list(self._takes.values()), num_returns=1, timeout=timeout_s)
         outputs: list[RequestOutput] = []
-        for rank, ref in enumerate(refs):
-            outputs.extend(self._get(rank, ref))
+        for rank, ref in list(self._takes.items()):
+            if ref in ready:
+                del self._takes[rank]
+                outputs.extend(self._get(rank, ref))
         return outputs
 
     def _get(self, rank: int, ref: Any) -> Any:
@@ -161,6 +182,12 @@ class RayClient:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+
+
+def _describe_nodes() -> str:
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    totals = [{k: v for k, v in node["Resources"].items() if k in ("CPU", "GPU")} for node in alive]
+    return f"{len(alive)} node(s) with {totals}"
 
 
 def _cluster_has_gpus() -> bool:

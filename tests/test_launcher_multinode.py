@@ -1,0 +1,99 @@
+"""Two simulated Ray nodes on this machine (``ray.cluster_utils.Cluster``), one DP rank on each.
+
+STRICT_SPREAD must put the two rank actors on different nodes, the group must still generate
+exactly the single-rank tokens, and an unplaceable group must fail at start-up with a message,
+leaving nothing reserved behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+from engine_harness import MODEL_SIZES
+from ray.cluster_utils import Cluster
+
+import launcher.ray_launcher as ray_launcher
+from dist_engine.errors import LockstepError
+from dist_engine.make_model import make_tiny_checkpoint
+from launcher import LLM, SamplingParams
+
+PROMPTS = [[(11 * i + 5 * j) % 383 + 1 for j in range(2 + 3 * i)] for i in range(6)]
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+SETTINGS = dict(dtype="float64", max_num_seqs=8, max_model_len=128, num_blocks=128, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("multinode_model")
+    return str(make_tiny_checkpoint("qwen3_moe", out, seed=29, **MODEL_SIZES))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> list[list[int]]:
+    with LLM(model=model_dir, dp_size=1, launcher="local", **SETTINGS) as llm:
+        return [o.output_token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    assert not ray.is_initialized()
+    small = dict(num_cpus=1, object_store_memory=100 * 1024 * 1024)
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**small, "resources": {"node_a": 1}, "include_dashboard": False},
+    )
+    try:
+        cluster.add_node(**small, resources={"node_b": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        assert len(nodes) == 2
+        yield nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_strict_spread_puts_each_rank_on_its_own_node(model_dir, reference, two_nodes):
+    with LLM(
+        model=model_dir, dp_size=2, launcher="ray", placement_strategy="STRICT_SPREAD", **SETTINGS
+    ) as llm:
+        assert not llm.client.started_ray  # it joined our cluster rather than starting one
+        node_ids = llm.client.node_ids
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert set(node_ids.values()) == set(two_nodes)  # one rank on each node
+    custom = {rank: {"node_a", "node_b"} & set(two_nodes[node]) for rank, node in node_ids.items()}
+    assert sorted(map(sorted, custom.values())) == [["node_a"], ["node_b"]]
+    assert [o.output_token_ids for o in outputs] == reference
+    assert [o.dp_rank for o in outputs] == [i % 2 for i in range(len(PROMPTS))]
+
+
+def test_strict_pack_cannot_fit_two_ranks_on_a_one_cpu_node(model_dir, two_nodes, monkeypatch):
+    # Each node has one CPU: two ranks on one node can never be placed. Start-up must fail with
+    # a message naming the strategy, and free the placement group it asked for.
+    monkeypatch.setattr(ray_launcher, "_STARTUP_TIMEOUT_S", 3.0)
+    before = set(ray.util.placement_group_table())
+    with pytest.raises(LockstepError, match=r"could not place 2 rank\(s\).*STRICT_PACK.*2 node"):
+        LLM(
+            model=model_dir, dp_size=2, launcher="ray", placement_strategy="STRICT_PACK", **SETTINGS
+        )
+    table = ray.util.placement_group_table()
+    new = [pg for pg_id, pg in table.items() if pg_id not in before]
+    assert new and all(pg["state"] == "REMOVED" for pg in new)
+    deadline = time.monotonic() + 10  # the resource view catches up asynchronously
+    while ray.available_resources().get("CPU") != 2.0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == 2.0
+
+
+def test_the_cluster_still_serves_after_the_failed_start(model_dir, reference, two_nodes):
+    with LLM(
+        model=model_dir, dp_size=2, launcher="ray", placement_strategy="SPREAD", **SETTINGS
+    ) as llm:
+        outputs = llm.generate(PROMPTS[:3], PARAMS, dp_rank=1, use_tqdm=False)
+    assert [o.output_token_ids for o in outputs] == reference[:3]
+    assert all(o.dp_rank == 1 for o in outputs)

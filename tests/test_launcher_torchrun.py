@@ -1,0 +1,181 @@
+"""`torchrun -m launcher.cli run` (one process per rank) against `lockstep run --launcher ray`.
+
+Both launchers run the same YAML (DP=2, gloo, float64) on the same prompts file; the output
+files must hold the same records. Sharding: torchrun sends prompt i to rank i mod world unless
+pinned; Ray's round-robin router cycles over the unpinned prompts only. The two agree when no
+prompt is pinned before an unpinned one, and each honours a pin, so we check each against its
+own documented rule and the tokens against a single-rank reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from engine_harness import MODEL_SIZES
+
+from dist_engine.make_model import make_tiny_checkpoint
+from launcher import LLM, SamplingParams
+
+BIN = Path(sys.executable).parent
+TORCHRUN = str(BIN / "torchrun")
+LOCKSTEP = str(BIN / "lockstep")
+TIMEOUT_S = 240
+
+PROMPTS = [
+    {"prompt_token_ids": [(5 * i + 3 * j) % 383 + 1 for j in range(3 + i)], "max_tokens": 4 + i}
+    for i in range(6)
+] + [
+    {"prompt": "hello experts", "max_tokens": 5},
+    {"prompt_token_ids": [9, 8, 7, 6], "max_tokens": 3, "dp_rank": 0},  # pinned against i % 2
+    {"prompt_token_ids": [11, 12], "max_tokens": 7},
+]
+for _line in PROMPTS:
+    _line["ignore_eos"] = True
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("torchrun_job")
+    model = make_tiny_checkpoint("qwen3_moe", root / "model", seed=21, **MODEL_SIZES)
+    config = root / "job.yaml"
+    config.write_text(
+        f"model: {model}\n"
+        "dtype: float64\n"
+        "parallel: {dp_size: 2, launcher: torchrun, backend: gloo, collective_timeout_s: 30}\n"
+        "scheduler: {max_num_seqs: 8, max_model_len: 128, num_blocks: 128, block_size: 4}\n"
+    )
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in PROMPTS))
+    return {"root": root, "config": config, "prompts": prompts}
+
+
+def run(
+    argv: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    environ.update(RAY_AUTH_MODE="disabled", **(env or {}))
+    try:
+        return subprocess.run(
+            argv, cwd=cwd, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as error:  # subprocess.run killed it
+        pytest.fail(
+            f"{argv[:3]} ran past {TIMEOUT_S}s\nstdout:\n{error.stdout}\nstderr:\n{error.stderr}"
+        )
+
+
+def check(result: subprocess.CompletedProcess, code: int = 0) -> None:
+    assert result.returncode == code, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\n"
+        f"stderr:\n{result.stderr[-8000:]}"
+    )
+
+
+def torchrun(nproc: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return run([TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *args], cwd)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def outputs(job) -> dict[str, list[dict]]:
+    root, config, prompts = job["root"], str(job["config"]), str(job["prompts"])
+    out_torchrun, out_ray = root / "out_torchrun.jsonl", root / "out_ray.jsonl"
+    result = torchrun(
+        2, "-m", "launcher.cli", "run", "--config", config, "--prompts", prompts,
+        "--output", str(out_torchrun), "--quiet", cwd=root,
+    )  # fmt: skip
+    check(result)
+    # Only rank 0 prints the summary (every process runs the same command).
+    assert result.stdout.count("launcher / DP          torchrun / 2") == 1, result.stdout
+    result = run(
+        [LOCKSTEP, "run", "--config", config, "--launcher", "ray", "--dp-size", "2",
+         "--prompts", prompts, "--output", str(out_ray), "--quiet"],
+        root,
+    )  # fmt: skip
+    check(result)
+    assert "launcher / DP          ray / 2" in result.stdout
+    return {"torchrun": records(out_torchrun), "ray": records(out_ray)}
+
+
+@pytest.fixture(scope="module")
+def reference(job) -> list[list[int]]:
+    prompts = [line.get("prompt", line.get("prompt_token_ids")) for line in PROMPTS]
+    params = [SamplingParams(max_tokens=line["max_tokens"], ignore_eos=True) for line in PROMPTS]
+    with LLM(config=job["config"], launcher="local", dp_size=1) as llm:
+        return [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_torchrun_and_ray_write_the_same_records(outputs, reference):
+    def without_rank(recs):
+        return [{k: v for k, v in r.items() if k != "dp_rank"} for r in recs]
+
+    assert len(outputs["torchrun"]) == len(PROMPTS)
+    assert without_rank(outputs["torchrun"]) == without_rank(outputs["ray"])
+    assert [r["index"] for r in outputs["torchrun"]] == list(range(len(PROMPTS)))
+    assert [r["output_token_ids"] for r in outputs["torchrun"]] == reference
+    assert [len(r["output_token_ids"]) for r in outputs["torchrun"]] == [
+        line["max_tokens"] for line in PROMPTS
+    ]
+    assert all(r["finish_reason"] == "length" for r in outputs["torchrun"])
+
+
+def test_each_launcher_shards_by_its_documented_rule(outputs):
+    pins = [line.get("dp_rank") for line in PROMPTS]
+    # torchrun: prompt i on rank i mod 2, unless pinned.
+    expected_torchrun = [i % 2 if pin is None else pin for i, pin in enumerate(pins)]
+    assert [r["dp_rank"] for r in outputs["torchrun"]] == expected_torchrun
+    # Ray: round robin over the unpinned prompts, in input order; pins honoured.
+    cycle = iter([0, 1] * len(pins))
+    expected_ray = [next(cycle) if pin is None else pin for pin in pins]
+    assert [r["dp_rank"] for r in outputs["ray"]] == expected_ray
+    # They agree up to the first pin that breaks i mod 2, which both launchers honour.
+    first_pin = next(i for i, pin in enumerate(pins) if pin is not None)
+    assert expected_torchrun[: first_pin + 1] == expected_ray[: first_pin + 1]
+    assert expected_torchrun != expected_ray
+
+
+def test_an_out_of_range_pin_raises_on_every_rank(job):
+    # Under torchrun a pin outside [0, world) used to be served by no rank: every process then
+    # failed with a KeyError when collecting results. It must be a clear ValueError, after
+    # which the group still serves.
+    script = job["root"] / "pin.py"
+    # Each rank writes its own file: two processes printing to one pipe can interleave bytes.
+    script.write_text(
+        "import os\n"
+        "from launcher import LLM, SamplingParams\n"
+        "lines = []\n"
+        f"with LLM(config={str(job['config'])!r}) as llm:\n"
+        "    params = SamplingParams(max_tokens=3, ignore_eos=True)\n"
+        "    try:\n"
+        "        llm.generate([[1, 2, 3], [4, 5]], params, dp_rank=[0, 5], use_tqdm=False)\n"
+        "    except ValueError as error:\n"
+        "        lines.append(f'RAISED {error}')\n"
+        "    outs = llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)\n"
+        "    ranks = [o.dp_rank for o in outs]\n"
+        "    lengths = [len(o.output_token_ids) for o in outs]\n"
+        "    lines.append(f'SERVED {ranks} {lengths}')\n"
+        "with open(f\"pin_rank{os.environ['RANK']}.txt\", 'w') as out:\n"
+        "    out.write('\\n'.join(lines))\n"
+    )
+    result = torchrun(2, str(script), cwd=job["root"])
+    check(result)
+    for rank in range(2):
+        lines = (job["root"] / f"pin_rank{rank}.txt").read_text().splitlines()
+        assert lines == ["RAISED dp_rank must be in [0, 2), got 5", "SERVED [0, 1] [3, 3]"], lines
+
+
+def test_a_world_size_that_differs_from_dp_size_is_refused(job):
+    result = torchrun(
+        1, "-m", "launcher.cli", "run", "--config", str(job["config"]),
+        "--prompts", str(job["prompts"]), cwd=job["root"],
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "torchrun started 1 processes but parallel.dp_size is 2" in result.stderr
