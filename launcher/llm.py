@@ -78,7 +78,11 @@ class LLM:
         """Run every prompt to its end; results in input order."""
         requests = self._prepare(prompts, sampling_params, dp_rank)
         finals: dict[int, RequestOutput] = {}
-        with tqdm(total=len(requests), disable=not use_tqdm, desc="generate") as progress:
+        total = len(requests)
+        if self._torchrun:  # each process serves its share; only rank 0 shows progress
+            use_tqdm = use_tqdm and self.client.rank == 0
+            total = sum(1 for index, request in enumerate(requests) if self._serves(index, request))
+        with tqdm(total=total, disable=not use_tqdm, desc="generate") as progress:
             for index, output in self._run(requests, stream=False):
                 finals[index] = output
                 progress.update(1)
@@ -98,6 +102,11 @@ class LLM:
         requests = self._prepare(prompts, sampling_params, dp_rank)
         for _, output in self._run(requests, stream=True):
             yield self._completion(output)
+
+    def _serves(self, index: int, request: tuple) -> bool:
+        """Under torchrun: whether this process's rank serves prompt ``index``."""
+        pin = request[3]
+        return (pin if pin is not None else index % self.client.num_ranks) == self.client.rank
 
     @property
     def _torchrun(self) -> bool:
@@ -130,11 +139,11 @@ class LLM:
         batches: dict[int, list[Submission]] = {}
         for index, (request_id, tokens, params, pin) in enumerate(requests):
             if self._torchrun:
-                rank = pin if pin is not None else index % self.client.num_ranks
-                if rank != self.client.rank:
+                if not self._serves(index, requests[index]):
                     continue
+                pin = self.client.rank
             cost = len(tokens) + params.max_tokens
-            rank = self.router.assign(request_id, cost, pin if not self._torchrun else rank)
+            rank = self.router.assign(request_id, cost, pin)
             index_of[request_id] = index
             batches.setdefault(rank, []).append((request_id, tokens, params, stream))
         pending = set(index_of)
