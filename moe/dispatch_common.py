@@ -41,9 +41,7 @@ def split_by_rank(physical_ids: torch.Tensor, slots_per_rank: int) -> tuple[torc
 def pack_routing(local_slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[..., K] slots + [..., K] weights → one [..., 2K] float32 tensor.
 
-    Why one tensor: each all-to-all is a latency-bound collective (0.1-1 ms on gloo, a launch
-    plus a sync on NCCL), and the metadata is tiny, so folding slots into the weights' float32
-    tensor saves one collective per dispatch. Slot ids are small integers, exact in float32.
+    Slot ids are small integers, exact in float32; see pack_rows for why they travel together.
     """
     return torch.cat([local_slots.to(torch.float32), weights.to(torch.float32)], dim=-1)
 
@@ -55,6 +53,30 @@ def unpack_routing(packed: torch.Tensor) -> ReceivedRouting:
         local_slots=packed[..., :top_k].to(torch.int64),
         weights=packed[..., top_k:].contiguous(),
     )
+
+
+def pack_rows(
+    hidden: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """[..., D] hidden rows + their [..., K] routing → one [..., D·e + 8K] uint8 row each.
+
+    Why bytes: each all-to-all is a latency-bound collective (0.1-1 ms on gloo, a launch plus a
+    sync on NCCL) and the routing is tiny, so a row and its routing travel in one collective
+    whatever the hidden dtype (e = its element size). Reinterpreting is free; only the
+    concatenation copies.
+    """
+    routing = pack_routing(local_slots, weights)
+    return torch.cat([hidden.contiguous().view(torch.uint8), routing.view(torch.uint8)], dim=-1)
+
+
+def unpack_rows(
+    packed: torch.Tensor, hidden_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ReceivedRouting]:
+    """Inverse of pack_rows on [N, W] byte rows → (hidden [N, D] of ``dtype``, routing)."""
+    width = hidden_size * torch.empty((), dtype=dtype).element_size()
+    hidden = packed[:, :width].contiguous().view(dtype)
+    routing = packed[:, width:].contiguous().view(torch.float32)
+    return hidden, unpack_routing(routing)
 
 
 def check_slot_count(slots_per_rank: int) -> None:

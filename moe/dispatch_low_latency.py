@@ -3,8 +3,9 @@
 Shape legend: T = tokens on this rank, C = capacity per rank (ll_max_tokens_per_rank),
 D = hidden, K = top-k, R = ranks in the EP group.
 
-Every rank sends a [R, C, D] buffer and a [R, C, 2K] routing buffer with equal splits: no count
-exchange, no host sync, shapes independent of the batch (CUDA-graph friendly). Token t of this
+Every rank sends one [R, C, W] byte buffer — each row a token's hidden state followed by its
+routing (pack_rows) — with equal splits: no count exchange, no host sync, shapes independent
+of the batch (CUDA-graph friendly). Token t of this
 rank always sits at row t of each destination block; its routing row there holds the local slots
 it needs on that rank, or -1 everywhere (and weight 0) if it needs nothing there, as do padding
 rows t >= T. Every rank must use the same C, or the equal splits disagree.
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.dispatch_common import ReceivedRouting, pack_routing, split_by_rank, unpack_routing
+from moe.dispatch_common import ReceivedRouting, pack_rows, split_by_rank, unpack_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,17 +72,17 @@ def low_latency_dispatch(
     send_weights = torch.zeros(num_ranks, capacity, top_k, dtype=torch.float32, device=device)
     send_weights[:, :num_tokens] = torch.where(on_rank, topk_weights.float().unsqueeze(0), 0.0)
 
-    recv_hidden = torch.empty_like(send_hidden)
-    dist.all_to_all_single(recv_hidden, send_hidden, group=group)
-    send_packed = pack_routing(send_slots, send_weights)
-    recv_packed = torch.empty_like(send_packed)
-    dist.all_to_all_single(recv_packed, send_packed, group=group)
+    send = pack_rows(send_hidden, send_slots, send_weights)  # [R, C, W]
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
 
     meta = LowLatencyDispatchMeta(
         num_tokens=num_tokens, capacity=capacity, num_ranks=num_ranks, dtype=hidden.dtype
     )
-    recv_routing = unpack_routing(recv_packed.view(num_ranks * capacity, 2 * top_k))
-    return recv_hidden.view(num_ranks * capacity, hidden_size), recv_routing, meta
+    recv_hidden, recv_routing = unpack_rows(
+        recv.view(num_ranks * capacity, -1), hidden_size, hidden.dtype
+    )
+    return recv_hidden, recv_routing, meta
 
 
 def low_latency_combine(

@@ -7,7 +7,8 @@ Protocol, identical on every rank (a rank with T = 0 takes part with empty sends
   1. a token bound for several experts on one rank becomes ONE (token, rank) pair, carrying a
      K-wide row of local slots (-1 where that choice lives elsewhere) and weights;
   2. all_to_all_single of the per-destination pair counts (R int64s);
-  3. all_to_all_single of hidden rows with uneven splits, then one of the packed routing rows;
+  3. ONE all_to_all_single with uneven splits of byte rows: each hidden row followed by its
+     routing (pack_rows), so rows and metadata need no second collective;
   4. the caller runs its local experts, summing each row's weighted choices (one row back per pair);
   5. the reverse all_to_all_single, and index_add_ of the returned rows into token order.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.dispatch_common import ReceivedRouting, pack_routing, split_by_rank, unpack_routing
+from moe.dispatch_common import ReceivedRouting, pack_rows, split_by_rank, unpack_rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,15 +71,10 @@ def normal_dispatch(
     send_splits, recv_splits = (tuple(s) for s in torch.stack([send_counts, recv_counts]).tolist())
     num_recv = sum(recv_splits)
 
-    recv_hidden = hidden.new_empty(num_recv, hidden_size)
-    dist.all_to_all_single(
-        recv_hidden, hidden[pair_token], list(recv_splits), list(send_splits), group=group
-    )
-    send_packed = pack_routing(send_slots, send_weights)
-    recv_packed = send_packed.new_empty(num_recv, send_packed.shape[1])
-    dist.all_to_all_single(
-        recv_packed, send_packed, list(recv_splits), list(send_splits), group=group
-    )
+    send = pack_rows(hidden[pair_token], send_slots, send_weights)  # [M, W]: rows + routing
+    recv = send.new_empty(num_recv, send.shape[1])
+    dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=group)
+    recv_hidden, recv_routing = unpack_rows(recv, hidden_size, hidden.dtype)
     meta = NormalDispatchMeta(
         pair_token=pair_token,
         send_splits=send_splits,
@@ -86,7 +82,7 @@ def normal_dispatch(
         num_tokens=num_tokens,
         dtype=hidden.dtype,
     )
-    return recv_hidden, unpack_routing(recv_packed), meta
+    return recv_hidden, recv_routing, meta
 
 
 def normal_combine(

@@ -1,4 +1,4 @@
-from sched_helpers import fake_token, make_scheduler, run_step, run_to_completion
+from sched_helpers import make_scheduler, run_step, run_to_completion
 
 from scheduler import SamplingParams, Sequence
 
@@ -72,7 +72,7 @@ def test_preempted_sequence_releases_its_references():
     for index in range(3):
         sched.add_sequence(_seq(f"r{index}", list(range(1, 10)), max_tokens=20))
     results = run_to_completion(sched)
+    assert sched.num_preemptions > 0, "the pool was not small enough to preempt"
     assert all(len(seq.output_token_ids) == 20 for seq in results.values())
     assert sched.kv.blocks.num_used == 0
     sched.check_integrity()
-    assert fake_token  # the helper drives the run
