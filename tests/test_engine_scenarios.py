@@ -292,8 +292,8 @@ def test_vote_deadlock_scenarios(world, model_dir, reference):
     assert "abort" in aborted
     latencies = sorted(x for r in by_name["sleep_wake"] for x in r["latencies"])
     assert len(latencies) == 200
-    median = latencies[len(latencies) // 2]
-    assert median < 0.05, f"median wake-to-first-token {median * 1e3:.1f} ms"
+    p90 = latencies[int(0.9 * len(latencies))]
+    assert p90 < 0.05, f"p90 wake-to-first-token {p90 * 1e3:.1f} ms"
     slept = sum(1 for _, kind, *_ in by_name["sleep_wake"][0]["trace"] if kind == "empty")
     assert slept > 0
 
