@@ -32,7 +32,14 @@ from dist_engine.runner import ModelRunner
 from dist_engine.step_sync import TorchVote, agree_settings, check_lockstep, find_failed_ranks
 from dist_engine.wake import LocalWake, StoreWake
 from moe import ExpertPlacement
-from scheduler import AttemptPoint, GroupView, SamplingParams, Scheduler, Sequence
+from scheduler import (
+    AttemptPoint,
+    GroupView,
+    SamplingParams,
+    Scheduler,
+    SchedulerOutputs,
+    Sequence,
+)
 
 OutputCallback = Callable[[RequestOutput], None]
 _MODES = {"prefill": 0, "decode": 1, "empty": 2}
@@ -241,12 +248,13 @@ class DPEngine:
         for action, payload in items:
             if action == "add":
                 seq, stream = payload
-                if stream:
-                    self._streamed[seq.request_id] = 0
                 try:
                     self.scheduler.add_sequence(seq)
                 except ValueError as error:  # e.g. a request id already in use
                     self._reject(seq, str(error))
+                    continue
+                if stream:
+                    self._streamed[seq.request_id] = 0
             elif action == "schedulable":
                 request_id, schedulable = payload
                 if self.scheduler.get_sequence(request_id) is not None:
@@ -278,7 +286,12 @@ class DPEngine:
         return time.perf_counter() - start
 
     def _record(
-        self, outputs: object, kind: str, start: float, forward_s: float, slept_s: float
+        self,
+        outputs: SchedulerOutputs,
+        kind: str,
+        start: float,
+        forward_s: float,
+        slept_s: float,
     ) -> StepTrace:
         trace = StepTrace(
             step=outputs.step_index,
@@ -321,7 +334,7 @@ class DPEngine:
             self.on_output(output)
 
     def _reject(self, seq: Sequence, reason: str) -> None:
-        self._streamed.pop(seq.request_id, None)
+        """Answer a request the scheduler never took (its id may belong to a live request)."""
         self._deliver(
             RequestOutput(
                 request_id=seq.request_id,

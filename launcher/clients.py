@@ -6,7 +6,6 @@ shuts the group down. ``RankFailure`` means a rank's process is gone.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 from typing import Any
@@ -91,7 +90,7 @@ class LocalClient:
                 "(use launcher ray or torchrun)"
             )
         self.num_ranks = 1
-        self.host = EngineHost(dataclasses.replace(config))
+        self.host = EngineHost(config)
 
     def submit(self, rank: int, batch: list[Submission]) -> None:
         self.host.submit(batch)

@@ -91,6 +91,29 @@ def test_streaming_yields_the_final_tokens_in_order(running):
     assert len(outs) > 1 and final.finish_reason == "length"
 
 
+def test_a_duplicate_id_does_not_disturb_the_live_request(running):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    running.engine.submit("dup", [1, 2, 3], params, stream=True)
+    deadline = time.monotonic() + 20
+    while not running.outputs.get("dup") and time.monotonic() < deadline:
+        time.sleep(0.0005)  # the live request has streamed at least one token
+    running.engine.submit("dup", [4, 5], PARAMS, stream=True)
+    while time.monotonic() < deadline:
+        with running.lock:
+            outs = list(running.outputs.get("dup", []))
+        if sum(o.finished for o in outs) == 2:
+            break
+        time.sleep(0.005)
+    finals = [o for o in outs if o.finished]
+    assert sorted(o.finish_reason for o in finals) == [
+        "error: request id 'dup' is already in use",
+        "length",
+    ]
+    live = next(o for o in finals if o.finish_reason == "length")
+    streamed = [t for o in outs if not o.finished for t in o.new_token_ids] + live.new_token_ids
+    assert streamed == live.output_token_ids and len(live.output_token_ids) == 30
+
+
 def test_bad_requests_get_a_terminal_reason(running):
     running.engine.submit("empty", [], PARAMS)
     running.engine.submit("vocab", [1, MODEL_SIZES["vocab_size"]], PARAMS)
