@@ -263,7 +263,6 @@ class DPEngine:
                 request_id, reason = payload
                 ended = self.scheduler.abort(request_id, reason)
                 if ended is not None:
-                    self.runner.forget(request_id)
                     self._emit(ended)
             else:
                 self._shutdown_requested = True
@@ -311,9 +310,10 @@ class DPEngine:
 
     # -- results ----------------------------------------------------------------------------
     def _emit(self, seq: Sequence) -> None:
-        sent = self._streamed.pop(seq.request_id, 0) if seq.is_finished else 0
-        if seq.is_finished:
-            self.runner.forget(seq.request_id)
+        """Report a finished sequence: its one terminal result (with any unstreamed tokens)."""
+        assert seq.is_finished, seq
+        sent = self._streamed.pop(seq.request_id, 0)
+        self.runner.forget(seq.request_id)
         self._deliver(RequestOutput.of(seq, self.rank, sent))
 
     def _emit_all(self, seqs: list[Sequence]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 SYNC_POLICIES = ("vote", "every_step")
 PREEMPTION_ORDERS = ("lcfs", "fcfs")
@@ -102,14 +102,6 @@ class SchedulerConfig:
     def group_agreed(self) -> dict[str, object]:
         """The settings every rank of a DP group must share (compared at start-up)."""
         return {name: getattr(self, name) for name in GROUP_AGREED_FIELDS}
-
-    @classmethod
-    def from_dict(cls, values: dict[str, object]) -> SchedulerConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown scheduler setting(s) {unknown}; known: {sorted(known)}")
-        return cls(**values)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

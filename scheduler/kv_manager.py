@@ -68,6 +68,10 @@ class KvManager:
         seq.block_table = plan.cached_blocks + self.blocks.allocate_many(plan.num_new_blocks)
         seq.block_hashes = list(plan.cached_hashes)
         seq.num_tokens = seq.num_cached_prefix_tokens = len(plan.cached_blocks) * self.block_size
+        if self.prefix_cache is not None:
+            # Counted at admission, not at lookup: a head that stays LATER is looked up again
+            # every step and would inflate the figure.
+            self.prefix_cache.num_hit_tokens += seq.num_cached_prefix_tokens
         if self.slots is not None:
             seq.state_slot = self.slots.allocate()
 

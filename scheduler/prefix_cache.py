@@ -24,8 +24,7 @@ class PrefixCache:
         self._block_by_key: dict[tuple[int, tuple[int, ...]], int] = {}
         self._key_by_block: dict[int, tuple[int, tuple[int, ...]]] = {}
         pool.on_evict = self._forget
-        self.num_queries = 0
-        self.num_hit_tokens = 0
+        self.num_hit_tokens = 0  # prompt tokens admitted with their KV already cached
 
     def __len__(self) -> int:
         return len(self._block_by_key)
@@ -49,8 +48,6 @@ class PrefixCache:
             blocks.append(block)
             parent = hash(key)
             hashes.append(parent)
-        self.num_queries += 1
-        self.num_hit_tokens += len(blocks) * size
         return blocks, hashes
 
     def count_evictable(self, blocks: list[int]) -> int:

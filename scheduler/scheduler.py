@@ -135,9 +135,6 @@ class Scheduler:
     def unfinished_request_ids(self) -> list[str]:
         return list(self._live)
 
-    def has_work(self) -> bool:
-        return bool(self.running) or self._head_schedulable()
-
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutputs:
         if self._needs_sweep:
