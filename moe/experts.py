@@ -1,10 +1,13 @@
 """The SwiGLU experts one rank hosts, computed grouped by slot.
 
 Shape legend: N = token rows handed to the experts, S = local physical slots, D = hidden,
-I = expert intermediate size.
+I = expert intermediate size, C = padded rows per slot.
 
-Weight layout follows the Hugging Face fused layout (`gate_up_proj` / `down_proj`), so a
-checkpoint row block copies in without transposes: w13[s] = [gate rows; up rows].
+Weights are stored input-major (`x @ w`), the transpose of the Hugging Face layout:
+w13[s] = [D, gate columns | up columns], w2[s] = [I, D]. The loader transposes once at load
+(`MoELayer.load_expert`); in exchange every expert GEMM reads its weight in the layout MKL's
+batched and plain GEMMs stream fastest (measured on this CPU: 1.4x on a decode-sized padded
+`bmm`, 1.1x on 128-row per-slot GEMMs, against the same calls on the HF layout).
 """
 
 from __future__ import annotations
@@ -13,12 +16,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The padded batched path runs one `bmm` per projection over every slot, padding each slot's
+# rows to the largest group (C). Measured on this 2-core CPU (D=256, 16 slots): with 2 torch
+# threads it beats the per-slot loop 1.4-1.5x from 2 to 32 rows per slot and 1.2x at 64,
+# because one batched GEMM spreads the slots over the threads while a GEMM of a few rows does
+# not parallelise; at 128 rows per slot the loop wins (0.74x). With 1 thread the two are within
+# ~15% either way and the loop never computes padding, so it is kept. Hence: padded only with
+# more than one thread (or on an accelerator, where each loop step is a kernel launch), and only
+# while the padding adds at most PADDED_SLACK_ROWS rows per slot over the real rows.
+PADDED_SLACK_ROWS = 16
+
 
 class LocalExperts(nn.Module):
     """SwiGLU experts for the S physical slots hosted on this rank.
 
-    w13: [S, 2I, D] — gate_proj rows then up_proj rows.
-    w2:  [S, D, I]  — down_proj.
+    w13: [S, D, 2I] — gate_proj then up_proj, input-major (HF's [2I, D] transposed).
+    w2:  [S, I, D]  — down_proj, input-major (HF's [D, I] transposed).
     Weights start at zero; the checkpoint loader fills them through `MoELayer.load_expert`.
     """
 
@@ -39,13 +52,23 @@ class LocalExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(
-            torch.zeros(num_slots, 2 * intermediate_size, hidden_size, dtype=dtype),
+            torch.zeros(num_slots, hidden_size, 2 * intermediate_size, dtype=dtype),
             requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            torch.zeros(num_slots, hidden_size, intermediate_size, dtype=dtype),
+            torch.zeros(num_slots, intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
         )
+
+    @torch.no_grad()
+    def load_slot(
+        self, slot: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
+        """Fill one slot from HF-layout weights: gate, up [I, D]; down [D, I]."""
+        size_i = self.intermediate_size
+        self.w13[slot, :, :size_i].copy_(gate.t())
+        self.w13[slot, :, size_i:].copy_(up.t())
+        self.w2[slot].copy_(down.t())
 
     def forward(
         self,
@@ -72,7 +95,7 @@ class LocalExperts(nn.Module):
                 f"{None if weights is None else tuple(weights.shape)}"
             )
         counts, order = self._group_by_slot(slot_ids)
-        sorted_out = self._grouped_swiglu(hidden[order], counts)
+        sorted_out = self._grouped_swiglu(hidden[order], slot_ids[order], counts)
         if weights is not None:
             sorted_out = _scale_rows(sorted_out, weights[order])
         out = torch.empty_like(hidden)
@@ -98,13 +121,13 @@ class LocalExperts(nn.Module):
         """
         counts, order = self._group_by_slot(slot_ids)
         sorted_rows = rows[order]
-        sorted_out = self._grouped_swiglu(hidden[sorted_rows], counts)
+        sorted_out = self._grouped_swiglu(hidden[sorted_rows], slot_ids[order], counts)
         scaled = _scale_rows(sorted_out, weights[order])
         out.index_add_(0, sorted_rows, scaled.float())
 
     def _group_by_slot(self, slot_ids: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """Per-slot row counts (one host sync: the loop over slots needs ints) and the stable
-        permutation that groups rows by slot."""
+        """Per-slot row counts (one host sync: the path choice and the loop need ints) and the
+        stable permutation that groups rows by slot."""
         counts = torch.bincount(slot_ids, minlength=self.num_slots).tolist()
         if len(counts) > self.num_slots:
             raise ValueError(
@@ -113,22 +136,61 @@ class LocalExperts(nn.Module):
             )
         return counts, torch.argsort(slot_ids, stable=True)
 
-    def _grouped_swiglu(self, sorted_hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """sorted_hidden: [N, D] grouped by slot (`counts[s]` rows for slot s) → [N, D].
+    def _grouped_swiglu(
+        self, sorted_hidden: torch.Tensor, sorted_slots: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        """sorted_hidden: [N, D] grouped by slot (`counts[s]` rows for slot s, `sorted_slots`
+        naming each row's slot) → [N, D], same row order."""
+        largest = max(counts, default=0)
+        parallel = sorted_hidden.device.type != "cpu" or torch.get_num_threads() > 1
+        slack = PADDED_SLACK_ROWS * self.num_slots
+        if parallel and 0 < largest * self.num_slots <= sorted_hidden.shape[0] + slack:
+            return self._padded_swiglu(sorted_hidden, sorted_slots, counts, largest)
+        return self._looped_swiglu(sorted_hidden, counts)
 
-        The loop is over slots, never tokens. The down projection writes into its rows of the
-        output directly (`out=`), saving a copy per slot.
-        """
+    def _looped_swiglu(self, sorted_hidden: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One GEMM pair per non-empty slot; the loop is over slots, never tokens. The down
+        projection writes into its rows of the output directly (`out=`)."""
         sorted_out = torch.empty_like(sorted_hidden)
         start = 0
         for slot, count in enumerate(counts):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate, up = F.linear(sorted_hidden[rows], self.w13[slot]).chunk(2, dim=-1)
-            torch.matmul(F.silu(gate).mul_(up), self.w2[slot].t(), out=sorted_out[rows])
+            gate_up = torch.mm(sorted_hidden[rows], self.w13[slot])
+            torch.mm(_swiglu(gate_up, self.intermediate_size), self.w2[slot], out=sorted_out[rows])
             start += count
         return sorted_out
+
+    def _padded_swiglu(
+        self,
+        sorted_hidden: torch.Tensor,
+        sorted_slots: torch.Tensor,
+        counts: list[int],
+        capacity: int,
+    ) -> torch.Tensor:
+        """Every slot's rows padded to `capacity` (C) with zeros, then one `bmm` per projection
+        over all S slots: [S, C, D] @ [S, D, 2I] and [S, C, I] @ [S, I, D]. Padding rows are
+        computed and dropped; real rows come back in `sorted_hidden`'s order."""
+        starts, start = [], 0
+        for count in counts:
+            starts.append(start)
+            start += count
+        first_row = torch.tensor(starts, dtype=torch.int64, device=sorted_hidden.device)
+        row_in_slot = torch.arange(sorted_hidden.shape[0], device=sorted_hidden.device)
+        row_in_slot -= first_row[sorted_slots]
+        padded_row = sorted_slots * capacity + row_in_slot  # [N] row of the padded buffer
+        size_d = self.hidden_size
+        padded = sorted_hidden.new_zeros(self.num_slots * capacity, size_d)
+        padded.index_copy_(0, padded_row, sorted_hidden)
+        gate_up = torch.bmm(padded.view(self.num_slots, capacity, size_d), self.w13)
+        down = torch.bmm(_swiglu(gate_up, self.intermediate_size), self.w2)
+        return down.view(-1, size_d).index_select(0, padded_row)
+
+
+def _swiglu(gate_up: torch.Tensor, size_i: int) -> torch.Tensor:
+    """[..., 2I] (gate | up) → silu(gate) * up, [..., I]."""
+    return F.silu(gate_up[..., :size_i]).mul_(gate_up[..., size_i:])
 
 
 def _scale_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

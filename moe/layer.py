@@ -94,11 +94,8 @@ class MoELayer(nn.Module):
                 f"rank {self.rank} does not host logical expert {logical_id}; it hosts "
                 f"{self.placement.hosted_logical(self.rank)}"
             )
-        with torch.no_grad():
-            for slot in local_slots:
-                self.experts.w13[slot, :size_i].copy_(gate)
-                self.experts.w13[slot, size_i:].copy_(up)
-                self.experts.w2[slot].copy_(down)
+        for slot in local_slots:
+            self.experts.load_slot(slot, gate, up, down)
 
     def forward(
         self,

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+import moe.experts as experts_module
 from moe import LocalExperts, dense_reference_moe
 
 HIDDEN, INTERMEDIATE, NUM_SLOTS = 16, 24, 5
@@ -26,9 +27,9 @@ def per_row_loop(experts: LocalExperts, hidden, slot_ids, weights) -> torch.Tens
     """The slow, obvious version: one token at a time."""
     rows = []
     for row, slot in enumerate(slot_ids.tolist()):
-        gate = experts.w13[slot, :INTERMEDIATE] @ hidden[row]
-        up = experts.w13[slot, INTERMEDIATE:] @ hidden[row]
-        out = experts.w2[slot] @ (F.silu(gate) * up)
+        gate = hidden[row] @ experts.w13[slot, :, :INTERMEDIATE]
+        up = hidden[row] @ experts.w13[slot, :, INTERMEDIATE:]
+        out = (F.silu(gate) * up) @ experts.w2[slot]
         rows.append(out if weights is None else out * weights[row])
     return torch.stack(rows) if rows else hidden.new_zeros(0, HIDDEN)
 
@@ -44,6 +45,40 @@ def test_local_experts_match_per_row_loop(num_rows: int, weighted: bool) -> None
     out = experts(hidden, slot_ids, weights)
     assert out.shape == (num_rows, HIDDEN)
     torch.testing.assert_close(out, per_row_loop(experts, hidden, slot_ids, weights))
+
+
+@pytest.mark.parametrize("path", ["padded", "looped"])
+@pytest.mark.parametrize("num_rows", [1, 3, 40, 200])
+def test_both_grouped_paths_match_per_row_loop(
+    num_rows: int, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Force each expert path whatever the group sizes (the automatic choice is a speed
+    heuristic); rows skip slot 2 entirely, so the padded buffer has an all-padding slot."""
+    monkeypatch.setattr(experts_module, "PADDED_SLACK_ROWS", 10**6 if path == "padded" else -1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    calls: list[str] = []
+    for name in ("_padded_swiglu", "_looped_swiglu"):
+        original = getattr(LocalExperts, name)
+
+        def spy(self, *args, _original=original, _name=name):
+            calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(LocalExperts, name, spy)
+    experts = random_experts(seed=7)
+    gen = torch.Generator().manual_seed(num_rows)
+    hidden = torch.randn(num_rows, HIDDEN, generator=gen)
+    slot_ids = torch.tensor([0, 1, 3, 4])[torch.randint(4, (num_rows,), generator=gen)]
+    weights = torch.rand(num_rows, generator=gen)
+    out = experts(hidden, slot_ids, weights)
+    torch.testing.assert_close(out, per_row_loop(experts, hidden, slot_ids, weights))
+    accumulated = torch.zeros(num_rows + 2, HIDDEN)
+    rows = torch.arange(num_rows) + 1
+    padded_hidden = torch.cat([torch.zeros(1, HIDDEN), hidden, torch.zeros(1, HIDDEN)])
+    experts.add_weighted(accumulated, padded_hidden, rows, slot_ids, weights)
+    torch.testing.assert_close(accumulated[1:-1], out)
+    assert not accumulated[0].any() and not accumulated[-1].any()
+    assert calls == [f"_{path}_swiglu"] * 2
 
 
 def test_local_experts_validate_inputs() -> None:

@@ -56,8 +56,8 @@ def test_load_expert_fills_every_replica() -> None:
     gate, up, down = (w[0] for w in expert_weights(0))
     layer.load_expert(0, gate, up, down)
     for slot in (0, 2, 4):
-        assert torch.equal(layer.experts.w13[slot], torch.cat([gate, up]))
-        assert torch.equal(layer.experts.w2[slot], down)
+        assert torch.equal(layer.experts.w13[slot], torch.cat([gate, up]).t())
+        assert torch.equal(layer.experts.w2[slot], down.t())
     for slot in (1, 3):
         assert not layer.experts.w13[slot].any()
 
