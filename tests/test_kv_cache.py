@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import dist_engine.paged_attention as paged_attention_module
 from dist_engine.attention_metadata import AttentionMetadata
 from dist_engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget, slot_mapping_for
 from dist_engine.model_config import ModelConfig
@@ -55,9 +56,19 @@ def _dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         ([0, 5, 9, 3], [6, 3, 1, 1]),  # fresh prompt, chunk with prefix, two decodes
         ([4, 11, 0], [1, 1, 1]),  # decode fast path (one is a one-token prompt)
         ([8], [8]),  # a chunk exactly on a block boundary
+        ([30, 2, 17, 9, 0], [1, 1, 1, 1, 1]),  # five decodes of different lengths
     ],
 )
-def test_paged_attention_matches_dense(num_cached: list[int], num_new: list[int]) -> None:
+@pytest.mark.parametrize("decode_chunk", [None, 1, 2])
+def test_paged_attention_matches_dense(
+    num_cached: list[int],
+    num_new: list[int],
+    decode_chunk: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """decode_chunk forces the sequences-per-call of the decode path (None: its own choice)."""
+    if decode_chunk is not None:
+        monkeypatch.setattr(paged_attention_module, "_decode_chunk", lambda *_: decode_chunk)
     gen = torch.Generator().manual_seed(sum(num_cached) + len(num_new))
     cache = KVCache(1, 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float64)
     key_cache, value_cache = cache.layer(0)
