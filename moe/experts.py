@@ -4,8 +4,8 @@ Shape legend: N = token rows handed to the experts, S = local physical slots, D 
 I = expert intermediate size, C = padded rows per slot.
 
 Weights are stored input-major (`x @ w`), the transpose of the Hugging Face layout:
-w13[s] = [D, gate columns | up columns], w2[s] = [I, D]. The loader transposes once at load
-(`MoELayer.load_expert`); in exchange every expert GEMM reads its weight in the layout MKL's
+w13[s] = [D, gate columns | up columns], w2[s] = [I, D]. Weights are transposed once, at load
+(`LocalExperts.load_slot`); in exchange every expert GEMM reads its weight in the layout MKL's
 batched and plain GEMMs stream fastest (measured on this CPU: 1.4x on a decode-sized padded
 `bmm`, 1.1x on 128-row per-slot GEMMs, against the same calls on the HF layout).
 """
