@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from dist_engine import fused_attention
 from dist_engine.checkpoint import load_model
 from dist_engine.config import EngineConfig, model_identity
 from dist_engine.distributed import DistContext
@@ -99,13 +100,18 @@ class DPEngine:
                 f"scheduler.max_model_len ({sched_config.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
+        device = dist_ctx.device if dist_ctx else None
+        if device is None or device.type == "cpu":
+            # Before the first collective: building the fused CPU decode kernel takes tens of
+            # seconds the first time on a machine, and peers waiting inside a collective for a
+            # rank that compiles would run into the collective timeout.
+            fused_attention.decode_kernel()
         self.vote: TorchVote | None = None
         if dist_ctx is not None:
             # Before anything expensive: a rank with other settings would desynchronise the
             # group's attempt points and hang in a collective later.
             agree_settings(dist_ctx.vote_group, config.group_agreed(model_identity(config.model)))
             self.vote = TorchVote(dist_ctx.vote_group)
-        device = dist_ctx.device if dist_ctx else None
         self.model = model if model is not None else self._load_model(device)
         self.model.attach_kv_cache(
             KVCache.for_model(

@@ -6,9 +6,11 @@ Lq = longest query in the step.
 
 Each sequence's K/V is gathered through its block table into a padded `[B, Hkv, S, Dh]` tensor
 and one batched `scaled_dot_product_attention` call serves all sequences (GQA via
-`enable_gqa`); decode steps on CPU go in sequence chunks sized to the CPU cache. This copies
-the context once per layer; a fused paged kernel (FlashInfer, FlashAttention's paged API) can
-replace these two functions without touching the model.
+`enable_gqa`). This copies the context once per layer. Decode steps on CPU in float32/float64
+instead use the fused C++ kernel of `dist_engine.fused_attention`, which reads each cached row
+once, straight through the block tables; without it they go in sequence chunks sized to the CPU
+cache. On GPU, a fused paged kernel (FlashInfer, FlashAttention's paged API) can replace these
+functions without touching the model.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dist_engine import fused_attention
 from dist_engine.attention_metadata import AttentionMetadata
 
 
@@ -61,6 +64,11 @@ def paged_attention(
         return query.new_empty(query.shape)
     if attn.max_query_len == 1:
         # Decode fast path: one query per sequence, rows already in sequence order.
+        kernel = _fused_decode_kernel(query)
+        if kernel is not None:
+            scale = query.shape[-1] ** -0.5
+            tables, lens = attn.block_tables, attn.context_lens
+            return kernel(query.contiguous(), key_cache, value_cache, tables, lens, scale)
         chunk = _decode_chunk(key_cache, attn.block_tables.shape[1])
         if chunk >= attn.num_seqs:
             return _decode(query, key_cache, value_cache, attn.block_tables, attn.attn_mask)
@@ -96,6 +104,13 @@ def _decode(
         query.unsqueeze(2), keys, values, attn_mask=attn_mask, enable_gqa=True
     )
     return out.squeeze(2)
+
+
+def _fused_decode_kernel(query: torch.Tensor):
+    """The C++ decode kernel where it applies (CPU, float32/float64), else None."""
+    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64):
+        return None
+    return fused_attention.decode_kernel()
 
 
 def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:

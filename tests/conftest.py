@@ -3,3 +3,11 @@ from pathlib import Path
 
 # Test helpers live beside the tests; the packages themselves are installed (pip install -e).
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_sessionstart(session) -> None:
+    """Build the fused CPU decode kernel once, up front (tens of seconds on a fresh machine), so
+    no test pays for it inside its own timeout; spawned ranks then load the cached build."""
+    from dist_engine import fused_attention
+
+    fused_attention.decode_kernel()

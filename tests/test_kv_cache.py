@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
 
 import dist_engine.paged_attention as paged_attention_module
+from dist_engine import fused_attention
 from dist_engine.attention_metadata import AttentionMetadata
 from dist_engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget, slot_mapping_for
 from dist_engine.model_config import ModelConfig
@@ -59,16 +61,22 @@ def _dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         ([30, 2, 17, 9, 0], [1, 1, 1, 1, 1]),  # five decodes of different lengths
     ],
 )
-@pytest.mark.parametrize("decode_chunk", [None, 1, 2])
+@pytest.mark.parametrize("decode_path", ["fused", "torch", "torch_chunk1", "torch_chunk2"])
 def test_paged_attention_matches_dense(
     num_cached: list[int],
     num_new: list[int],
-    decode_chunk: int | None,
+    decode_path: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """decode_chunk forces the sequences-per-call of the decode path (None: its own choice)."""
-    if decode_chunk is not None:
-        monkeypatch.setattr(paged_attention_module, "_decode_chunk", lambda *_: decode_chunk)
+    """decode_path picks how decode steps run: the C++ kernel, or the PyTorch path with its own
+    chunking or forced chunks of 1 or 2 sequences per call."""
+    if decode_path == "fused":
+        require_fused_kernel()
+    else:
+        monkeypatch.setattr(paged_attention_module, "_fused_decode_kernel", lambda _: None)
+    if decode_path.startswith("torch_chunk"):
+        chunk = int(decode_path.removeprefix("torch_chunk"))
+        monkeypatch.setattr(paged_attention_module, "_decode_chunk", lambda *_: chunk)
     gen = torch.Generator().manual_seed(sum(num_cached) + len(num_new))
     cache = KVCache(1, 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float64)
     key_cache, value_cache = cache.layer(0)
@@ -113,6 +121,70 @@ def test_paged_attention_matches_dense(
         expected = _dense_attention(q, full_k[b], full_v[b], num_cached[b])
         torch.testing.assert_close(out[starts[b] : starts[b + 1]], expected)
     assert torch.count_nonzero(key_cache[0]) == 0, "block 0 is reserved and must stay untouched"
+
+
+def require_fused_kernel():
+    """The kernel, or a skip when the user switched it off; a failed build fails the test."""
+    if not fused_attention.enabled():
+        pytest.skip(f"{fused_attention.ENV_SWITCH}=0 switches the fused kernel off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the build's fallback warning becomes a failure here
+        kernel = fused_attention.decode_kernel()
+    assert kernel is not None
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 8), (8, 4, 32), (4, 4, 64)]
+)
+def test_fused_decode_kernel_matches_torch_path(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """The kernel against the PyTorch decode path on the same cache: scattered blocks, contexts
+    from 1 token to several blocks, GQA groups of 1 and more, the head sizes the kernel
+    specialises (32, 64) and one it does not (8), float32 (its own exp) and float64."""
+    kernel = require_fused_kernel()
+    gen = torch.Generator().manual_seed(head_dim)
+    lengths = [1, 3, 16, 17, 40, 64]
+    cache = KVCache(1, 200, 16, num_kv_heads, head_dim, dtype)
+    key_cache, value_cache = cache.layer(0)
+    key_cache.copy_(torch.randn(key_cache.shape, generator=gen, dtype=torch.float64) * 2)
+    value_cache.copy_(torch.randn(value_cache.shape, generator=gen, dtype=torch.float64))
+    free = (torch.randperm(199, generator=gen) + 1).tolist()
+    tables = [[free.pop() for _ in range(-(-n // 16))] for n in lengths]
+    attn = AttentionMetadata.build(tables, [n - 1 for n in lengths], [1] * len(lengths), 16, False)
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=gen, dtype=torch.float64)
+    query = query.to(dtype) * 2
+    expected = paged_attention_module._decode(
+        query, key_cache, value_cache, attn.block_tables, attn.attn_mask
+    )
+    actual = kernel(
+        query, key_cache, value_cache, attn.block_tables, attn.context_lens, head_dim**-0.5
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_fused_decode_kernel_rejects_bad_input() -> None:
+    kernel = require_fused_kernel()
+    cache = KVCache(1, 8, 4, 2, 8, torch.float32)
+    key_cache, value_cache = cache.layer(0)
+    query = torch.zeros(1, 4, 8)
+    lens = torch.tensor([5])
+    with pytest.raises(RuntimeError, match=r"names block 8 of a cache with 8 blocks"):
+        kernel(query, key_cache, value_cache, torch.tensor([[1, 8]]), lens, 1.0)
+    with pytest.raises(RuntimeError, match=r"context length 9 of sequence 0 outside"):
+        kernel(query, key_cache, value_cache, torch.tensor([[1, 2]]), torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match=r"share a dtype"):
+        kernel(query.double(), key_cache, value_cache, torch.tensor([[1, 2]]), lens, 1.0)
+
+
+def test_decode_falls_back_to_torch_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fused_attention.ENV_SWITCH, "0")
+    assert fused_attention.decode_kernel() is None
+    query = torch.zeros(1, 4, 8)
+    assert paged_attention_module._fused_decode_kernel(query) is None
 
 
 def _config() -> ModelConfig:

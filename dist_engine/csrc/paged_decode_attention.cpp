@@ -1,0 +1,237 @@
+// Decode attention straight from the paged KV cache: one query token per sequence, no gather.
+//
+// Shapes: query [B, H, Dh]; key_cache, value_cache [NB, BS, Hkv, Dh] (any strides, Dh
+// contiguous); block_tables [B, MB] int64; context_lens [B] int64. Returns [B, H, Dh].
+// Query head h reads kv head h / (H / Hkv) (HF's GQA grouping). Softmax in the accumulation
+// type (float for float32, double for float64), with the usual max subtraction.
+//
+// Work is split over sequences; each walks its blocks once for the scores of all query heads and
+// once more for the values. Compared with gathering the context into a padded tensor and
+// calling SDPA, this reads each cached K and V row once and writes nothing but the output.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/OpMathType.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (softmax after max subtraction), written so the compiler can vectorise the
+// loop that calls it (std::exp is a scalar library call): Cody-Waite range reduction
+// x = n ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for exp(r) (error below 2e-7
+// relative, about float32's rounding), and 2^n put into the exponent bits. Inputs below
+// -87 (exp underflows to 0 in float32 anyway) give 0.
+inline float fast_exp(float x) {
+  const float clamped = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_rintf(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+inline double fast_exp(double x) { return std::exp(x); }
+
+// Hints the next block into cache while the current one is processed: blocks sit at random
+// places in the pool, so the hardware prefetcher cannot see them coming.
+inline void prefetch_block(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
+    __builtin_prefetch(p + offset, 0, 3);
+  }
+}
+
+// kHeadDim > 0 fixes the head size at compile time (fully unrolled inner loops); 0 reads it from
+// the tensors.
+template <typename scalar_t, int64_t kHeadDim>
+void decode_kernel(
+    const torch::Tensor& query,
+    const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache,
+    const torch::Tensor& block_tables,
+    const torch::Tensor& context_lens,
+    double scale,
+    torch::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : query.size(2);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_columns = block_tables.size(1);
+
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v = value_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t k_block = key_cache.stride(0), k_token = key_cache.stride(1),
+                k_head = key_cache.stride(2);
+  const int64_t v_block = value_cache.stride(0), v_token = value_cache.stride(1),
+                v_head = value_cache.stride(2);
+  // Bytes of one block's rows, for the prefetch (exact when the block is contiguous).
+  const int64_t k_bytes = block_size * k_token * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t v_bytes = block_size * v_token * static_cast<int64_t>(sizeof(scalar_t));
+  const acc_t softmax_scale = static_cast<acc_t>(scale);
+
+  // One sequence per task; inside it the cache is walked block by block, each block's rows in
+  // memory order (token, then kv head), so every block is one sequential read.
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> scores;  // [H, L]
+    std::vector<acc_t> q_scaled(num_heads * head_dim);
+    std::vector<acc_t> acc(num_heads * head_dim);
+    std::vector<acc_t> maxes(num_heads), sums(num_heads);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t length = lens[seq];
+      const int64_t num_blocks = (length + block_size - 1) / block_size;
+      const int64_t* table = tables + seq * num_columns;
+      scores.resize(num_heads * length);
+      const scalar_t* q_seq = q + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) {
+        q_scaled[i] = static_cast<acc_t>(q_seq[i]) * softmax_scale;
+      }
+      std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<acc_t>::infinity());
+
+      // Pass 1: scores of every query head against every cached key.
+      for (int64_t c = 0; c < num_blocks; ++c) {
+        const scalar_t* k_blk = k + table[c] * k_block;
+        if (c + 1 < num_blocks) prefetch_block(k + table[c + 1] * k_block, k_bytes);
+        const int64_t first = c * block_size;
+        const int64_t last = std::min(length, first + block_size);
+        for (int64_t t = first; t < last; ++t) {
+          const scalar_t* k_tok = k_blk + (t - first) * k_token;
+          for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+            const scalar_t* k_row = k_tok + kv * k_head;
+            for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+              const acc_t* qh = q_scaled.data() + h * head_dim;
+              acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < head_dim; ++d) {
+                dot += qh[d] * static_cast<acc_t>(k_row[d]);
+              }
+              scores[h * length + t] = dot;
+              maxes[h] = std::max(maxes[h], dot);
+            }
+          }
+        }
+      }
+      for (int64_t h = 0; h < num_heads; ++h) {
+        acc_t* s = scores.data() + h * length;
+        const acc_t m = maxes[h];
+        acc_t total = 0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < length; ++t) {
+          s[t] = fast_exp(s[t] - m);
+          total += s[t];
+        }
+        sums[h] = total;
+      }
+
+      // Pass 2: probability-weighted sum of the values, same walk.
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t c = 0; c < num_blocks; ++c) {
+        const scalar_t* v_blk = v + table[c] * v_block;
+        if (c + 1 < num_blocks) prefetch_block(v + table[c + 1] * v_block, v_bytes);
+        const int64_t first = c * block_size;
+        const int64_t last = std::min(length, first + block_size);
+        for (int64_t t = first; t < last; ++t) {
+          const scalar_t* v_tok = v_blk + (t - first) * v_token;
+          for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+            const scalar_t* v_row = v_tok + kv * v_head;
+            for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+              const acc_t p = scores[h * length + t];
+              acc_t* a = acc.data() + h * head_dim;
+#pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) {
+                a[d] += p * static_cast<acc_t>(v_row[d]);
+              }
+            }
+          }
+        }
+      }
+      scalar_t* o_seq = o + seq * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const acc_t inv = acc_t(1) / sums[h];
+        for (int64_t d = 0; d < head_dim; ++d) {
+          o_seq[h * head_dim + d] = static_cast<scalar_t>(acc[h * head_dim + d] * inv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(
+    torch::Tensor query,
+    torch::Tensor key_cache,
+    torch::Tensor value_cache,
+    torch::Tensor block_tables,
+    torch::Tensor context_lens,
+    double scale) {
+  TORCH_CHECK(query.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [B, H, Dh]");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "caches must be [NB, BS, Hkv, Dh]");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "Dh must be contiguous");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == query.scalar_type(),
+              "query and caches must share a dtype");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim of query and cache differ");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == query.size(0),
+              "block_tables must be contiguous int64 [B, MB]");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt64 && context_lens.is_contiguous() &&
+                  context_lens.numel() == query.size(0),
+              "context_lens must be contiguous int64 [B]");
+  // The kernel reads raw pointers: every block it will touch must exist.
+  auto lens = context_lens.accessor<int64_t, 1>();
+  auto tables = block_tables.accessor<int64_t, 2>();
+  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0);
+  for (int64_t b = 0; b < query.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= block_tables.size(1) * block_size,
+                "context length ", lens[b], " of sequence ", b, " outside its block table");
+    for (int64_t c = 0; c < (lens[b] + block_size - 1) / block_size; ++c) {
+      TORCH_CHECK(tables[b][c] >= 0 && tables[b][c] < num_blocks, "sequence ", b,
+                  " names block ", tables[b][c], " of a cache with ", num_blocks, " blocks");
+    }
+  }
+  auto out = torch::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_decode_attention", [&] {
+    const auto run = [&](auto head_dim) {
+      decode_kernel<scalar_t, decltype(head_dim)::value>(
+          query, key_cache, value_cache, block_tables, context_lens, scale, out);
+    };
+    switch (query.size(2)) {
+      case 32: run(std::integral_constant<int64_t, 32>{}); break;
+      case 64: run(std::integral_constant<int64_t, 64>{}); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}); break;
+      default: run(std::integral_constant<int64_t, 0>{}); break;
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a paged KV cache (CPU)");
+}
