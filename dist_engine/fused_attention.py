@@ -54,26 +54,48 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 
-def _build() -> Callable[..., torch.Tensor] | None:
-    try:
-        from torch.utils import cpp_extension
+# A build normally takes ~25 s. torch's build lock waits forever for a lock file left behind by
+# a process killed mid-build; past this limit the engine starts on the PyTorch path instead.
+BUILD_TIMEOUT_S = 600.0
 
-        module = cpp_extension.load(
-            name=_module_name(),
-            sources=[str(SOURCE)],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            verbose=False,
+
+def _build() -> Callable[..., torch.Tensor] | None:
+    result: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            from torch.utils import cpp_extension
+
+            result["module"] = cpp_extension.load(
+                name=_module_name(),
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                verbose=False,
+            )
+        except Exception as exc:  # any build problem means "use the PyTorch path"
+            result["error"] = exc
+
+    builder = threading.Thread(target=build, name="lockstep-kernel-build", daemon=True)
+    builder.start()
+    builder.join(BUILD_TIMEOUT_S)
+    if "module" in result:
+        return result["module"].paged_decode_attention  # type: ignore[attr-defined]
+    if builder.is_alive():
+        cause = (
+            f"no result after {BUILD_TIMEOUT_S:.0f} s; the usual cause is a stale `lock` file "
+            f"left by a killed build in torch's extension directory (TORCH_EXTENSIONS_DIR, "
+            f"default ~/.cache/torch_extensions)"
         )
-    except Exception as exc:  # any build problem means "use the PyTorch path"
-        warnings.warn(
-            f"lockstep: the fused CPU decode-attention kernel could not be built ({exc!r:.300}); "
-            f"using the PyTorch path (set {ENV_SWITCH}=0 to skip the attempt)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    return module.paged_decode_attention
+    else:
+        cause = repr(result.get("error"))[:300]
+    warnings.warn(
+        f"lockstep: the fused CPU decode-attention kernel could not be built ({cause}); using "
+        f"the PyTorch path (set {ENV_SWITCH}=0 to skip the attempt)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return None
 
 
 def _module_name() -> str:

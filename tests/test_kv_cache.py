@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import pytest
@@ -185,6 +186,33 @@ def test_decode_falls_back_to_torch_when_switched_off(monkeypatch: pytest.Monkey
     assert fused_attention.decode_kernel() is None
     query = torch.zeros(1, 4, 8)
     assert paged_attention_module._fused_decode_kernel(query) is None
+
+
+@pytest.mark.parametrize("failure", ["error", "stuck"])
+def test_kernel_build_failure_falls_back_with_a_warning(
+    failure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed build, or one that never returns (a stale build lock), gives one warning naming
+    the cause and the PyTorch path; it never raises and never hangs."""
+    from torch.utils import cpp_extension
+
+    release = threading.Event()
+
+    def broken_load(**_):
+        if failure == "stuck":
+            release.wait(30)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(fused_attention, "_state", {})
+    monkeypatch.setattr(fused_attention, "BUILD_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(cpp_extension, "load", broken_load)
+    expected = "no result after 0 s" if failure == "stuck" else "no compiler here"
+    try:
+        with pytest.warns(RuntimeWarning, match=expected):
+            assert fused_attention.decode_kernel() is None
+        assert fused_attention.decode_kernel() is None  # decided once per process, no rebuild
+    finally:
+        release.set()
 
 
 def _config() -> ModelConfig:
