@@ -6,11 +6,11 @@ Lq = longest query in the step.
 
 Each sequence's K/V is gathered through its block table into a padded `[B, Hkv, S, Dh]` tensor
 and one batched `scaled_dot_product_attention` call serves all sequences (GQA via
-`enable_gqa`). This copies the context once per layer. Decode steps on CPU in float32/float64
-instead use the fused C++ kernel of `dist_engine.fused_attention`, which reads each cached row
-once, straight through the block tables; without it they go in sequence chunks sized to the CPU
-cache. On GPU, a fused paged kernel (FlashInfer, FlashAttention's paged API) can replace these
-functions without touching the model.
+`enable_gqa`). This copies the context once per layer. Decode steps on CPU instead use the
+fused C++ kernel of `dist_engine.fused_attention`, which reads each cached row once, straight
+through the block tables; without it they go in sequence chunks sized to the CPU cache. On
+GPU, a fused paged kernel (FlashInfer, FlashAttention's paged API) can replace these functions
+without touching the model.
 """
 
 from __future__ import annotations
@@ -106,9 +106,12 @@ def _decode(
     return out.squeeze(2)
 
 
+KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def _fused_decode_kernel(query: torch.Tensor):
-    """The C++ decode kernel where it applies (CPU, float32/float64), else None."""
-    if query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64):
+    """The C++ decode kernel where it applies (CPU, any float dtype), else None."""
+    if query.device.type != "cpu" or query.dtype not in KERNEL_DTYPES:
         return None
     return fused_attention.decode_kernel()
 

@@ -135,7 +135,7 @@ def require_fused_kernel():
     return kernel
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 8), (8, 4, 32), (4, 4, 64)]
 )
@@ -144,7 +144,8 @@ def test_fused_decode_kernel_matches_torch_path(
 ) -> None:
     """The kernel against the PyTorch decode path on the same cache: scattered blocks, contexts
     from 1 token to several blocks, GQA groups of 1 and more, the head sizes the kernel
-    specialises (32, 64) and one it does not (8), float32 (its own exp) and float64."""
+    specialises (32, 64) and one it does not (8), float32 (its own exp), float64, and the half
+    types (float accumulation)."""
     kernel = require_fused_kernel()
     gen = torch.Generator().manual_seed(head_dim)
     lengths = [1, 3, 16, 17, 40, 64]
@@ -163,8 +164,19 @@ def test_fused_decode_kernel_matches_torch_path(
     actual = kernel(
         query, key_cache, value_cache, attn.block_tables, attn.context_lens, head_dim**-0.5
     )
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+    if dtype in (torch.float32, torch.float64):
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+        return
+    # Half types: both paths round their result once; the kernel must be at least as close as
+    # the PyTorch path to the float64 answer on the same (rounded) inputs.
+    exact = paged_attention_module._decode(
+        query.double(), key_cache.double(), value_cache.double(), attn.block_tables, attn.attn_mask
+    )
+    kernel_error = (actual.double() - exact).abs().max()
+    torch_error = (expected.double() - exact).abs().max()
+    assert actual.dtype == dtype
+    assert kernel_error <= 1.5 * torch_error + 1e-3, (kernel_error, torch_error)
 
 
 def test_fused_decode_kernel_rejects_bad_input() -> None:

@@ -3,7 +3,8 @@
 // Shapes: query [B, H, Dh]; key_cache, value_cache [NB, BS, Hkv, Dh] (any strides, Dh
 // contiguous); block_tables [B, MB] int64; context_lens [B] int64. Returns [B, H, Dh].
 // Query head h reads kv head h / (H / Hkv) (HF's GQA grouping). Softmax in the accumulation
-// type (float for float32, double for float64), with the usual max subtraction.
+// type (double for float64, float otherwise: float32, bfloat16, float16), with the usual max
+// subtraction; the output is rounded to the input dtype once, at the end.
 //
 // Work is split over sequences; each walks its blocks once for the scores of all query heads and
 // once more for the values. Compared with gathering the context into a padded tensor and
@@ -204,7 +205,8 @@ torch::Tensor paged_decode_attention(
     }
   }
   auto out = torch::empty_like(query);
-  AT_DISPATCH_FLOATING_TYPES(query.scalar_type(), "paged_decode_attention", [&] {
+  const auto dtype = query.scalar_type();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_decode_attention", [&] {
     const auto run = [&](auto head_dim) {
       decode_kernel<scalar_t, decltype(head_dim)::value>(
           query, key_cache, value_cache, block_tables, context_lens, scale, out);
