@@ -101,28 +101,37 @@ void decode_kernel(
       }
       std::fill(maxes.begin(), maxes.end(), -std::numeric_limits<acc_t>::infinity());
 
-      // Pass 1: scores of every query head against every cached key.
-      for (int64_t c = 0; c < num_blocks; ++c) {
-        const scalar_t* k_blk = k + table[c] * k_block;
-        const int64_t first = c * block_size;
-        const int64_t last = std::min(length, first + block_size);
-        for (int64_t t = first; t < last; ++t) {
-          const scalar_t* k_tok = k_blk + (t - first) * k_token;
-          for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-            const scalar_t* k_row = k_tok + kv * k_head;
-            for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-              const acc_t* qh = q_scaled.data() + h * head_dim;
-              acc_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < head_dim; ++d) {
-                dot += qh[d] * static_cast<acc_t>(k_row[d]);
+      // visit(t, h, row) for every cached token t of this sequence and every query head h,
+      // with `row` the Dh values of h's kv head at t. Rows come in memory order: block by
+      // block, then token, then kv head.
+      const auto walk = [&](const scalar_t* cache, int64_t block_stride, int64_t token_stride,
+                            int64_t head_stride, auto&& visit) {
+        for (int64_t c = 0; c < num_blocks; ++c) {
+          const scalar_t* block = cache + table[c] * block_stride;
+          const int64_t first = c * block_size;
+          const int64_t last = std::min(length, first + block_size);
+          for (int64_t t = first; t < last; ++t) {
+            for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+              const scalar_t* row = block + (t - first) * token_stride + kv * head_stride;
+              for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
+                visit(t, h, row);
               }
-              scores[h * length + t] = dot;
-              maxes[h] = std::max(maxes[h], dot);
             }
           }
         }
-      }
+      };
+
+      // Pass 1: scores of every query head against every cached key.
+      walk(k, k_block, k_token, k_head, [&](int64_t t, int64_t h, const scalar_t* k_row) {
+        const acc_t* qh = q_scaled.data() + h * head_dim;
+        acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) {
+          dot += qh[d] * static_cast<acc_t>(k_row[d]);
+        }
+        scores[h * length + t] = dot;
+        maxes[h] = std::max(maxes[h], dot);
+      });
       for (int64_t h = 0; h < num_heads; ++h) {
         acc_t* s = scores.data() + h * length;
         const acc_t m = maxes[h];
@@ -137,25 +146,14 @@ void decode_kernel(
 
       // Pass 2: probability-weighted sum of the values, same walk.
       std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t c = 0; c < num_blocks; ++c) {
-        const scalar_t* v_blk = v + table[c] * v_block;
-        const int64_t first = c * block_size;
-        const int64_t last = std::min(length, first + block_size);
-        for (int64_t t = first; t < last; ++t) {
-          const scalar_t* v_tok = v_blk + (t - first) * v_token;
-          for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-            const scalar_t* v_row = v_tok + kv * v_head;
-            for (int64_t h = kv * group; h < (kv + 1) * group; ++h) {
-              const acc_t p = scores[h * length + t];
-              acc_t* a = acc.data() + h * head_dim;
+      walk(v, v_block, v_token, v_head, [&](int64_t t, int64_t h, const scalar_t* v_row) {
+        const acc_t p = scores[h * length + t];
+        acc_t* a = acc.data() + h * head_dim;
 #pragma omp simd
-              for (int64_t d = 0; d < head_dim; ++d) {
-                a[d] += p * static_cast<acc_t>(v_row[d]);
-              }
-            }
-          }
+        for (int64_t d = 0; d < head_dim; ++d) {
+          a[d] += p * static_cast<acc_t>(v_row[d]);
         }
-      }
+      });
       scalar_t* o_seq = o + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h) {
         const acc_t inv = acc_t(1) / sums[h];
