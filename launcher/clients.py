@@ -47,16 +47,39 @@ class OutputBuffer:
 
 
 class EngineHost:
-    """One rank's engine running its loop on a thread; used in-process and inside Ray actors."""
+    """One rank's engine on a thread of its own; used in-process and inside Ray actors.
+
+    The thread builds the engine (model load) as well as running its loop, so every parallel
+    torch op of the rank runs on that one thread. OpenMP (libgomp) keeps a worker pool per
+    thread that has run a parallel region; once two pools exist and their threads outnumber
+    the cores, it stops spinning between regions and every parallel op pays a futex wake-up:
+    loading on the caller's thread and stepping on this one made a 2-thread decode step ~25%
+    slower on 2 cores. Torch work the caller does on its own threads still costs that.
+    """
 
     def __init__(self, config: EngineConfig, dist_ctx: Any = None) -> None:
         self.outputs = OutputBuffer()
-        self.engine = DPEngine(config, dist_ctx, on_output=self.outputs.put)
-        self.thread = threading.Thread(target=self._loop, name="lockstep-engine", daemon=True)
         self.error: str | None = None
+        self.engine: DPEngine | None = None
+        self._build_error: BaseException | None = None
+        built = threading.Event()
+        self.thread = threading.Thread(
+            target=self._main, args=(config, dist_ctx, built), name="lockstep-engine", daemon=True
+        )
         self.thread.start()
+        built.wait()
+        if self._build_error is not None:
+            self.thread.join()
+            raise self._build_error
 
-    def _loop(self) -> None:
+    def _main(self, config: EngineConfig, dist_ctx: Any, built: threading.Event) -> None:
+        try:
+            self.engine = DPEngine(config, dist_ctx, on_output=self.outputs.put)
+        except BaseException as error:  # raised again on the caller's thread
+            self._build_error = error
+            return
+        finally:
+            built.set()
         try:
             self.engine.run()
         except BaseException as error:  # reported through status(); the outputs carry it too

@@ -1,0 +1,51 @@
+"""EngineHost: a rank's engine is built and run on one thread of its own."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from engine_harness import MODEL_SIZES
+
+import launcher.clients as clients
+from dist_engine.engine import DPEngine
+from dist_engine.make_model import make_tiny_checkpoint
+from launcher import LLM, SamplingParams
+
+SETTINGS = dict(dtype="float64", max_num_seqs=4, max_model_len=64, num_blocks=64, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("host_model")
+    return str(make_tiny_checkpoint("qwen3_moe", out, seed=5, **MODEL_SIZES))
+
+
+def test_the_engine_is_built_and_stepped_on_the_host_thread(model_dir, monkeypatch):
+    # One thread does all the rank's torch work: see EngineHost's docstring for why.
+    seen: dict[str, set[threading.Thread]] = {"init": set(), "step": set()}
+
+    class Recording(DPEngine):
+        def __init__(self, *args, **kwargs):
+            seen["init"].add(threading.current_thread())
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            seen["step"].add(threading.current_thread())
+            return super().step()
+
+    monkeypatch.setattr(clients, "DPEngine", Recording)
+    with LLM(model=model_dir, launcher="local", dp_size=1, **SETTINGS) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+        host_thread = llm.client.host.thread
+    assert len(out[0].output_token_ids) == 3
+    assert seen["init"] == seen["step"] == {host_thread}
+    assert host_thread is not threading.main_thread()
+
+
+def test_a_build_error_is_raised_on_the_callers_thread(model_dir):
+    before = {t for t in threading.enumerate() if t.name == "lockstep-engine"}
+    with pytest.raises(ValueError, match=r"max_model_len \(100000\) exceeds"):
+        LLM(model=model_dir, launcher="local", dp_size=1, **{**SETTINGS, "max_model_len": 100000})
+    after = {t for t in threading.enumerate() if t.name == "lockstep-engine"}
+    assert after == before  # the host's thread has ended
