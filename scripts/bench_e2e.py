@@ -14,13 +14,14 @@ Contenders, all alive at once and run interleaved (one full workload each per ro
   ours dpN default — `LLM(launcher="ray", dp_size=N)`, `generate(all prompts)`, default
                      prefill attempt intervals; round-robin routing over the ranks.
   ours dpN tuned   — the same with smaller prefill attempt intervals (offline batch setting).
-  ours dp1 local   — DP=1 default with `launcher="local"`: the engine on a thread of the driver,
-                     no Ray; the difference to `ours dp1 default` is the cost of the Ray path.
   hf bsB           — transformers `generate` in the driver process (2 torch threads, like
                      ours at DP=1): static batches of B requests sorted by requested output
                      length (longest first, then prompt length), left padding, greedy,
                      `max_new_tokens` = the batch's longest request; tokens past a request's
                      own length are computed but not counted.
+Every engine of ours runs in Ray actor processes, none in the driver: an engine thread doing
+parallel torch work next to transformers would give the driver a second OpenMP pool and slow
+both (see `launcher.clients.EngineHost`).
 Measured per run, from the start of the job (all requests submitted at t0) to its end; start-up
 (actors, model load) is excluded and reported separately:
   tok/s  — requested output tokens / wall time (useful tokens only).
@@ -116,11 +117,9 @@ def engine_settings(
 
 # -- ours -------------------------------------------------------------------------------------
 class Ours:
-    def __init__(
-        self, model_dir: Path, dp_size: int, settings: dict[str, Any], launcher: str = "ray"
-    ) -> None:
+    def __init__(self, model_dir: Path, dp_size: int, settings: dict[str, Any]) -> None:
         start = time.perf_counter()
-        self.llm = LLM(model=model_dir, dp_size=dp_size, launcher=launcher, **settings)
+        self.llm = LLM(model=model_dir, dp_size=dp_size, launcher="ray", **settings)
         self.startup_s = time.perf_counter() - start
 
     def run(self, workload: list[Request], pins: list[int] | None = None) -> RunResult:
@@ -294,8 +293,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="per rank")
-    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=(16, 64))
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="per rank")
+    parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=(16, 64, 128))
     parser.add_argument("--out", default="bench_results/e2e.json")
     args = parser.parse_args()
     args.hf_batch_sizes = tuple(args.hf_batch_sizes)
@@ -311,8 +310,6 @@ def build_contenders(model_dir: Path, args: argparse.Namespace) -> dict[str, Con
         settings = engine_settings(args.max_num_seqs, max_len, intervals)
         for dp in (1, 2):
             contenders[f"ours dp{dp} {label}"] = Ours(model_dir, dp, settings)
-        if label == "default":
-            contenders["ours dp1 local"] = Ours(model_dir, 1, settings, launcher="local")
     for batch_size in args.hf_batch_sizes:
         contenders[f"hf bs{batch_size}"] = Transformers(model_dir, batch_size)
     return contenders
