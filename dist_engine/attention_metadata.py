@@ -17,6 +17,31 @@ import torch
 
 
 @dataclass(frozen=True, eq=False)
+class PrefillGroup:
+    """Sequences of a prefill step that one batched attention call serves (G of them).
+
+    seq_idx:     [G] int64 — the sequences, as rows of the step's block tables, in batch order
+                 (so a group of every sequence has its tokens in flat-batch order).
+    token_rows:  [Tg] int64 — their tokens' rows in the flat batch.
+    token_seq:   [Tg] int64 — each token's sequence within the group.
+    token_query: [Tg] int64 — each token's index within its sequence's query.
+    query_len:   Lg, the longest query in the group (queries are padded to it).
+    num_columns: block-table columns gathered for the group (its longest context).
+    attn_mask:   [G, 1, Lg, num_columns * BS] bool for sequences with a cached prefix; None for
+                 a group of sequences with nothing cached, which are causal from their first
+                 token: the call then needs no mask and skips the keys above the diagonal.
+    """
+
+    seq_idx: torch.Tensor
+    token_rows: torch.Tensor
+    token_seq: torch.Tensor
+    token_query: torch.Tensor
+    query_len: int
+    num_columns: int
+    attn_mask: torch.Tensor | None
+
+
+@dataclass(frozen=True, eq=False)
 class AttentionMetadata:
     """Frozen description of one step's batch for paged attention.
 
@@ -33,6 +58,8 @@ class AttentionMetadata:
                        (causal over cached prefix + itself).
     is_prefill:        the step kind the scheduler chose (selects the MoE dispatch mode upstream).
     max_query_len:     Lq; 1 selects the decode fast path.
+    prefill_groups:    when Lq > 1, the sequences split into groups that each take one batched
+                       attention call (see `PrefillGroup`); empty for decode steps.
     """
 
     positions: torch.Tensor
@@ -47,6 +74,7 @@ class AttentionMetadata:
     is_prefill: bool
     max_query_len: int
     block_size: int
+    prefill_groups: tuple[PrefillGroup, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +140,11 @@ class AttentionMetadata:
         # rows (i >= query length) always see key 0, so no softmax row is fully masked (NaN).
         visible_until = cached_t[:, None] + query_pos[None, :]  # [B, Lq]
         attn_mask = key_idx[None, None, :] <= visible_until[:, :, None]
+        groups: tuple[PrefillGroup, ...] = ()
+        if max_query_len > 1:
+            groups = _prefill_groups(
+                num_cached_tokens, num_new_tokens, starts, block_size, attn_mask, device
+            )
         return cls(
             positions=as_tensor(positions),
             slot_mapping=as_tensor(slots),
@@ -125,6 +158,7 @@ class AttentionMetadata:
             is_prefill=is_prefill,
             max_query_len=max_query_len,
             block_size=block_size,
+            prefill_groups=groups,
         )
 
 
@@ -148,3 +182,78 @@ def _check_sequences(
                 f"sequence {b}: context of {cached + new} tokens needs {needed} blocks of "
                 f"{block_size}, but its block table has {len(table)}: {list(table)}"
             )
+
+
+PREFILL_BUCKET_RATIO = 0.5
+"""A sequence with nothing cached starts a new prefill group when its query is shorter than
+this fraction of the group's longest: each group pads its queries (and keys) to its longest,
+so mixed prompt lengths would otherwise spend most of the attention on padding."""
+
+
+def _prefill_groups(
+    num_cached_tokens: Sequence[int],
+    num_new_tokens: Sequence[int],
+    starts: Sequence[int],
+    block_size: int,
+    attn_mask: torch.Tensor,
+    device: torch.device | str | None,
+) -> tuple[PrefillGroup, ...]:
+    """Split a prefill step's sequences: those with a cached prefix (chunked prompts, prefix
+    cache hits) form one masked group; the rest, longest first, are cut into causal groups of
+    similar query length (PREFILL_BUCKET_RATIO)."""
+    fresh = sorted(
+        (b for b, cached in enumerate(num_cached_tokens) if cached == 0),
+        key=lambda b: -num_new_tokens[b],
+    )
+    buckets: list[list[int]] = []
+    for b in fresh:
+        if not buckets or num_new_tokens[b] < PREFILL_BUCKET_RATIO * num_new_tokens[buckets[-1][0]]:
+            buckets.append([])
+        buckets[-1].append(b)
+    prefixed = [b for b, cached in enumerate(num_cached_tokens) if cached > 0]
+    groups = [
+        _group(sorted(bucket), num_cached_tokens, num_new_tokens, starts, block_size, None, device)
+        for bucket in buckets
+    ]
+    if prefixed:
+        groups.append(
+            _group(
+                prefixed, num_cached_tokens, num_new_tokens, starts, block_size, attn_mask, device
+            )
+        )
+    return tuple(groups)
+
+
+def _group(
+    seqs: list[int],
+    num_cached_tokens: Sequence[int],
+    num_new_tokens: Sequence[int],
+    starts: Sequence[int],
+    block_size: int,
+    attn_mask: torch.Tensor | None,
+    device: torch.device | str | None,
+) -> PrefillGroup:
+    rows: list[int] = []
+    token_seq: list[int] = []
+    token_query: list[int] = []
+    for g, b in enumerate(seqs):
+        count = num_new_tokens[b]
+        rows.extend(range(starts[b], starts[b] + count))
+        token_seq.extend([g] * count)
+        token_query.extend(range(count))
+    query_len = max(num_new_tokens[b] for b in seqs)
+    context = max(num_cached_tokens[b] + num_new_tokens[b] for b in seqs)
+    num_columns = -(-context // block_size)
+    seq_idx = torch.tensor(seqs, dtype=torch.int64, device=device)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask[seq_idx, :query_len, : num_columns * block_size].unsqueeze(1)
+    return PrefillGroup(
+        seq_idx=seq_idx,
+        token_rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        token_seq=torch.tensor(token_seq, dtype=torch.int64, device=device),
+        token_query=torch.tensor(token_query, dtype=torch.int64, device=device),
+        query_len=query_len,
+        num_columns=num_columns,
+        attn_mask=mask,
+    )

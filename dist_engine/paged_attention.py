@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_engine import fused_attention
-from dist_engine.attention_metadata import AttentionMetadata
+from dist_engine.attention_metadata import AttentionMetadata, PrefillGroup
 
 
 def write_kv(
@@ -78,15 +78,48 @@ def paged_attention(
             tables, mask = attn.block_tables[rows], attn.attn_mask[rows]
             parts.append(_decode(query[rows], key_cache, value_cache, tables, mask))
         return torch.cat(parts)
-    keys = _gather_context(key_cache, attn.block_tables)
-    values = _gather_context(value_cache, attn.block_tables)
+    if len(attn.prefill_groups) == 1:  # every sequence, tokens in batch order
+        return _prefill_group(query, key_cache, value_cache, attn, attn.prefill_groups[0])
+    out = query.new_empty(query.shape)
+    for group in attn.prefill_groups:
+        out[group.token_rows] = _prefill_group(
+            query[group.token_rows], key_cache, value_cache, attn, group
+        )
+    return out
+
+
+def _prefill_group(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    group: PrefillGroup,
+) -> torch.Tensor:
+    """One batched attention call for a group's queries ([Tg, H, Dh], in the group's token
+    order) → [Tg, H, Dh]."""
+    tables = attn.block_tables[group.seq_idx, : group.num_columns]
+    keys = _gather_context(key_cache, tables)
+    values = _gather_context(value_cache, tables)
     num_heads, head_dim = query.shape[1], query.shape[2]
-    padded = query.new_zeros(attn.num_seqs, attn.max_query_len, num_heads, head_dim)
-    padded[attn.token_seq_idx, attn.token_query_idx] = query
-    out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2), keys, values, attn_mask=attn.attn_mask, enable_gqa=True
-    )  # [B, H, Lq, Dh]
-    return out.transpose(1, 2)[attn.token_seq_idx, attn.token_query_idx]
+    padded = query.new_zeros(len(group.seq_idx), group.query_len, num_heads, head_dim)
+    padded[group.token_seq, group.token_query] = query
+    if group.attn_mask is None:
+        # Nothing cached: key j sits at position j, so causal attention over the first
+        # query_len keys is exact for every real query; padded queries see only garbage
+        # rows of their own and are dropped below.
+        length = group.query_len
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2),
+            keys[:, :, :length],
+            values[:, :, :length],
+            is_causal=True,
+            enable_gqa=True,
+        )
+    else:
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), keys, values, attn_mask=group.attn_mask, enable_gqa=True
+        )  # [G, H, Lg, Dh]
+    return out.transpose(1, 2)[group.token_seq, group.token_query]
 
 
 def _decode(

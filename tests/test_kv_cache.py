@@ -57,6 +57,9 @@ def _dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     ("num_cached", "num_new"),
     [
         ([0, 5, 9, 3], [6, 3, 1, 1]),  # fresh prompt, chunk with prefix, two decodes
+        ([0, 0, 0], [5, 9, 7]),  # prompts of similar lengths, not sorted: one causal group
+        # Prompts of mixed lengths (three causal groups) around a chunk with a prefix.
+        ([0, 0, 7, 0, 0, 0], [13, 2, 5, 6, 1, 12]),
         ([4, 11, 0], [1, 1, 1]),  # decode fast path (one is a one-token prompt)
         ([8], [8]),  # a chunk exactly on a block boundary
         ([30, 2, 17, 9, 0], [1, 1, 1, 1, 1]),  # five decodes of different lengths
