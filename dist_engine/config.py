@@ -41,9 +41,14 @@ class ParallelConfig:
     backend: str = "auto"  # of the MoE group; the vote group is always gloo (CPU)
     placement_strategy: str = "PACK"
     collective_timeout_s: float = 60.0
+    # Torch threads of each rank. None: under Ray the host's cores split evenly over the ranks
+    # (at least 1 each); under torchrun or local, the process's own setting.
+    threads_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("parallel.dp_size", self.dp_size)
+        if self.threads_per_rank is not None:
+            _positive_int("parallel.threads_per_rank", self.threads_per_rank)
         _choice("parallel.launcher", self.launcher, LAUNCHERS)
         _choice("parallel.backend", self.backend, BACKENDS)
         _choice("parallel.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)

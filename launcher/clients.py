@@ -10,6 +10,8 @@ import queue
 import threading
 from typing import Any
 
+import torch
+
 from dist_engine.config import EngineConfig
 from dist_engine.engine import DPEngine
 from dist_engine.request_output import RequestOutput
@@ -61,6 +63,7 @@ class EngineHost:
         self.outputs = OutputBuffer()
         self.error: str | None = None
         self.engine: DPEngine | None = None
+        self.num_threads = 0  # torch threads of the engine thread, once built
         self._build_error: BaseException | None = None
         built = threading.Event()
         self.thread = threading.Thread(
@@ -74,6 +77,9 @@ class EngineHost:
 
     def _main(self, config: EngineConfig, dist_ctx: Any, built: threading.Event) -> None:
         try:
+            if config.parallel.threads_per_rank is not None:
+                torch.set_num_threads(config.parallel.threads_per_rank)
+            self.num_threads = torch.get_num_threads()
             self.engine = DPEngine(config, dist_ctx, on_output=self.outputs.put)
         except BaseException as error:  # raised again on the caller's thread
             self._build_error = error

@@ -28,10 +28,7 @@ _TAKE_S = 0.5  # how long a rank's outstanding `take` waits for outputs before r
 class RankActor:
     """One DP rank. Methods run on Ray's actor threads; the engine loop has its own thread."""
 
-    def __init__(self, config: EngineConfig, rank: int, num_threads: int) -> None:
-        import torch
-
-        torch.set_num_threads(num_threads)
+    def __init__(self, config: EngineConfig, rank: int) -> None:
         self.config = config
         self.rank = rank
         self.store: Any = None
@@ -76,6 +73,10 @@ class RankActor:
     def shutdown(self, timeout_s: float) -> str | None:
         return self.host.shutdown(timeout_s) if self.host is not None else None
 
+    def num_threads(self) -> int:
+        """Torch threads of this rank's engine."""
+        return self.host.num_threads
+
 
 def connect_ray(num_cpus: int | None = None) -> bool:
     """Connect to the cluster in RAY_ADDRESS, or start an embedded one. True if we started it."""
@@ -115,7 +116,9 @@ class RayClient:
                     f"{config.parallel.placement_strategy} within {_STARTUP_TIMEOUT_S:.0f} s; "
                     f"the cluster has {_describe_nodes()}"
                 ) from None
-            threads = max(1, (os.cpu_count() or 1) // world)
+            # Each actor's EngineHost sets its torch threads from the config.
+            threads = config.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+            config = config.with_overrides(threads_per_rank=threads)
             self.actors = [
                 RankActor.options(
                     num_cpus=1,
@@ -123,7 +126,7 @@ class RayClient:
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.pg, placement_group_bundle_index=rank
                     ),
-                ).remote(config, rank, threads)
+                ).remote(config, rank)
                 for rank in range(world)
             ]
             host, port = ray.get(self.actors[0].create_store.remote(), timeout=_STARTUP_TIMEOUT_S)

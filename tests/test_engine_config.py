@@ -32,6 +32,10 @@ def test_nested_sections_and_flat_overrides():
             "parallel.backend must be one of ['auto', 'nccl', 'gloo'], got 'mpi'",
         ),
         ({"model": "/m", "dtype": "int8"}, "dtype must be one of"),
+        (
+            {"model": "/m", "parallel": {"threads_per_rank": 0}},
+            "parallel.threads_per_rank must be an int >= 1, got 0",
+        ),
         ({"scheduler": {}}, "model is required"),
         (
             {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 from engine_harness import MODEL_SIZES
 
 import launcher.clients as clients
@@ -49,3 +50,14 @@ def test_a_build_error_is_raised_on_the_callers_thread(model_dir):
         LLM(model=model_dir, launcher="local", dp_size=1, **{**SETTINGS, "max_model_len": 100000})
     after = {t for t in threading.enumerate() if t.name == "lockstep-engine"}
     assert after == before  # the host's thread has ended
+
+
+def test_threads_per_rank_sets_the_engine_threads(model_dir):
+    before = torch.get_num_threads()
+    try:
+        with LLM(model=model_dir, launcher="local", threads_per_rank=1, **SETTINGS) as llm:
+            assert llm.client.host.num_threads == 1
+            out = llm.generate([[4, 5]], SamplingParams(max_tokens=2, ignore_eos=True))
+        assert len(out[0].output_token_ids) == 2
+    finally:
+        torch.set_num_threads(before)  # the setting is process-wide

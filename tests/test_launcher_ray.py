@@ -56,6 +56,13 @@ def test_dp2_equals_the_single_rank_reference(llm, reference):
     assert all(o.finish_reason == "length" and o.ttft_s is not None for o in outputs)
 
 
+def test_each_rank_gets_its_share_of_the_cores(llm):
+    """threads_per_rank unset: the host's cores split over the 2 ranks, at least 1 each."""
+    expected = max(1, (os.cpu_count() or 1) // 2)
+    threads = ray.get([actor.num_threads.remote() for actor in llm.client.actors])
+    assert threads == [expected, expected]
+
+
 def test_dp_rank_pinning_is_honoured(llm, reference):
     outputs = llm.generate(PROMPTS, PARAMS, dp_rank=1, use_tqdm=False)
     assert [o.dp_rank for o in outputs] == [1] * len(PROMPTS)
