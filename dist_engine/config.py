@@ -44,9 +44,16 @@ class ParallelConfig:
     # Torch threads of each rank. None: under Ray the host's cores split evenly over the ranks
     # (at least 1 each); under torchrun or local, the process's own setting.
     threads_per_rank: int | None = None
+    # Under Ray, CPU ranks that share a host each pinned to their own cores
+    # (dist_engine/cpu_binding.py).
+    cpu_binding: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("parallel.dp_size", self.dp_size)
+        if not isinstance(self.cpu_binding, bool):
+            raise ValueError(
+                f"parallel.cpu_binding must be true or false, got {self.cpu_binding!r}"
+            )
         if self.threads_per_rank is not None:
             _positive_int("parallel.threads_per_rank", self.threads_per_rank)
         _choice("parallel.launcher", self.launcher, LAUNCHERS)

@@ -42,11 +42,21 @@ class RankActor:
         self.store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
         return host, self.store.port
 
-    def start(self, host: str, port: int) -> tuple[int, str]:
-        """Join the group; returns this rank's process id and Ray node id."""
+    def start(self, host: str, port: int, cpu_slot: tuple[int, int] | None) -> tuple[int, str]:
+        """Join the group; returns this rank's process id and Ray node id.
+
+        cpu_slot: (this rank's index among the ranks on its node, their number), to pin the
+        rank to its own cores (dist_engine/cpu_binding.py); None leaves the OS to place it.
+        """
         import torch.distributed as dist
 
+        from dist_engine.cpu_binding import bind_process
         from dist_engine.distributed import init_distributed
+
+        if cpu_slot is not None:
+            threads = self.config.parallel.threads_per_rank
+            assert threads is not None, "RayClient fills in threads_per_rank"
+            bind_process(*cpu_slot, threads)
 
         world = self.config.parallel.dp_size
         if self.store is None:
@@ -72,6 +82,10 @@ class RankActor:
 
     def shutdown(self, timeout_s: float) -> str | None:
         return self.host.shutdown(timeout_s) if self.host is not None else None
+
+    def cpu_cores(self) -> list[int]:
+        """The cores this rank's process may run on."""
+        return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
     def num_threads(self) -> int:
         """Torch threads of this rank's engine."""
@@ -130,8 +144,14 @@ class RayClient:
                 for rank in range(world)
             ]
             host, port = ray.get(self.actors[0].create_store.remote(), timeout=_STARTUP_TIMEOUT_S)
+            slots = (
+                _cpu_slots(self.pg, world) if config.parallel.cpu_binding and not use_gpu else {}
+            )
             started = ray.get(
-                [actor.start.remote(host, port) for actor in self.actors],
+                [
+                    actor.start.remote(host, port, slots.get(rank))
+                    for rank, actor in enumerate(self.actors)
+                ],
                 timeout=_STARTUP_TIMEOUT_S,
             )
             self.pids = {rank: pid for rank, (pid, _) in enumerate(started)}
@@ -195,3 +215,17 @@ def _describe_nodes() -> str:
 
 def _cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _cpu_slots(pg: Any, world: int) -> dict[int, tuple[int, int]]:
+    """rank -> (its index among the ranks placed on the same host, how many there are).
+
+    Hosts by address, not Ray node: several raylets on one machine (a test cluster) share
+    its cores.
+    """
+    nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    by_host: dict[str, list[int]] = {}
+    for rank in range(world):
+        by_host.setdefault(address[nodes[rank]], []).append(rank)
+    return {rank: (ranks.index(rank), len(ranks)) for ranks in by_host.values() for rank in ranks}

@@ -64,7 +64,12 @@ def test_strict_spread_puts_each_rank_on_its_own_node(model_dir, reference, two_
     ) as llm:
         assert not llm.client.started_ray  # it joined our cluster rather than starting one
         node_ids = llm.client.node_ids
+        cores = ray.get([actor.cpu_cores.remote() for actor in llm.client.actors])
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    # Two raylets, one machine: CPU binding must count both ranks as sharing its cores.
+    available = sorted(os.sched_getaffinity(0))
+    if 2 * max(1, len(available) // 2) <= len(available):
+        assert not set(cores[0]) & set(cores[1]), cores
     assert set(node_ids.values()) == set(two_nodes)  # one rank on each node
     custom = {rank: {"node_a", "node_b"} & set(two_nodes[node]) for rank, node in node_ids.items()}
     assert sorted(map(sorted, custom.values())) == [["node_a"], ["node_b"]]

@@ -63,6 +63,17 @@ def test_each_rank_gets_its_share_of_the_cores(llm):
     assert threads == [expected, expected]
 
 
+def test_ranks_are_pinned_to_disjoint_cores(llm):
+    """parallel.cpu_binding (on by default): each CPU rank runs on its own cores."""
+    available = sorted(os.sched_getaffinity(0))
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    cores = ray.get([actor.cpu_cores.remote() for actor in llm.client.actors])
+    if 2 * threads > len(available):
+        assert cores == [available, available]  # would not fit: left unpinned
+        return
+    assert cores == [available[:threads], available[threads : 2 * threads]]
+
+
 def test_dp_rank_pinning_is_honoured(llm, reference):
     outputs = llm.generate(PROMPTS, PARAMS, dp_rank=1, use_tqdm=False)
     assert [o.dp_rank for o in outputs] == [1] * len(PROMPTS)

@@ -1,0 +1,64 @@
+"""Pin each CPU rank to its own cores, so ranks that share a host stop trading cores.
+
+A DP group on CPU runs one process per rank, and every MoE layer ends in an all-to-all that
+waits for the slowest rank. Left to the OS scheduler, the rank processes (and their helper
+threads: gloo, Ray) migrate between cores and preempt each other, so some rank is always late.
+Measured on this project's 2-core machine, two gloo ranks with 1 thread each, 64 sequences per
+rank, decode steps of the built-in model: 37.7 and 38.2 ms per step unpinned against 31.1 and
+34.6 ms pinned, and the all-to-all's p90 after the last rank arrived fell from 3.2 to 0.6 ms.
+
+The cores a host offers (this process's affinity) are split into consecutive runs of `threads`
+cores, one run per rank on the host, in local-rank order. If the ranks do not fit
+(oversubscribed: local ranks x threads > cores) nothing is pinned, because overlapping pins
+would be worse than none. vLLM's CPU backend binds its workers the same way.
+
+Used by the Ray launcher (`parallel.cpu_binding`, on by default), whose rank processes end by
+`ray.kill`. Under torchrun each process exits on its own, and with every thread on one core
+gloo's threads were seen to outlive interpreter shutdown (an abort after the job's output was
+written, 2 runs in 8), so torchrun ranks are not pinned here: bind them from outside
+(`numactl --physcpubind`, `taskset`). Two groups on one host pin to the same cores: set
+`cpu_binding: false` where ranks of several groups share a machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def cores_for(local_rank: int, local_world: int, threads: int, available: list[int]) -> list[int]:
+    """The cores local rank `local_rank` of `local_world` ranks on a host should use: a disjoint
+    run of `threads` of `available` (sorted), or [] when the ranks do not all fit."""
+    if not 0 <= local_rank < local_world or threads < 1:
+        raise ValueError(
+            f"need 0 <= local_rank < local_world and threads >= 1, got local_rank={local_rank}, "
+            f"local_world={local_world}, threads={threads}"
+        )
+    if local_world * threads > len(available):
+        return []
+    ordered = sorted(available)
+    return ordered[local_rank * threads : (local_rank + 1) * threads]
+
+
+def bind_process(local_rank: int, local_world: int, threads: int) -> list[int]:
+    """Pin every thread of this process (and, by inheritance, every later one) to this rank's
+    cores. Returns the cores, or [] where nothing was pinned (ranks do not fit, or the platform
+    has no `sched_setaffinity`)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    cores = cores_for(local_rank, local_world, threads, list(os.sched_getaffinity(0)))
+    if not cores:
+        return []
+    for thread_id in _thread_ids():
+        try:
+            os.sched_setaffinity(thread_id, cores)
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return cores
+
+
+def _thread_ids() -> list[int]:
+    """Linux: every thread of this process (the affinity call works per thread)."""
+    try:
+        return [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
