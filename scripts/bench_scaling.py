@@ -21,7 +21,9 @@ pass each per round):
   dp2 2 nodes    — two ranks, `placement_strategy="STRICT_SPREAD"` (one per raylet).
 The simulated nodes share the same 2 cores, memory and loopback network, so "2 nodes" measures
 that placement across raylets works and what the Ray-level path costs; it does NOT measure a
-real network or extra hardware. Each rank gets cpu_count // DP torch threads (at least 1).
+real network or extra hardware. Every rank gets one torch thread (`--threads-per-rank`), so
+DP=N uses N cores: the work and the cores per rank stay fixed, as they would with one GPU per
+rank.
 Reported per contender (median over rounds; latencies pooled): requested output tokens/s from
 job start to end (start-up excluded, reported separately), tokens/s per rank, scaling
 efficiency = (tok/s at DP=N / N) / (tok/s at DP=1), TTFT p50 and ITL p50 (engine timestamps).
@@ -137,7 +139,7 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
         )
 
 
-def plot(rows: dict[str, dict[str, Any]], path: Path, per_rank: int) -> None:
+def plot(rows: dict[str, dict[str, Any]], path: Path, per_rank: int, threads: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,7 +158,7 @@ def plot(rows: dict[str, dict[str, Any]], path: Path, per_rank: int) -> None:
     right.bar(labels, [100 * rows[n]["efficiency"] for n in names], color="#dd8452")
     right.axhline(100, color="k", linewidth=0.8)
     right.set_ylabel("scaling efficiency vs dp1 (%)")
-    right.set_title("2 physical cores; '2 nodes' = 2 raylets on them")
+    right.set_title(f"{threads} thread(s) per rank, 2 physical cores; '2 nodes' = 2 raylets")
     for axis in (left, right):
         axis.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
@@ -174,6 +176,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     parser.add_argument("--max-num-seqs", type=int, default=64, help="per rank")
+    parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument("--out", default="bench_results/scaling.json")
     parser.add_argument("--plot", default="bench_results/scaling.png")
     args = parser.parse_args()
@@ -192,6 +195,7 @@ def main() -> None:
     settings = engine_settings(
         args.max_num_seqs, args.prompt_len[1] + args.output_len[1], DEFAULT_INTERVALS
     )
+    settings["threads_per_rank"] = args.threads_per_rank
     cluster = start_cluster(cpus_per_node=8)
     contenders: dict[str, Ours] = {}
     try:
@@ -217,7 +221,7 @@ def main() -> None:
     payload = {"config": vars(args), "model": BUILTIN_MODEL, "settings": settings, "rows": rows}
     out.write_text(json.dumps(payload, indent=2))
     print(f"wrote {out}")
-    plot(rows, Path(args.plot), args.per_rank)
+    plot(rows, Path(args.plot), args.per_rank, args.threads_per_rank)
 
 
 if __name__ == "__main__":
