@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dist_engine import fused_attention
+from dist_engine import native
 from dist_engine.checkpoint import load_model
 from dist_engine.config import EngineConfig, model_identity
 from dist_engine.distributed import DistContext
@@ -102,10 +102,10 @@ class DPEngine:
             )
         device = dist_ctx.device if dist_ctx else None
         if device is None or device.type == "cpu":
-            # Before the first collective: building the fused CPU decode kernel takes tens of
-            # seconds the first time on a machine, and peers waiting inside a collective for a
-            # rank that compiles would run into the collective timeout.
-            fused_attention.decode_kernel()
+            # Before the first collective: building the CPU kernels (dist_engine.native) takes
+            # tens of seconds the first time on a machine, and peers waiting inside a collective
+            # for a rank that compiles would run into the collective timeout.
+            native.decode_kernel()
         self.vote: TorchVote | None = None
         if dist_ctx is not None:
             # Before anything expensive: a rank with other settings would desynchronise the

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dist_engine import native
 from dist_engine.layers import Linear
 from dist_engine.model_config import ModelConfig
 from moe import DispatchMode, ExpertPlacement, MoELayer, softmax_topk
@@ -64,6 +65,9 @@ class MoEBlock(nn.Module):
             dtype=dtype,
             ll_max_tokens_per_rank=context.ll_max_tokens_per_rank,
         )
+        if dtype == torch.float32 and (device is None or torch.device(device).type == "cpu"):
+            # The compiled SwiGLU expert kernel, where it builds (else the PyTorch paths).
+            self.experts.experts.native_swiglu = native.swiglu_kernel()
 
     def forward(self, hidden: torch.Tensor, mode: DispatchMode) -> torch.Tensor:
         """hidden: [T, D] → [T, D]. Always enters the MoE layer, even with T = 0, because in

@@ -7,7 +7,7 @@ Lq = longest query in the step.
 Each sequence's K/V is gathered through its block table into a padded `[B, Hkv, S, Dh]` tensor
 and one batched `scaled_dot_product_attention` call serves all sequences (GQA via
 `enable_gqa`). This copies the context once per layer. Decode steps on CPU instead use the
-fused C++ kernel of `dist_engine.fused_attention`, which reads each cached row once, straight
+fused C++ kernel of `dist_engine.native`, which reads each cached row once, straight
 through the block tables; without it they go in sequence chunks sized to the CPU cache. On
 GPU, a fused paged kernel (FlashInfer, FlashAttention's paged API) can replace these functions
 without touching the model.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dist_engine import fused_attention
+from dist_engine import native
 from dist_engine.attention_metadata import AttentionMetadata, PrefillGroup
 
 
@@ -146,7 +146,7 @@ def _fused_decode_kernel(query: torch.Tensor):
     """The C++ decode kernel where it applies (CPU, any float dtype), else None."""
     if query.device.type != "cpu" or query.dtype not in KERNEL_DTYPES:
         return None
-    return fused_attention.decode_kernel()
+    return native.decode_kernel()
 
 
 def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:

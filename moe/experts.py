@@ -12,6 +12,8 @@ batched and plain GEMMs stream fastest (measured on this CPU: 1.4x on a decode-s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,6 +61,10 @@ class LocalExperts(nn.Module):
             torch.zeros(num_slots, intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
         )
+        # A compiled `_grouped_swiglu` for float32 rows on the CPU, with the same arguments:
+        # `(sorted_hidden, counts [S] int64, w13, w2) -> [N, D]`. The runtime plugs one in
+        # (dist_engine.native.swiglu_kernel); None keeps the PyTorch paths below.
+        self.native_swiglu: Callable[..., torch.Tensor] | None = None
 
     @torch.no_grad()
     def load_slot(
@@ -141,6 +147,11 @@ class LocalExperts(nn.Module):
     ) -> torch.Tensor:
         """sorted_hidden: [N, D] grouped by slot (`counts[s]` rows for slot s, `sorted_slots`
         naming each row's slot) → [N, D], same row order."""
+        kernel = self.native_swiglu
+        on_cpu = sorted_hidden.device.type == "cpu"
+        if kernel is not None and on_cpu and sorted_hidden.dtype == torch.float32:
+            counts_t = torch.tensor(counts, dtype=torch.int64)
+            return kernel(sorted_hidden.contiguous(), counts_t, self.w13, self.w2)
         largest = max(counts, default=0)
         parallel = sorted_hidden.device.type != "cpu" or torch.get_num_threads() > 1
         slack = PADDED_SLACK_ROWS * self.num_slots

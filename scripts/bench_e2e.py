@@ -278,11 +278,11 @@ def agreement(results: dict[str, list[RunResult]], base: str, other: str) -> flo
 
 def print_table(rows: dict[str, dict[str, Any]], baseline: str) -> None:
     header = ("contender", "tok/s", f"vs {baseline}", "TTFT p50", "TTFT p90", "ITL p50")
-    print(f"{header[0]:<18}" + "".join(f" {h:>11}" for h in header[1:]) + "  start-up s")
+    print(f"{header[0]:<24}" + "".join(f" {h:>11}" for h in header[1:]) + "  start-up s")
     for name, row in rows.items():
         ratio = row["tok_s"] / rows[baseline]["tok_s"]
         print(
-            f"{name:<18} {row['tok_s']:>11.0f} {ratio:>10.2f}x"
+            f"{name:<24} {row['tok_s']:>11.0f} {ratio:>10.2f}x"
             f" {row['ttft_ms']['p50']:>9.0f}ms {row['ttft_ms']['p90']:>9.0f}ms"
             f" {row['itl_ms']['p50']:>9.1f}ms {row['startup_s']:>11.1f}"
         )

@@ -6,8 +6,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_sessionstart(session) -> None:
-    """Build the fused CPU decode kernel once, up front (tens of seconds on a fresh machine), so
-    no test pays for it inside its own timeout; spawned ranks then load the cached build."""
-    from dist_engine import fused_attention
+    """Build the CPU kernels (dist_engine.native) once, up front (tens of seconds on a fresh
+    machine), so no test pays for it inside its own timeout; spawned ranks then load the cached
+    build."""
+    from dist_engine import native
 
-    fused_attention.decode_kernel()
+    native.decode_kernel()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dist_engine.paged_attention as paged_attention_module
-from dist_engine import fused_attention
+from dist_engine import native
 from dist_engine.attention_metadata import AttentionMetadata
 from dist_engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget, slot_mapping_for
 from dist_engine.model_config import ModelConfig
@@ -129,11 +129,11 @@ def test_paged_attention_matches_dense(
 
 def require_fused_kernel():
     """The kernel, or a skip when the user switched it off; a failed build fails the test."""
-    if not fused_attention.enabled():
-        pytest.skip(f"{fused_attention.ENV_SWITCH}=0 switches the fused kernel off")
+    if not native.enabled():
+        pytest.skip(f"{native.ENV_SWITCH}=0 switches the fused kernel off")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the build's fallback warning becomes a failure here
-        kernel = fused_attention.decode_kernel()
+        kernel = native.decode_kernel()
     assert kernel is not None
     return kernel
 
@@ -197,8 +197,8 @@ def test_fused_decode_kernel_rejects_bad_input() -> None:
 
 
 def test_decode_falls_back_to_torch_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fused_attention.ENV_SWITCH, "0")
-    assert fused_attention.decode_kernel() is None
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert native.decode_kernel() is None
     query = torch.zeros(1, 4, 8)
     assert paged_attention_module._fused_decode_kernel(query) is None
 
@@ -218,14 +218,15 @@ def test_kernel_build_failure_falls_back_with_a_warning(
             release.wait(30)
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(fused_attention, "_state", {})
-    monkeypatch.setattr(fused_attention, "BUILD_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 0.2)
     monkeypatch.setattr(cpp_extension, "load", broken_load)
     expected = "no result after 0 s" if failure == "stuck" else "no compiler here"
     try:
         with pytest.warns(RuntimeWarning, match=expected):
-            assert fused_attention.decode_kernel() is None
-        assert fused_attention.decode_kernel() is None  # decided once per process, no rebuild
+            assert native.decode_kernel() is None
+        assert native.decode_kernel() is None  # decided once per process, no rebuild
+        assert native.swiglu_kernel() is None  # one module holds both kernels
     finally:
         release.set()
 

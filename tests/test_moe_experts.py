@@ -9,6 +9,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import moe.experts as experts_module
+from dist_engine import native
 from moe import LocalExperts, dense_reference_moe
 
 HIDDEN, INTERMEDIATE, NUM_SLOTS = 16, 24, 5
@@ -47,13 +48,24 @@ def test_local_experts_match_per_row_loop(num_rows: int, weighted: bool) -> None
     torch.testing.assert_close(out, per_row_loop(experts, hidden, slot_ids, weights))
 
 
-@pytest.mark.parametrize("path", ["padded", "looped"])
+def native_kernel():
+    """The compiled SwiGLU kernel, or a skip when the user switched it off; a failed build
+    fails the test."""
+    if not native.enabled(native.EXPERTS_ENV_SWITCH):
+        pytest.skip(f"{native.EXPERTS_ENV_SWITCH}=0 switches the expert kernel off")
+    kernel = native.swiglu_kernel()
+    assert kernel is not None, "the CPU kernels failed to build (see the warning)"
+    return kernel
+
+
+@pytest.mark.parametrize("path", ["padded", "looped", "native"])
 @pytest.mark.parametrize("num_rows", [1, 3, 40, 200])
-def test_both_grouped_paths_match_per_row_loop(
+def test_every_grouped_path_matches_per_row_loop(
     num_rows: int, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Force each expert path whatever the group sizes (the automatic choice is a speed
-    heuristic); rows skip slot 2 entirely, so the padded buffer has an all-padding slot."""
+    heuristic); rows skip slot 2 entirely, so the padded buffer has an all-padding slot and the
+    kernel an empty group. D=16, I=24 exercise the kernel's column tails (not multiples of 32)."""
     monkeypatch.setattr(experts_module, "PADDED_SLACK_ROWS", 10**6 if path == "padded" else -1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     calls: list[str] = []
@@ -66,6 +78,7 @@ def test_both_grouped_paths_match_per_row_loop(
 
         monkeypatch.setattr(LocalExperts, name, spy)
     experts = random_experts(seed=7)
+    experts.native_swiglu = native_kernel() if path == "native" else None
     gen = torch.Generator().manual_seed(num_rows)
     hidden = torch.randn(num_rows, HIDDEN, generator=gen)
     slot_ids = torch.tensor([0, 1, 3, 4])[torch.randint(4, (num_rows,), generator=gen)]
@@ -78,7 +91,45 @@ def test_both_grouped_paths_match_per_row_loop(
     experts.add_weighted(accumulated, padded_hidden, rows, slot_ids, weights)
     torch.testing.assert_close(accumulated[1:-1], out)
     assert not accumulated[0].any() and not accumulated[-1].any()
-    assert calls == [f"_{path}_swiglu"] * 2
+    assert calls == ([] if path == "native" else [f"_{path}_swiglu"] * 2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("hidden_size", "size_i", "rows_per_slot"), [(40, 72, 19), (64, 32, 8)])
+def test_native_kernel_matches_the_torch_path(threads, hidden_size, size_i, rows_per_slot):
+    """Row blocks of 8 plus a remainder, vector tails, and the split of slots over threads."""
+    kernel = native_kernel()
+    gen = torch.Generator().manual_seed(hidden_size + threads)
+    experts = LocalExperts(6, hidden_size, size_i)
+    with torch.no_grad():
+        experts.w13.copy_(torch.randn(experts.w13.shape, generator=gen) * 0.2)
+        experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 0.2)
+    counts = torch.tensor([rows_per_slot, 0, 1, 2 * rows_per_slot + 3, 5, rows_per_slot])
+    hidden = torch.randn(int(counts.sum()), hidden_size, generator=gen) * 3  # silu far from 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(hidden, counts, experts.w13, experts.w2)
+    finally:
+        torch.set_num_threads(before)
+    expected = experts._looped_swiglu(hidden, counts.tolist())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_native_kernel_checks_its_inputs():
+    kernel = native_kernel()
+    experts = LocalExperts(2, 16, 8)
+    hidden = torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match=r"counts sum to 4 but hidden has 3 rows"):
+        kernel(hidden, torch.tensor([1, 3]), experts.w13, experts.w2)
+    with pytest.raises(RuntimeError, match=r"counts\[0\] = -1 < 0"):
+        kernel(hidden, torch.tensor([-1, 4]), experts.w13, experts.w2)
+    with pytest.raises(RuntimeError, match=r"must be float32"):
+        kernel(hidden.double(), torch.tensor([1, 2]), experts.w13, experts.w2)
+    with pytest.raises(RuntimeError, match=r"shapes disagree"):
+        kernel(torch.randn(3, 8), torch.tensor([1, 2]), experts.w13, experts.w2)
+    with pytest.raises(RuntimeError, match=r"must be contiguous"):
+        kernel(torch.randn(16, 3).t(), torch.tensor([1, 2]), experts.w13, experts.w2)
 
 
 def test_local_experts_validate_inputs() -> None:

@@ -219,7 +219,15 @@ torch::Tensor paged_decode_attention(
   return out;
 }
 
+// The extension module of all of Lockstep's CPU kernels (dist_engine/native.py builds it). It
+// lives here rather than in a file of its own: every translation unit that includes
+// torch/extension.h costs ~20 s of compile time.
+torch::Tensor grouped_swiglu(const torch::Tensor& hidden, const torch::Tensor& counts,
+                             const torch::Tensor& w13, const torch::Tensor& w2);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
+  m.def("grouped_swiglu", &grouped_swiglu,
+        "SwiGLU experts over rows grouped by slot, float32 (grouped_swiglu.cpp)");
 }

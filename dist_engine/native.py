@@ -1,16 +1,22 @@
-"""The fused CPU decode-attention kernel (csrc/paged_decode_attention.cpp), built on first use.
+"""Lockstep's CPU kernels (csrc/), built on first use as one extension module.
 
-`decode_kernel()` returns the compiled function, or None when it cannot be used: the switch
-`LOCKSTEP_FUSED_ATTENTION=0` is set, or the build failed (no C++ compiler or ninja, say — then
-one warning names the cause). Callers fall back to the plain PyTorch path, which computes the
-same thing (tests/test_kv_cache.py runs both against a dense reference).
+- `decode_kernel()`: decode attention straight from the paged KV cache
+  (csrc/paged_decode_attention.cpp; used by `dist_engine.paged_attention`).
+- `swiglu_kernel()`: float32 SwiGLU experts over rows grouped by slot, without padding
+  (csrc/grouped_swiglu.cpp; `MoECausalLM` hands it to its `LocalExperts`).
+
+Each returns the compiled function, or None when it cannot be used: its switch is set to 0
+(`LOCKSTEP_FUSED_ATTENTION=0`, `LOCKSTEP_FUSED_EXPERTS=0`), or the build failed (no C++
+compiler or ninja, say — then one warning names the cause). Callers fall back to the plain
+PyTorch path, which computes the same thing (tests/test_kv_cache.py and
+tests/test_moe_experts.py run both).
 
 The build goes through `torch.utils.cpp_extension.load` into torch's extension cache
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), once per machine and source
 version; processes that start together wait on torch's build lock and then load the cached
-library. A first build takes tens of seconds, so `DPEngine` asks for the kernel before its first
-collective (a rank compiling inside a collective would hold up its peers); a later call is a
-dictionary lookup.
+library. A first build takes tens of seconds, so `DPEngine` asks for the kernels before its
+first collective (a rank compiling inside a collective would hold up its peers); a later call
+is a dictionary lookup.
 """
 
 from __future__ import annotations
@@ -22,29 +28,43 @@ import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
-ENV_SWITCH = "LOCKSTEP_FUSED_ATTENTION"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "grouped_swiglu.cpp"))
+ENV_SWITCH = "LOCKSTEP_FUSED_ATTENTION"  # the decode-attention kernel
+EXPERTS_ENV_SWITCH = "LOCKSTEP_FUSED_EXPERTS"  # the SwiGLU expert kernel
 
 _lock = threading.Lock()
-_state: dict[str, Callable[..., torch.Tensor] | None] = {}
+_state: dict[str, Any] = {}
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+def enabled(switch: str = ENV_SWITCH) -> bool:
+    return os.environ.get(switch, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def decode_kernel() -> Callable[..., torch.Tensor] | None:
     """`paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
     scale)`, or None (see the module docstring). Builds on the first call in a process."""
-    if not enabled():
+    return _kernel(ENV_SWITCH, "paged_decode_attention")
+
+
+def swiglu_kernel() -> Callable[..., torch.Tensor] | None:
+    """`grouped_swiglu(hidden, counts, w13, w2)`, or None (see the module docstring); the
+    contract of `moe.experts.LocalExperts._grouped_swiglu` for float32 on the CPU."""
+    return _kernel(EXPERTS_ENV_SWITCH, "grouped_swiglu")
+
+
+def _kernel(switch: str, name: str) -> Callable[..., torch.Tensor] | None:
+    if not enabled(switch):
         return None
     with _lock:
-        if "kernel" not in _state:
-            _state["kernel"] = _build()
-        return _state["kernel"]
+        if "module" not in _state:
+            _state["module"] = _build()
+        module = _state["module"]
+    return None if module is None else getattr(module, name)
 
 
 # -march=native: the build runs on the machine that uses it (see _module_name). -fopenmp makes
@@ -59,7 +79,7 @@ LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 600.0
 
 
-def _build() -> Callable[..., torch.Tensor] | None:
+def _build() -> Any:
     result: dict[str, object] = {}
 
     def build() -> None:
@@ -68,7 +88,7 @@ def _build() -> Callable[..., torch.Tensor] | None:
 
             result["module"] = cpp_extension.load(
                 name=_module_name(),
-                sources=[str(SOURCE)],
+                sources=[str(source) for source in SOURCES],
                 extra_cflags=list(CFLAGS),
                 extra_ldflags=list(LDFLAGS),
                 verbose=False,
@@ -80,7 +100,7 @@ def _build() -> Callable[..., torch.Tensor] | None:
     builder.start()
     builder.join(BUILD_TIMEOUT_S)
     if "module" in result:
-        return result["module"].paged_decode_attention  # type: ignore[attr-defined]
+        return result["module"]
     if builder.is_alive():
         cause = (
             f"no result after {BUILD_TIMEOUT_S:.0f} s; the usual cause is a stale `lock` file "
@@ -90,8 +110,9 @@ def _build() -> Callable[..., torch.Tensor] | None:
     else:
         cause = repr(result.get("error"))[:300]
     warnings.warn(
-        f"lockstep: the fused CPU decode-attention kernel could not be built ({cause}); using "
-        f"the PyTorch path (set {ENV_SWITCH}=0 to skip the attempt)",
+        f"lockstep: the CPU kernels (fused decode attention, SwiGLU experts) could not be "
+        f"built ({cause}); using the PyTorch paths (set {ENV_SWITCH}=0 and "
+        f"{EXPERTS_ENV_SWITCH}=0 to skip the attempt)",
         RuntimeWarning,
         stacklevel=3,
     )
@@ -101,12 +122,14 @@ def _build() -> Callable[..., torch.Tensor] | None:
 def _module_name() -> str:
     """Distinct per source version and per CPU, because the build targets the CPU it runs on
     (-march=native) and the cache directory may be shared between machines."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(platform.machine().encode())
     digest.update(_cpu_flags().encode())
     digest.update(torch.__version__.encode())
-    return f"lockstep_paged_decode_{digest.hexdigest()[:16]}"
+    return f"lockstep_kernels_{digest.hexdigest()[:16]}"
 
 
 def _cpu_flags() -> str:
