@@ -7,14 +7,17 @@
 For each tokens-per-rank size every rank maps its own hidden states [T, D] to the MoE output
 [T, D]; every contender starts from hidden states and includes its router (a Linear, softmax,
 top-k, renormalise), because DeepSpeed's layer cannot skip its gate. Contenders over the group:
-  EP normal / EP LL — `MoELayer.forward` in each dispatch mode (LL capacity C = T);
+  EP normal / EP LL — `MoELayer.forward` in each dispatch mode (LL capacity C = T), with the
+                      compiled SwiGLU expert kernel the runtime plugs into float32 CPU models;
+  normal pt         — EP normal with the experts on the PyTorch path instead (torch.mm/bmm);
   DeepSpeed         — `deepspeed.moe.layer.MoE` (`drop_tokens=False`, so capacity is the largest
                       expert count in the group: dropless), when `import deepspeed` works.
 They run interleaved (one call of each per repeat, a barrier before each), so machine noise
 hits all of them alike; a call's time is the slowest rank's (the layer ends in a collective).
 Reported: the median over repeats after warm-up. Baselines, in one process afterwards, with the
 same weights and one torch thread (what each EP rank has):
-  1p local — MoELayer(group=None) holding all E experts, on T tokens (same FLOPs as one EP rank);
+  1p local — MoELayer(group=None) holding all E experts, on T tokens (same FLOPs as one EP rank,
+             the expert kernel as in EP normal);
   1p dense — dense_reference_moe: every expert on every token (E / K times the FLOPs).
 Every contender's output is checked against dense_reference_moe on the same tokens.
 Shape legend: T = tokens per rank, E = experts, K = top-k, D = hidden, I = expert intermediate.
@@ -38,6 +41,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from dist_engine import native
 from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
 
 DEEPSPEED_SKIP = "skipped: deepspeed not installed (pip install -e '.[deepspeed]' torch==2.13.0)"
@@ -83,7 +87,9 @@ def route(hidden: torch.Tensor, router: torch.Tensor, top_k: int):
     return routing.topk_weights, routing.topk_ids
 
 
-def build_layer(args, placement, rank, group, weights, capacity: int) -> MoELayer:
+def build_layer(args, placement, rank, group, weights, capacity: int, native_experts=True):
+    """Our layer with the given expert weights; native_experts: the compiled SwiGLU kernel, as
+    the runtime runs float32 CPU models (dist_engine.moe_block), else the PyTorch path."""
     layer = MoELayer(
         args.experts,
         args.hidden,
@@ -97,6 +103,8 @@ def build_layer(args, placement, rank, group, weights, capacity: int) -> MoELaye
         layer.load_expert(
             logical, weights["gate"][logical], weights["up"][logical], weights["down"][logical]
         )
+    if native_experts:
+        layer.experts.native_swiglu = native.swiglu_kernel()
     return layer
 
 
@@ -153,6 +161,11 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict[str,
             contenders = {
                 mode.value: ours(layer, mode, hidden, weights, args.top_k) for mode in DispatchMode
             }
+            torch_layer = build_layer(
+                args, placement, rank, group, weights, num_tokens, native_experts=False
+            )
+            normal = DispatchMode.NORMAL
+            contenders["normal_torch"] = ours(torch_layer, normal, hidden, weights, args.top_k)
             if deepspeed_moe is not None:
                 contenders["deepspeed"] = lambda m=deepspeed_moe, h=hidden: m(h)[0]
             reference = dense(hidden, weights, args.top_k)()
@@ -281,6 +294,7 @@ def table_rows(args, ep: dict[str, Any], single: dict[str, dict[int, float]]) ->
                 "tokens_per_rank": num_tokens,
                 "ep_normal_ms": 1e3 * normal,
                 "ep_low_latency_ms": 1e3 * ep["ep"][f"low_latency/{num_tokens}"],
+                "ep_normal_torch_ms": 1e3 * ep["ep"][f"normal_torch/{num_tokens}"],
                 "single_local_ms": 1e3 * single["local"][num_tokens],
                 "single_dense_ms": 1e3 * single["dense"][num_tokens],
                 "deepspeed_ms": None if deepspeed is None else 1e3 * deepspeed,
@@ -296,10 +310,13 @@ def print_table(args, rows: list[dict], ep: dict[str, Any]) -> None:
         f"E={args.experts} K={args.top_k}, median of {args.repeats} (ms), router included; "
         f"1 thread per process"
     )
-    columns = ("T/rank", "EP normal", "EP LL", "1p local", "1p dense", "DeepSpeed", "DS/normal")
+    columns = (
+        "T/rank", "EP normal", "EP LL", "normal pt", "1p local", "1p dense", "DeepSpeed",
+        "DS/normal",
+    )  # fmt: skip
     print(f"{columns[0]:>7}" + "".join(f" {name:>10}" for name in columns[1:]))
     for row in rows:
-        cells = [row[key] for key in ("ep_normal_ms", "ep_low_latency_ms")]
+        cells = [row[key] for key in ("ep_normal_ms", "ep_low_latency_ms", "ep_normal_torch_ms")]
         cells += [row[key] for key in ("single_local_ms", "single_dense_ms", "deepspeed_ms")]
         text = ["-" if cell is None else f"{cell:.2f}" for cell in cells]
         ratio = row["deepspeed_over_normal"]
