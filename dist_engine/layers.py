@@ -9,9 +9,13 @@ every one of them; the loader checks that none is left unfilled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dist_engine import native
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -47,8 +51,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = empty_parameter(size, dtype=dtype, device=device)
+        # The one-pass CPU kernel for float32 (dist_engine.native), where it builds.
+        self.native: Callable[..., torch.Tensor] | None = None
+        if dtype == torch.float32 and (device is None or torch.device(device).type == "cpu"):
+            self.native = native.rms_norm_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self.native(x, self.weight, self.eps)
         if x.dtype in (torch.float32, torch.float64):
             # No casts to order: torch's fused kernel gives HF's result bit for bit here (checked
             # in tests/test_layers.py) at a fraction of the cost of the five ops below (10x on a

@@ -3,13 +3,14 @@
 - `decode_kernel()`: decode attention straight from the paged KV cache
   (csrc/paged_decode_attention.cpp; used by `dist_engine.paged_attention`).
 - `swiglu_kernel()`: float32 SwiGLU experts over rows grouped by slot, without padding
-  (csrc/grouped_swiglu.cpp; `MoECausalLM` hands it to its `LocalExperts`).
+  (csrc/grouped_swiglu.cpp; `MoEBlock` hands it to its `LocalExperts`).
+- `rms_norm_kernel()`: float32 RMSNorm in one pass (csrc/rms_norm.cpp; used by `RMSNorm`).
 
 Each returns the compiled function, or None when it cannot be used: its switch is set to 0
-(`LOCKSTEP_FUSED_ATTENTION=0`, `LOCKSTEP_FUSED_EXPERTS=0`), or the build failed (no C++
-compiler or ninja, say — then one warning names the cause). Callers fall back to the plain
-PyTorch path, which computes the same thing (tests/test_kv_cache.py and
-tests/test_moe_experts.py run both).
+(`LOCKSTEP_FUSED_ATTENTION=0`, `LOCKSTEP_FUSED_EXPERTS=0`, `LOCKSTEP_FUSED_NORM=0`), or the
+build failed (no C++ compiler or ninja, say — then one warning names the cause). Callers fall
+back to the plain PyTorch path, which computes the same thing (tests/test_kv_cache.py,
+tests/test_moe_experts.py and tests/test_layers.py run both).
 
 The build goes through `torch.utils.cpp_extension.load` into torch's extension cache
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), once per machine and source
@@ -33,9 +34,12 @@ from typing import Any
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_decode_attention.cpp", "grouped_swiglu.cpp"))
+SOURCES = tuple(
+    CSRC / name for name in ("paged_decode_attention.cpp", "grouped_swiglu.cpp", "rms_norm.cpp")
+)
 ENV_SWITCH = "LOCKSTEP_FUSED_ATTENTION"  # the decode-attention kernel
 EXPERTS_ENV_SWITCH = "LOCKSTEP_FUSED_EXPERTS"  # the SwiGLU expert kernel
+NORM_ENV_SWITCH = "LOCKSTEP_FUSED_NORM"  # the RMSNorm kernel
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -55,6 +59,12 @@ def swiglu_kernel() -> Callable[..., torch.Tensor] | None:
     """`grouped_swiglu(hidden, counts, w13, w2)`, or None (see the module docstring); the
     contract of `moe.experts.LocalExperts._grouped_swiglu` for float32 on the CPU."""
     return _kernel(EXPERTS_ENV_SWITCH, "grouped_swiglu")
+
+
+def rms_norm_kernel() -> Callable[..., torch.Tensor] | None:
+    """`rms_norm(x, weight, eps)`, or None (see the module docstring); float32 on the CPU,
+    `dist_engine.layers.RMSNorm`'s result to float32 rounding."""
+    return _kernel(NORM_ENV_SWITCH, "rms_norm")
 
 
 def _kernel(switch: str, name: str) -> Callable[..., torch.Tensor] | None:

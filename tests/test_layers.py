@@ -1,4 +1,5 @@
-"""RMSNorm against transformers' own module, bit for bit, on both of its code paths."""
+"""RMSNorm against transformers' own module: bit for bit on its PyTorch paths, to float32
+rounding through the CPU kernel."""
 
 from __future__ import annotations
 
@@ -6,17 +7,20 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
+from dist_engine import native
 from dist_engine.layers import RMSNorm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(7, 64), (5, 4, 32), (0, 64)])
 def test_rms_norm_equals_transformers(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    """float32 takes torch's fused `F.rms_norm`; half types the explicit upcast-then-cast path
-    (HF casts back to the input dtype *before* the weight multiply). Both must equal HF."""
+    """Without the CPU kernel, float32 takes torch's fused `F.rms_norm`; half types the explicit
+    upcast-then-cast path (HF casts back to the input dtype *before* the weight multiply). Both
+    must equal HF bit for bit."""
     gen = torch.Generator().manual_seed(len(shape))
     size, eps = shape[-1], 1e-6
     ours = RMSNorm(size, eps, dtype)
+    ours.native = None
     reference = Qwen3MoeRMSNorm(size, eps=eps).to(dtype)
     with torch.no_grad():
         weight = (torch.randn(size, generator=gen) * 0.5 + 1).to(dtype)
@@ -29,3 +33,35 @@ def test_rms_norm_equals_transformers(dtype: torch.dtype, shape: tuple[int, ...]
         actual = ours(x)
     assert actual.dtype == expected.dtype == dtype
     assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("shape", [(7, 64), (5, 4, 32), (3, 50), (0, 64), (130, 256)])
+def test_rms_norm_kernel_matches_transformers(shape: tuple[int, ...]) -> None:
+    """The float32 CPU kernel: strided rows (q/k heads), sizes that are not a multiple of its
+    16 lanes, empty batches, and a batch big enough to split over threads."""
+    if not native.enabled(native.NORM_ENV_SWITCH):
+        pytest.skip(f"{native.NORM_ENV_SWITCH}=0 switches the kernel off")
+    ours = RMSNorm(shape[-1], 1e-6, torch.float32)
+    assert ours.native is not None, "the CPU kernels failed to build (see the warning)"
+    reference = Qwen3MoeRMSNorm(shape[-1], eps=1e-6)
+    gen = torch.Generator().manual_seed(sum(shape))
+    with torch.no_grad():
+        weight = torch.randn(shape[-1], generator=gen) * 0.5 + 1
+        ours.weight.copy_(weight)
+        reference.weight.copy_(weight)
+        x = torch.randn(*shape, generator=gen) * 3
+        if x.dim() == 3:
+            x = x.transpose(0, 1)
+        torch.testing.assert_close(ours(x), reference(x), rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_kernel_checks_its_inputs() -> None:
+    kernel = native.rms_norm_kernel()
+    if kernel is None:
+        pytest.skip("the CPU kernels are switched off")
+    with pytest.raises(RuntimeError, match=r"must be float32"):
+        kernel(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
+    with pytest.raises(RuntimeError, match=r"contiguous weight \[D\]"):
+        kernel(torch.randn(2, 8), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match=r"last dim must be contiguous"):
+        kernel(torch.randn(8, 2).t(), torch.ones(8), 1e-6)

@@ -224,10 +224,12 @@ torch::Tensor paged_decode_attention(
 // torch/extension.h costs ~20 s of compile time.
 torch::Tensor grouped_swiglu(const torch::Tensor& hidden, const torch::Tensor& counts,
                              const torch::Tensor& w13, const torch::Tensor& w2);
+torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
   m.def("grouped_swiglu", &grouped_swiglu,
         "SwiGLU experts over rows grouped by slot, float32 (grouped_swiglu.cpp)");
+  m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 (rms_norm.cpp)");
 }
