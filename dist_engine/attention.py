@@ -6,9 +6,12 @@ Dh = head dim, NB = blocks, BS = block size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from dist_engine import native
 from dist_engine.attention_metadata import AttentionMetadata
 from dist_engine.layers import Linear, RMSNorm, apply_rotary
 from dist_engine.model_config import ModelConfig
@@ -43,6 +46,10 @@ class Attention(nn.Module):
         if config.use_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device)
+        # Rotary + KV write in one pass on the CPU for float32 (dist_engine.native).
+        self.rope_write_kv: Callable[..., torch.Tensor] | None = None
+        if dtype == torch.float32 and (device is None or torch.device(device).type == "cpu"):
+            self.rope_write_kv = native.rope_kernel()
 
     def qkv_rows(self, part: str) -> slice:
         """Rows of `qkv_proj` (weight and bias) that hold HF's `{part}_proj`, part in q/k/v."""
@@ -67,7 +74,17 @@ class Attention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        write_kv(key, value, key_cache, value_cache, attn.slot_mapping)
+        kernel = self.rope_write_kv
+        if (
+            kernel is not None
+            and query.dtype == torch.float32
+            and query.device.type == "cpu"
+            and key_cache.is_contiguous()
+            and value_cache.is_contiguous()
+        ):
+            query = kernel(query, key, value, cos, sin, attn.slot_mapping, key_cache, value_cache)
+        else:
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            write_kv(key, value, key_cache, value_cache, attn.slot_mapping)
         out = paged_attention(query, key_cache, value_cache, attn)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

@@ -5,6 +5,8 @@
 - `swiglu_kernel()`: float32 SwiGLU experts over rows grouped by slot, without padding
   (csrc/grouped_swiglu.cpp; `MoEBlock` hands it to its `LocalExperts`).
 - `rms_norm_kernel()`: float32 RMSNorm in one pass (csrc/rms_norm.cpp; used by `RMSNorm`).
+- `rope_kernel()`: float32 rotary q/k plus the paged KV cache write in one pass
+  (csrc/rope_cache.cpp; used by `Attention`).
 
 Each returns the compiled function, or None when it cannot be used: its switch is set to 0
 (`LOCKSTEP_FUSED_ATTENTION=0`, `LOCKSTEP_FUSED_EXPERTS=0`, `LOCKSTEP_FUSED_NORM=0`), or the
@@ -35,11 +37,17 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    CSRC / name for name in ("paged_decode_attention.cpp", "grouped_swiglu.cpp", "rms_norm.cpp")
+    CSRC / name
+    for name in (
+        "paged_decode_attention.cpp",  # also the module definition of all of them
+        "grouped_swiglu.cpp",
+        "rms_norm.cpp",
+        "rope_cache.cpp",
+    )
 )
 ENV_SWITCH = "LOCKSTEP_FUSED_ATTENTION"  # the decode-attention kernel
 EXPERTS_ENV_SWITCH = "LOCKSTEP_FUSED_EXPERTS"  # the SwiGLU expert kernel
-NORM_ENV_SWITCH = "LOCKSTEP_FUSED_NORM"  # the RMSNorm kernel
+NORM_ENV_SWITCH = "LOCKSTEP_FUSED_NORM"  # the RMSNorm and rotary/KV-write kernels
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -65,6 +73,13 @@ def rms_norm_kernel() -> Callable[..., torch.Tensor] | None:
     """`rms_norm(x, weight, eps)`, or None (see the module docstring); float32 on the CPU,
     `dist_engine.layers.RMSNorm`'s result to float32 rounding."""
     return _kernel(NORM_ENV_SWITCH, "rms_norm")
+
+
+def rope_kernel() -> Callable[..., torch.Tensor] | None:
+    """`rope_write_kv(query, key, value, cos, sin, slot_mapping, key_cache, value_cache)` →
+    rotated query, or None (see the module docstring); float32 on the CPU, the result of
+    `apply_rotary` + `write_kv` to float32 rounding. Shares the RMSNorm kernel's switch."""
+    return _kernel(NORM_ENV_SWITCH, "rope_write_kv")
 
 
 def _kernel(switch: str, name: str) -> Callable[..., torch.Tensor] | None:
@@ -120,9 +135,9 @@ def _build() -> Any:
     else:
         cause = repr(result.get("error"))[:300]
     warnings.warn(
-        f"lockstep: the CPU kernels (fused decode attention, SwiGLU experts) could not be "
-        f"built ({cause}); using the PyTorch paths (set {ENV_SWITCH}=0 and "
-        f"{EXPERTS_ENV_SWITCH}=0 to skip the attempt)",
+        f"lockstep: the CPU kernels (dist_engine/csrc) could not be built ({cause}); using "
+        f"the PyTorch paths (set {ENV_SWITCH}=0, {EXPERTS_ENV_SWITCH}=0 and "
+        f"{NORM_ENV_SWITCH}=0 to skip the attempt)",
         RuntimeWarning,
         stacklevel=3,
     )

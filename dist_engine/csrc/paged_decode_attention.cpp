@@ -225,6 +225,10 @@ torch::Tensor paged_decode_attention(
 torch::Tensor grouped_swiglu(const torch::Tensor& hidden, const torch::Tensor& counts,
                              const torch::Tensor& w13, const torch::Tensor& w2);
 torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor rope_write_kv(const torch::Tensor& query, const torch::Tensor& key,
+                            const torch::Tensor& value, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const torch::Tensor& slot_mapping,
+                            torch::Tensor key_cache, torch::Tensor value_cache);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -232,4 +236,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_swiglu", &grouped_swiglu,
         "SwiGLU experts over rows grouped by slot, float32 (grouped_swiglu.cpp)");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 (rms_norm.cpp)");
+  m.def("rope_write_kv", &rope_write_kv,
+        "Rotary q/k and the paged KV cache write in one pass, float32 (rope_cache.cpp)");
 }
