@@ -105,7 +105,7 @@ class DPEngine:
             # Before the first collective: building the CPU kernels (dist_engine.native) takes
             # tens of seconds the first time on a machine, and peers waiting inside a collective
             # for a rank that compiles would run into the collective timeout.
-            native.decode_kernel()
+            native.prepare()
         self.vote: TorchVote | None = None
         if dist_ctx is not None:
             # Before anything expensive: a rank with other settings would desynchronise the

@@ -17,9 +17,9 @@ tests/test_moe_experts.py and tests/test_layers.py run both).
 The build goes through `torch.utils.cpp_extension.load` into torch's extension cache
 (`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), once per machine and source
 version; processes that start together wait on torch's build lock and then load the cached
-library. A first build takes tens of seconds, so `DPEngine` asks for the kernels before its
-first collective (a rank compiling inside a collective would hold up its peers); a later call
-is a dictionary lookup.
+library. A first build takes tens of seconds, so `DPEngine` calls `prepare()` before its
+first collective (a rank compiling inside a collective would hold up its peers); a later
+lookup is a dictionary access.
 """
 
 from __future__ import annotations
@@ -82,14 +82,26 @@ def rope_kernel() -> Callable[..., torch.Tensor] | None:
     return _kernel(NORM_ENV_SWITCH, "rope_write_kv")
 
 
+def prepare() -> None:
+    """Build (or load) the kernels now if any of them is switched on. `DPEngine` calls this
+    before its first collective; otherwise the first kernel lookup builds."""
+    if any(enabled(switch) for switch in (ENV_SWITCH, EXPERTS_ENV_SWITCH, NORM_ENV_SWITCH)):
+        _module()
+
+
 def _kernel(switch: str, name: str) -> Callable[..., torch.Tensor] | None:
     if not enabled(switch):
         return None
+    module = _module()
+    return None if module is None else getattr(module, name)
+
+
+def _module() -> Any:
+    """The extension module, built on the first call in a process; None if it failed."""
     with _lock:
         if "module" not in _state:
             _state["module"] = _build()
-        module = _state["module"]
-    return None if module is None else getattr(module, name)
+        return _state["module"]
 
 
 # -march=native: the build runs on the machine that uses it (see _module_name). -fopenmp makes

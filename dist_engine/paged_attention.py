@@ -105,8 +105,8 @@ def _prefill_group(
     padded[group.token_seq, group.token_query] = query
     if group.attn_mask is None:
         # Nothing cached: key j sits at position j, so causal attention over the first
-        # query_len keys is exact for every real query; padded queries see only garbage
-        # rows of their own and are dropped below.
+        # query_len keys is exact for every real query. Padding query rows also attend
+        # whatever the cache holds past their sequence's end; they are dropped below.
         length = group.query_len
         out = F.scaled_dot_product_attention(
             padded.transpose(1, 2),

@@ -11,4 +11,4 @@ def pytest_sessionstart(session) -> None:
     build."""
     from dist_engine import native
 
-    native.decode_kernel()
+    native.prepare()
