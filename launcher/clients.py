@@ -77,8 +77,10 @@ class EngineHost:
 
     def _main(self, config: EngineConfig, dist_ctx: Any, built: threading.Event) -> None:
         try:
-            if config.parallel.threads_per_rank is not None:
-                torch.set_num_threads(config.parallel.threads_per_rank)
+            # Set on this thread even when unchanged: MKL keeps its thread count per thread,
+            # and a new thread otherwise takes OMP_NUM_THREADS (Ray actors and torchrun set it
+            # to 1) whatever torch.get_num_threads() says.
+            torch.set_num_threads(config.parallel.threads_per_rank or torch.get_num_threads())
             self.num_threads = torch.get_num_threads()
             self.engine = DPEngine(config, dist_ctx, on_output=self.outputs.put)
         except BaseException as error:  # raised again on the caller's thread

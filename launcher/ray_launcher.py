@@ -45,7 +45,7 @@ class RankActor:
     def start(self, host: str, port: int, cpu_slot: tuple[int, int] | None) -> tuple[int, str]:
         """Join the group; returns this rank's process id and Ray node id.
 
-        cpu_slot: (this rank's index among the ranks on its node, their number), to pin the
+        cpu_slot: (this rank's index among the ranks on its host, their number), to pin the
         rank to its own cores (dist_engine/cpu_binding.py); None leaves the OS to place it.
         """
         import torch.distributed as dist
