@@ -2,6 +2,8 @@
 
 - `decode_kernel()`: decode attention straight from the paged KV cache
   (csrc/paged_decode_attention.cpp; used by `dist_engine.paged_attention`).
+- `prefill_kernel()`: float32 causal prefill attention straight from the paged KV cache, no
+  padding (csrc/paged_prefill_attention.cpp; used by `dist_engine.paged_attention`).
 - `swiglu_kernel()`: float32 SwiGLU experts over rows grouped by slot, without padding
   (csrc/grouped_swiglu.cpp; `MoEBlock` hands it to its `LocalExperts`).
 - `rms_norm_kernel()`: float32 RMSNorm in one pass (csrc/rms_norm.cpp; used by `RMSNorm`).
@@ -40,12 +42,13 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "paged_decode_attention.cpp",  # also the module definition of all of them
+        "paged_prefill_attention.cpp",
         "grouped_swiglu.cpp",
         "rms_norm.cpp",
         "rope_cache.cpp",
     )
 )
-ENV_SWITCH = "LOCKSTEP_FUSED_ATTENTION"  # the decode-attention kernel
+ENV_SWITCH = "LOCKSTEP_FUSED_ATTENTION"  # the decode and prefill attention kernels
 EXPERTS_ENV_SWITCH = "LOCKSTEP_FUSED_EXPERTS"  # the SwiGLU expert kernel
 NORM_ENV_SWITCH = "LOCKSTEP_FUSED_NORM"  # the RMSNorm and rotary/KV-write kernels
 
@@ -61,6 +64,13 @@ def decode_kernel() -> Callable[..., torch.Tensor] | None:
     """`paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
     scale)`, or None (see the module docstring). Builds on the first call in a process."""
     return _kernel(ENV_SWITCH, "paged_decode_attention")
+
+
+def prefill_kernel() -> Callable[..., torch.Tensor] | None:
+    """`paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+    num_cached, scale)`, or None (see the module docstring); float32 on the CPU, under the
+    attention kernel's switch."""
+    return _kernel(ENV_SWITCH, "paged_prefill_attention")
 
 
 def swiglu_kernel() -> Callable[..., torch.Tensor] | None:

@@ -78,6 +78,18 @@ def paged_attention(
             tables, mask = attn.block_tables[rows], attn.attn_mask[rows]
             parts.append(_decode(query[rows], key_cache, value_cache, tables, mask))
         return torch.cat(parts)
+    kernel = _fused_prefill_kernel(query, key_cache)
+    if kernel is not None:
+        scale = query.shape[-1] ** -0.5
+        return kernel(
+            query.contiguous(),
+            key_cache,
+            value_cache,
+            attn.block_tables,
+            attn.query_start_loc,
+            attn.num_cached_tokens,
+            scale,
+        )
     if len(attn.prefill_groups) == 1:  # every sequence, tokens in batch order
         return _prefill_group(query, key_cache, value_cache, attn, attn.prefill_groups[0])
     out = query.new_empty(query.shape)
@@ -147,6 +159,14 @@ def _fused_decode_kernel(query: torch.Tensor):
     if query.device.type != "cpu" or query.dtype not in KERNEL_DTYPES:
         return None
     return native.decode_kernel()
+
+
+def _fused_prefill_kernel(query: torch.Tensor, key_cache: torch.Tensor):
+    """The C++ prefill kernel where it applies (float32 on the CPU, contiguous cache), else
+    None."""
+    if query.device.type != "cpu" or query.dtype != torch.float32 or not key_cache.is_contiguous():
+        return None
+    return native.prefill_kernel()
 
 
 def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:

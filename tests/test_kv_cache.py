@@ -67,34 +67,33 @@ def _dense_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     ],
 )
 @pytest.mark.parametrize("decode_path", ["fused", "torch", "torch_chunk1", "torch_chunk2"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_paged_attention_matches_dense(
     num_cached: list[int],
     num_new: list[int],
     decode_path: str,
+    dtype: torch.dtype,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """decode_path picks how decode steps run: the C++ kernel, or the PyTorch path with its own
-    chunking or forced chunks of 1 or 2 sequences per call."""
+    """decode_path picks how attention runs: the C++ kernels (decode, and prefill for float32),
+    or the PyTorch paths, decode with its own chunking or forced chunks of 1 or 2 sequences."""
     if decode_path == "fused":
         require_fused_kernel()
     else:
         monkeypatch.setattr(paged_attention_module, "_fused_decode_kernel", lambda _: None)
+        monkeypatch.setattr(paged_attention_module, "_fused_prefill_kernel", lambda *_: None)
     if decode_path.startswith("torch_chunk"):
         chunk = int(decode_path.removeprefix("torch_chunk"))
         monkeypatch.setattr(paged_attention_module, "_decode_chunk", lambda *_: chunk)
     gen = torch.Generator().manual_seed(sum(num_cached) + len(num_new))
-    cache = KVCache(1, 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float64)
+    cache = KVCache(1, 64, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
     key_cache, value_cache = cache.layer(0)
     # Scattered, non-contiguous block tables that never use the reserved block 0.
     free = (torch.randperm(63, generator=gen) + 1).tolist()
     contexts = [c + n for c, n in zip(num_cached, num_new, strict=True)]
     tables = [[free.pop() for _ in range(-(-c // BLOCK_SIZE))] for c in contexts]
-    full_k = [
-        torch.randn(c, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64) for c in contexts
-    ]
-    full_v = [
-        torch.randn(c, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64) for c in contexts
-    ]
+    full_k = [torch.randn(c, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=dtype) for c in contexts]
+    full_v = [torch.randn(c, NUM_KV_HEADS, HEAD_DIM, generator=gen, dtype=dtype) for c in contexts]
 
     prefix = [b for b, c in enumerate(num_cached) if c > 0]
     if prefix:  # an earlier step cached the prefixes
@@ -117,7 +116,7 @@ def test_paged_attention_matches_dense(
     new_k = torch.cat([k[c:] for k, c in zip(full_k, num_cached, strict=True)])
     new_v = torch.cat([v[c:] for v, c in zip(full_v, num_cached, strict=True)])
     write_kv(new_k, new_v, key_cache, value_cache, attn.slot_mapping)
-    query = torch.randn(sum(num_new), NUM_HEADS, HEAD_DIM, generator=gen, dtype=torch.float64)
+    query = torch.randn(sum(num_new), NUM_HEADS, HEAD_DIM, generator=gen, dtype=dtype)
     out = paged_attention(query, key_cache, value_cache, attn)
 
     starts = attn.query_start_loc.tolist()
@@ -310,3 +309,30 @@ def test_rope_kernel_matches_rotary_then_write_kv(num_tokens: int) -> None:
     if num_tokens:
         with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] = 52 is outside the cache's"):
             kernel(query[:1], key[:1], value[:1], cos[:1], sin[:1], torch.tensor([52]), *caches[0])
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 24])
+def test_prefill_kernel_matches_the_torch_path(head_dim: int, monkeypatch) -> None:
+    """The float32 prefill kernel's vector path (blocks of 16, head dims 32/64) and its scalar
+    path (head dim 24) against the PyTorch SDPA path on the same cache: fresh prompts of mixed
+    lengths, chunks behind cached prefixes, GQA groups of 2."""
+    require_fused_kernel()
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, block = 4, 2, 16
+    cache = KVCache(1, 80, block, kv_heads, head_dim, torch.float32)
+    key_cache, value_cache = cache.layer(0)
+    with torch.no_grad():
+        key_cache.normal_(generator=gen)
+        value_cache.normal_(generator=gen)
+    num_cached, num_new = [0, 0, 37, 0, 16], [150, 3, 40, 17, 1]
+    free = (torch.randperm(79, generator=gen) + 1).tolist()
+    tables = [
+        [free.pop() for _ in range(-(-(c + n) // block))]
+        for c, n in zip(num_cached, num_new, strict=True)
+    ]
+    attn = AttentionMetadata.build(tables, num_cached, num_new, block, is_prefill=True)
+    query = torch.randn(sum(num_new), heads, head_dim, generator=gen)
+    fused = paged_attention(query, key_cache, value_cache, attn)
+    monkeypatch.setattr(paged_attention_module, "_fused_prefill_kernel", lambda *_: None)
+    reference = paged_attention(query, key_cache, value_cache, attn)
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)

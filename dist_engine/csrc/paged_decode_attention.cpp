@@ -23,29 +23,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
-// exp(x) for x <= 0 (softmax after max subtraction), written so the compiler can vectorise the
-// loop that calls it (std::exp is a scalar library call): Cody-Waite range reduction
-// x = n ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for exp(r) (error below 2e-7
-// relative, about float32's rounding), and 2^n put into the exponent bits. Inputs below
-// -87 (exp underflows to 0 in float32 anyway) give 0.
-inline float fast_exp(float x) {
-  const float clamped = x < -87.0f ? -87.0f : x;
-  const float n = __builtin_rintf(clamped * 1.44269504088896341f);
-  const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
-}
+using lockstep::fast_exp;  // float; the double overload below
 
 inline double fast_exp(double x) { return std::exp(x); }
 
@@ -225,6 +207,11 @@ torch::Tensor paged_decode_attention(
 torch::Tensor grouped_swiglu(const torch::Tensor& hidden, const torch::Tensor& counts,
                              const torch::Tensor& w13, const torch::Tensor& w2);
 torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor paged_prefill_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
+                                      const torch::Tensor& value_cache,
+                                      const torch::Tensor& block_tables,
+                                      const torch::Tensor& query_start_loc,
+                                      const torch::Tensor& num_cached, double scale);
 torch::Tensor rope_write_kv(const torch::Tensor& query, const torch::Tensor& key,
                             const torch::Tensor& value, const torch::Tensor& cos,
                             const torch::Tensor& sin, const torch::Tensor& slot_mapping,
@@ -236,6 +223,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_swiglu", &grouped_swiglu,
         "SwiGLU experts over rows grouped by slot, float32 (grouped_swiglu.cpp)");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 (rms_norm.cpp)");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "Causal prefill attention over a paged KV cache, float32 (paged_prefill_attention.cpp)");
   m.def("rope_write_kv", &rope_write_kv,
         "Rotary q/k and the paged KV cache write in one pass, float32 (rope_cache.cpp)");
 }
