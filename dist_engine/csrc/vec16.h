@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fast_exp.h"
+
 namespace lockstep {
 
 // GCC/Clang vector extensions: the compiler maps these onto the widest vectors -march=native
@@ -33,13 +35,7 @@ inline v16 vexp(v16 x) {
   const v16i ni = __builtin_convertvector(t + half, v16i);  // round half away from zero
   const v16 n = __builtin_convertvector(ni, v16);
   const v16 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  v16 p = splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  const v16 p = exp_polynomial(r);
   const v16i bits = (ni + 127) << 23;
   v16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
