@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dist_engine.config import EngineConfig, ParallelConfig
+from dist_engine.cpu_binding import bind_process
 from dist_engine.distributed import DistContext, init_distributed
 from dist_engine.engine import DPEngine
 from dist_engine.make_model import make_tiny_checkpoint
@@ -260,10 +261,20 @@ def _rank_result(engine: DPEngine, collector: Collector, arrivals: list[Arrival]
 
 
 def _rank_main(
-    rank: int, world: int, port: int, model_dir: str, policy: str, spec: Spec, results: Any
+    rank: int,
+    world: int,
+    port: int,
+    model_dir: str,
+    policy: str,
+    spec: Spec,
+    cpu_binding: bool,
+    results: Any,
 ) -> None:
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        threads = max(1, (os.cpu_count() or 2) // world)
+        torch.set_num_threads(threads)
+        if cpu_binding:  # as the Ray launcher does by default (parallel.cpu_binding)
+            bind_process(rank, world, threads)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
         ctx = init_distributed(rank, world, store, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
         result = _serve(ctx, model_dir, policy, spec)
@@ -277,7 +288,9 @@ def _rank_main(
 
 
 # -- the parent --------------------------------------------------------------------------------
-def run_config(model_dir: str, policy: str, world: int, spec: Spec) -> list[dict[str, Any]]:
+def run_config(
+    model_dir: str, policy: str, world: int, spec: Spec, cpu_binding: bool = True
+) -> list[dict[str, Any]]:
     """Spawn ``world`` ranks on one configuration; return their results by rank."""
     # The parent owns the store, so the port is free by construction (port 0 = pick one).
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
@@ -286,7 +299,7 @@ def run_config(model_dir: str, policy: str, world: int, spec: Spec) -> list[dict
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world, store.port, model_dir, policy, spec, results),
+            args=(rank, world, store.port, model_dir, policy, spec, cpu_binding, results),
             daemon=True,
         )
         for rank in range(world)
@@ -484,6 +497,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_results/sync.json")
     parser.add_argument("--quick", action="store_true", help="a short run (a few seconds each)")
+    parser.add_argument(
+        "--no-cpu-binding",
+        action="store_true",
+        help="leave the rank processes unpinned (default: each on its own cores when they fit)",
+    )
     parser.add_argument("--duration", type=float, default=None, help="arrival window, seconds")
     parser.add_argument("--rate", type=float, default=3.0, help="arrivals/s on a light rank")
     args = parser.parse_args()
@@ -500,7 +518,8 @@ def main() -> None:
                 )
             for policy in POLICIES:
                 started = time.monotonic()
-                row = summarise(policy, world, run_config(model_dir, policy, world, spec))
+                results = run_config(model_dir, policy, world, spec, not args.no_cpu_binding)
+                row = summarise(policy, world, results)
                 row["wall_s"] = time.monotonic() - started
                 print(
                     f"{policy} DP={world}: {row['steps']} steps, {row['requests']} requests, "
@@ -512,10 +531,10 @@ def main() -> None:
     print(markdown_table(rows))
     print()
     print("\n".join(verdict(rows)))
-    _write(args.out, spec, rows)
+    _write(args.out, spec, rows, not args.no_cpu_binding)
 
 
-def _write(path: str, spec: Spec, rows: list[dict[str, Any]]) -> None:
+def _write(path: str, spec: Spec, rows: list[dict[str, Any]], cpu_binding: bool) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -525,6 +544,7 @@ def _write(path: str, spec: Spec, rows: list[dict[str, Any]]) -> None:
         "model": MODEL_SIZES,
         "scheduler": SCHEDULER,
         "spec": asdict(spec),
+        "cpu_binding": cpu_binding,
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out}")
