@@ -88,3 +88,9 @@ class TorchrunClient:
 
     def shutdown(self) -> None:
         self.host.shutdown(timeout_s=60.0)
+        # Tear the process groups down now, while every thread can still run: left to
+        # interpreter exit, gloo's threads can be destroyed while joinable, which aborts the
+        # process ("terminate called without an active exception") after the job succeeded.
+        # Only once the engine loop has stopped: a loop still inside a collective would block it.
+        if not self.host.thread.is_alive() and dist.is_initialized():
+            dist.destroy_process_group()
