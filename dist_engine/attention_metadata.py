@@ -10,6 +10,8 @@ layer — which is why the masks are precomputed here rather than in each attent
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,8 +60,6 @@ class AttentionMetadata:
                        (causal over cached prefix + itself).
     is_prefill:        the step kind the scheduler chose (selects the MoE dispatch mode upstream).
     max_query_len:     Lq; 1 selects the decode fast path.
-    prefill_groups:    when Lq > 1, the sequences split into groups that each take one batched
-                       attention call (see `PrefillGroup`); empty for decode steps.
     """
 
     positions: torch.Tensor
@@ -74,7 +74,24 @@ class AttentionMetadata:
     is_prefill: bool
     max_query_len: int
     block_size: int
-    prefill_groups: tuple[PrefillGroup, ...] = ()
+
+    @functools.cached_property
+    def prefill_groups(self) -> tuple[PrefillGroup, ...]:
+        """When Lq > 1, the sequences split into groups that each take one batched attention
+        call (see `PrefillGroup`); empty for decode steps. Derived on first use, because only
+        the PyTorch prefill path needs it (the CPU prefill kernel does not)."""
+        if self.max_query_len <= 1:
+            return ()
+        starts = self.query_start_loc.tolist()
+        num_new = [end - start for start, end in itertools.pairwise(starts)]
+        return _prefill_groups(
+            self.num_cached_tokens.tolist(),
+            num_new,
+            starts,
+            self.block_size,
+            self.attn_mask.squeeze(1),
+            self.attn_mask.device,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -140,11 +157,6 @@ class AttentionMetadata:
         # rows (i >= query length) always see key 0, so no softmax row is fully masked (NaN).
         visible_until = cached_t[:, None] + query_pos[None, :]  # [B, Lq]
         attn_mask = key_idx[None, None, :] <= visible_until[:, :, None]
-        groups: tuple[PrefillGroup, ...] = ()
-        if max_query_len > 1:
-            groups = _prefill_groups(
-                num_cached_tokens, num_new_tokens, starts, block_size, attn_mask, device
-            )
         return cls(
             positions=as_tensor(positions),
             slot_mapping=as_tensor(slots),
@@ -158,7 +170,6 @@ class AttentionMetadata:
             is_prefill=is_prefill,
             max_query_len=max_query_len,
             block_size=block_size,
-            prefill_groups=groups,
         )
 
 
