@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "paged_cache.h"
 
 namespace {
 
@@ -173,16 +174,14 @@ torch::Tensor paged_decode_attention(
                   context_lens.numel() == query.size(0),
               "context_lens must be contiguous int64 [B]");
   // The kernel reads raw pointers: every block it will touch must exist.
-  auto lens = context_lens.accessor<int64_t, 1>();
-  auto tables = block_tables.accessor<int64_t, 2>();
-  const int64_t block_size = key_cache.size(1), num_blocks = key_cache.size(0);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t num_columns = block_tables.size(1);
   for (int64_t b = 0; b < query.size(0); ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= block_tables.size(1) * block_size,
-                "context length ", lens[b], " of sequence ", b, " outside its block table");
-    for (int64_t c = 0; c < (lens[b] + block_size - 1) / block_size; ++c) {
-      TORCH_CHECK(tables[b][c] >= 0 && tables[b][c] < num_blocks, "sequence ", b,
-                  " names block ", tables[b][c], " of a cache with ", num_blocks, " blocks");
-    }
+    TORCH_CHECK(lens[b] >= 1, "paged_decode_attention: context length ", lens[b],
+                " of sequence ", b, " outside its block table");
+    lockstep::check_context_blocks("paged_decode_attention", b, tables + b * num_columns,
+                                   num_columns, lens[b], key_cache.size(1), key_cache.size(0));
   }
   auto out = torch::empty_like(query);
   const auto dtype = query.scalar_type();

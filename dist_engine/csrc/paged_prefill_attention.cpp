@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "paged_cache.h"
 #include "vec16.h"
 
 namespace {
@@ -122,14 +123,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& ke
     const int64_t count = starts[b + 1] - starts[b];
     TORCH_CHECK(count >= 0 && cached[b] >= 0, "paged_prefill_attention: sequence ", b,
                 " has a negative query length or cached length");
-    const int64_t context = cached[b] + count;
-    TORCH_CHECK(context <= num_columns * block_size, "paged_prefill_attention: context ",
-                context, " of sequence ", b, " outside its block table");
-    for (int64_t c = 0; c < (context + block_size - 1) / block_size; ++c) {
-      const int64_t block = tables[b * num_columns + c];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention: sequence ", b,
-                  " names block ", block, " of a cache with ", num_blocks, " blocks");
-    }
+    lockstep::check_context_blocks("paged_prefill_attention", b, tables + b * num_columns,
+                                   num_columns, cached[b] + count, block_size, num_blocks);
   }
 
   const int64_t group = num_heads / num_kv_heads;
