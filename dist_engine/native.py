@@ -170,7 +170,7 @@ def _module_name() -> str:
     """Distinct per source version and per CPU, because the build targets the CPU it runs on
     (-march=native) and the cache directory may be shared between machines."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *sorted(CSRC.glob("*.h"))):  # headers too: they change the build
         digest.update(source.read_bytes())
     digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest.update(platform.machine().encode())
