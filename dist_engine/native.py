@@ -4,8 +4,9 @@
   (csrc/paged_decode_attention.cpp; used by `dist_engine.paged_attention`).
 - `prefill_kernel()`: float32 causal prefill attention straight from the paged KV cache, no
   padding (csrc/paged_prefill_attention.cpp; used by `dist_engine.paged_attention`).
-- `swiglu_kernel()`: float32 SwiGLU experts over rows grouped by slot, without padding
-  (csrc/grouped_swiglu.cpp; `MoEBlock` hands it to its `LocalExperts`).
+- `swiglu_kernel()`: the float32 expert side of an MoE layer, routed rows to their weighted
+  sum of SwiGLU experts, without padding (csrc/grouped_swiglu.cpp; `MoEBlock` hands it to its
+  `LocalExperts`).
 - `rms_norm_kernel()`: float32 RMSNorm in one pass (csrc/rms_norm.cpp; used by `RMSNorm`).
 - `rope_kernel()`: float32 rotary q/k plus the paged KV cache write in one pass
   (csrc/rope_cache.cpp; used by `Attention`).
@@ -74,9 +75,10 @@ def prefill_kernel() -> Callable[..., torch.Tensor] | None:
 
 
 def swiglu_kernel() -> Callable[..., torch.Tensor] | None:
-    """`grouped_swiglu(hidden, counts, w13, w2)`, or None (see the module docstring); the
-    contract of `moe.experts.LocalExperts._grouped_swiglu` for float32 on the CPU."""
-    return _kernel(EXPERTS_ENV_SWITCH, "grouped_swiglu")
+    """`routed_swiglu(hidden, local_slots, weights, w13, w2)`, or None (see the module
+    docstring); the contract of `moe.experts.LocalExperts.weighted_sum` for float32 on the
+    CPU."""
+    return _kernel(EXPERTS_ENV_SWITCH, "routed_swiglu")
 
 
 def rms_norm_kernel() -> Callable[..., torch.Tensor] | None:

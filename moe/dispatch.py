@@ -71,9 +71,4 @@ def run_local_experts(
     Only valid choices are computed. Returns [N, D] (zero rows where nothing is served), each
     row already weighted, so one row per (token, rank) pair travels back.
     """
-    row, choice = (routing.local_slots >= 0).nonzero(as_tuple=True)
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    experts.add_weighted(
-        out, hidden, row, routing.local_slots[row, choice], routing.weights[row, choice]
-    )
-    return out.to(hidden.dtype)
+    return experts.weighted_sum(hidden, routing.local_slots, routing.weights)

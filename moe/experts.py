@@ -61,9 +61,10 @@ class LocalExperts(nn.Module):
             torch.zeros(num_slots, intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
         )
-        # A compiled `_grouped_swiglu` for float32 rows on the CPU, with the same arguments:
-        # `(sorted_hidden, counts [S] int64, w13, w2) -> [N, D]`. The runtime plugs one in
-        # (dist_engine.native.swiglu_kernel); None keeps the PyTorch paths below.
+        # A compiled `weighted_sum` for float32 rows on the CPU:
+        # `(hidden [N, D], local_slots [N, K] int64, weights [N, K] float32, w13, w2) -> [N, D]`.
+        # The runtime plugs one in (dist_engine.native.swiglu_kernel); None keeps the PyTorch
+        # paths below. `forward` goes through it too, as K = 1.
         self.native_swiglu: Callable[..., torch.Tensor] | None = None
 
     @torch.no_grad()
@@ -100,6 +101,16 @@ class LocalExperts(nn.Module):
                 f"{tuple(slot_ids.shape)}, weights "
                 f"{None if weights is None else tuple(weights.shape)}"
             )
+        kernel = self._kernel_for(hidden)
+        if kernel is not None:
+            scale = torch.ones(num_rows) if weights is None else weights.float()
+            return kernel(
+                hidden.contiguous(),
+                slot_ids.reshape(-1, 1).contiguous(),
+                scale.reshape(-1, 1).contiguous(),
+                self.w13,
+                self.w2,
+            )
         counts, order = self._group_by_slot(slot_ids)
         sorted_out = self._grouped_swiglu(hidden[order], slot_ids[order], counts)
         if weights is not None:
@@ -107,6 +118,28 @@ class LocalExperts(nn.Module):
         out = torch.empty_like(hidden)
         out[order] = sorted_out
         return out
+
+    def weighted_sum(
+        self, hidden: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """out[n] = sum_k weights[n, k] * expert_{local_slots[n, k]}(hidden[n]): the expert side
+        of a dispatch, every choice this rank serves summed per row.
+
+        hidden: [N, D]; local_slots: [N, K] int64, -1 for choices served elsewhere (and
+        padding rows); weights: [N, K]. Returns [N, D] in hidden's dtype, zero rows where
+        nothing is served. Numerics are `add_weighted`'s, summed in float32.
+        """
+        kernel = self._kernel_for(hidden)
+        if kernel is not None:
+            if hidden.stride(-1) != 1:
+                hidden = hidden.contiguous()
+            return kernel(
+                hidden, local_slots.contiguous(), weights.float().contiguous(), self.w13, self.w2
+            )
+        row, choice = (local_slots >= 0).nonzero(as_tuple=True)
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        self.add_weighted(out, hidden, row, local_slots[row, choice], weights[row, choice])
+        return out.to(hidden.dtype)
 
     def add_weighted(
         self,
@@ -142,16 +175,18 @@ class LocalExperts(nn.Module):
             )
         return counts, torch.argsort(slot_ids, stable=True)
 
+    def _kernel_for(self, hidden: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+        """The plugged-in kernel if it applies to these rows (float32 on the CPU), else None."""
+        kernel = self.native_swiglu
+        if kernel is None or hidden.device.type != "cpu" or hidden.dtype != torch.float32:
+            return None
+        return kernel if self.w13.dtype == torch.float32 else None
+
     def _grouped_swiglu(
         self, sorted_hidden: torch.Tensor, sorted_slots: torch.Tensor, counts: list[int]
     ) -> torch.Tensor:
         """sorted_hidden: [N, D] grouped by slot (`counts[s]` rows for slot s, `sorted_slots`
         naming each row's slot) → [N, D], same row order."""
-        kernel = self.native_swiglu
-        on_cpu = sorted_hidden.device.type == "cpu"
-        if kernel is not None and on_cpu and sorted_hidden.dtype == torch.float32:
-            counts_t = torch.tensor(counts, dtype=torch.int64)
-            return kernel(sorted_hidden.contiguous(), counts_t, self.w13, self.w2)
         largest = max(counts, default=0)
         parallel = sorted_hidden.device.type != "cpu" or torch.get_num_threads() > 1
         slack = PADDED_SLACK_ROWS * self.num_slots

@@ -60,12 +60,14 @@ def native_kernel():
 
 @pytest.mark.parametrize("path", ["padded", "looped", "native"])
 @pytest.mark.parametrize("num_rows", [1, 3, 40, 200])
-def test_every_grouped_path_matches_per_row_loop(
+def test_every_expert_path_matches_per_row_loop(
     num_rows: int, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Force each expert path whatever the group sizes (the automatic choice is a speed
     heuristic); rows skip slot 2 entirely, so the padded buffer has an all-padding slot and the
-    kernel an empty group. D=16, I=24 exercise the kernel's column tails (not multiples of 32)."""
+    kernel an empty group. D=16, I=24 exercise the kernel's column tails (not multiples of 16).
+    Both entry points: `forward` (one slot per row) and `weighted_sum` (K choices per row, -1
+    for choices served elsewhere, padding rows with none, strided rows)."""
     monkeypatch.setattr(experts_module, "PADDED_SLACK_ROWS", 10**6 if path == "padded" else -1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     calls: list[str] = []
@@ -85,12 +87,27 @@ def test_every_grouped_path_matches_per_row_loop(
     weights = torch.rand(num_rows, generator=gen)
     out = experts(hidden, slot_ids, weights)
     torch.testing.assert_close(out, per_row_loop(experts, hidden, slot_ids, weights))
-    accumulated = torch.zeros(num_rows + 2, HIDDEN)
-    rows = torch.arange(num_rows) + 1
-    padded_hidden = torch.cat([torch.zeros(1, HIDDEN), hidden, torch.zeros(1, HIDDEN)])
-    experts.add_weighted(accumulated, padded_hidden, rows, slot_ids, weights)
-    torch.testing.assert_close(accumulated[1:-1], out)
-    assert not accumulated[0].any() and not accumulated[-1].any()
+
+    # weighted_sum: a second choice per row (-1 on every third row), and a padding row at each
+    # end; hidden rows are a strided view, as received byte rows are.
+    second = torch.tensor([0, 1, 3, 4])[torch.randint(4, (num_rows,), generator=gen)]
+    second[::3] = -1
+    second_weights = torch.where(second >= 0, torch.rand(num_rows, generator=gen), 0.0)
+    none = torch.full((1, 2), -1)
+    local_slots = torch.cat([none, torch.stack([slot_ids, second], dim=1), none])
+    choice_weights = torch.cat(
+        [torch.zeros(1, 2), torch.stack([weights, second_weights], dim=1), torch.zeros(1, 2)]
+    )
+    wide = torch.zeros(num_rows + 2, HIDDEN + 5)
+    wide[1:-1, :HIDDEN] = hidden
+    summed = experts.weighted_sum(wide[:, :HIDDEN], local_slots, choice_weights)
+    served = second >= 0
+    expected = out.clone()
+    expected[served] += per_row_loop(
+        experts, hidden[served], second[served], second_weights[served]
+    )
+    torch.testing.assert_close(summed[1:-1], expected)
+    assert not summed[0].any() and not summed[-1].any()
     assert calls == ([] if path == "native" else [f"_{path}_swiglu"] * 2)
 
 
@@ -101,27 +118,32 @@ def test_every_grouped_path_matches_per_row_loop(
 )
 def test_native_kernel_matches_the_torch_path(threads, hidden_size, size_i, rows_per_slot):
     """Row blocks of 6 plus every remainder (1-5 rows), column panels of 128 with 64/32/16-wide
-    and scalar tails (2I = 176, D = 200), and the split of slots over threads."""
+    and scalar tails (2I = 176, D = 200), and the split of slots over threads. Rows carry
+    K = 3 choices: a slot with no rows, choices served elsewhere (-1), a token choosing one
+    slot twice."""
     kernel = native_kernel()
     gen = torch.Generator().manual_seed(hidden_size + threads)
     experts = LocalExperts(6, hidden_size, size_i)
     with torch.no_grad():
         experts.w13.copy_(torch.randn(experts.w13.shape, generator=gen) * 1.5 / hidden_size**0.5)
         experts.w2.copy_(torch.randn(experts.w2.shape, generator=gen) * 1.5 / size_i**0.5)
-    counts = torch.tensor([rows_per_slot, 0, 1, 2 * rows_per_slot + 3, 5, rows_per_slot])
-    hidden = torch.randn(int(counts.sum()), hidden_size, generator=gen) * 3  # silu far from 0
+    num_rows = 4 * rows_per_slot + 3
+    local_slots = torch.tensor([0, 2, 3, 4, 5, -1])[torch.randint(6, (num_rows, 3), generator=gen)]
+    local_slots[0] = torch.tensor([3, 3, -1])
+    weights = torch.where(local_slots >= 0, torch.rand(num_rows, 3, generator=gen), 0.0)
+    hidden = torch.randn(num_rows, hidden_size, generator=gen) * 3  # silu far from 0
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kernel(hidden, counts, experts.w13, experts.w2)
+        out = kernel(hidden, local_slots, weights, experts.w13, experts.w2)
     finally:
         torch.set_num_threads(before)
     # Outputs reach ~100, so both float32 paths are off by float32 rounding (~1e-5 relative);
     # judge the kernel against float64 by the error the float32 PyTorch path itself makes.
     experts64 = LocalExperts(6, hidden_size, size_i, dtype=torch.float64)
     experts64.load_state_dict(experts.state_dict())
-    exact = experts64._looped_swiglu(hidden.double(), counts.tolist())
-    torch_error = (experts._looped_swiglu(hidden, counts.tolist()).double() - exact).abs().max()
+    exact = experts64.weighted_sum(hidden.double(), local_slots, weights)
+    torch_error = (experts.weighted_sum(hidden, local_slots, weights).double() - exact).abs().max()
     assert (out.double() - exact).abs().max() <= 2 * torch_error + 1e-6
 
 
@@ -129,16 +151,19 @@ def test_native_kernel_checks_its_inputs():
     kernel = native_kernel()
     experts = LocalExperts(2, 16, 8)
     hidden = torch.randn(3, 16)
-    with pytest.raises(RuntimeError, match=r"counts sum to 4 but hidden has 3 rows"):
-        kernel(hidden, torch.tensor([1, 3]), experts.w13, experts.w2)
-    with pytest.raises(RuntimeError, match=r"counts\[0\] = -1 < 0"):
-        kernel(hidden, torch.tensor([-1, 4]), experts.w13, experts.w2)
+    slots, weights = torch.tensor([[0, 1], [1, -1], [0, 0]]), torch.rand(3, 2)
+    with pytest.raises(RuntimeError, match=r"local_slots\[1, 1\] = 2 is outside \[-1, 2\)"):
+        kernel(hidden, torch.tensor([[0, 1], [1, 2], [0, 0]]), weights, experts.w13, experts.w2)
     with pytest.raises(RuntimeError, match=r"must be float32"):
-        kernel(hidden.double(), torch.tensor([1, 2]), experts.w13, experts.w2)
+        kernel(hidden.double(), slots, weights, experts.w13, experts.w2)
+    with pytest.raises(RuntimeError, match=r"local_slots must be int64"):
+        kernel(hidden, slots.int(), weights, experts.w13, experts.w2)
     with pytest.raises(RuntimeError, match=r"shapes disagree"):
-        kernel(torch.randn(3, 8), torch.tensor([1, 2]), experts.w13, experts.w2)
-    with pytest.raises(RuntimeError, match=r"must be contiguous"):
-        kernel(torch.randn(16, 3).t(), torch.tensor([1, 2]), experts.w13, experts.w2)
+        kernel(torch.randn(3, 8), slots, weights, experts.w13, experts.w2)
+    with pytest.raises(RuntimeError, match=r"shapes disagree"):
+        kernel(hidden, slots, torch.rand(3, 3), experts.w13, experts.w2)
+    with pytest.raises(RuntimeError, match=r"rows must be contiguous"):
+        kernel(torch.randn(16, 3).t(), slots, weights, experts.w13, experts.w2)
 
 
 def test_local_experts_validate_inputs() -> None:

@@ -203,8 +203,9 @@ torch::Tensor paged_decode_attention(
 // The extension module of all of Lockstep's CPU kernels (dist_engine/native.py builds it). It
 // lives here rather than in a file of its own: every translation unit that includes
 // torch/extension.h costs ~20 s of compile time.
-torch::Tensor grouped_swiglu(const torch::Tensor& hidden, const torch::Tensor& counts,
-                             const torch::Tensor& w13, const torch::Tensor& w2);
+torch::Tensor routed_swiglu(const torch::Tensor& hidden, const torch::Tensor& local_slots,
+                            const torch::Tensor& weights, const torch::Tensor& w13,
+                            const torch::Tensor& w2);
 torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor paged_prefill_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                                       const torch::Tensor& value_cache,
@@ -219,8 +220,8 @@ torch::Tensor rope_write_kv(const torch::Tensor& query, const torch::Tensor& key
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
-  m.def("grouped_swiglu", &grouped_swiglu,
-        "SwiGLU experts over rows grouped by slot, float32 (grouped_swiglu.cpp)");
+  m.def("routed_swiglu", &routed_swiglu,
+        "Weighted sum of SwiGLU experts over routed rows, float32 (grouped_swiglu.cpp)");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 (rms_norm.cpp)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal prefill attention over a paged KV cache, float32 (paged_prefill_attention.cpp)");
