@@ -72,9 +72,13 @@ def pack_rows(
 def unpack_rows(
     packed: torch.Tensor, hidden_size: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ReceivedRouting]:
-    """Inverse of pack_rows on [N, W] byte rows → (hidden [N, D] of ``dtype``, routing)."""
+    """Inverse of pack_rows on [N, W] byte rows → (hidden [N, D] of ``dtype``, routing).
+
+    hidden is a view into ``packed`` (row stride W bytes), not a copy: the expert side gathers
+    rows by slot anyway. W is a multiple of the element size, so the view is always valid.
+    """
     width = hidden_size * torch.empty((), dtype=dtype).element_size()
-    hidden = packed[:, :width].contiguous().view(dtype)
+    hidden = packed[:, :width].view(dtype)
     routing = packed[:, width:].contiguous().view(torch.float32)
     return hidden, unpack_routing(routing)
 
