@@ -102,6 +102,7 @@ void gemm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* 
 // 78-97 for 8 x 32 blocks with rows outermost; an FMA-only loop peaks at 110.
 constexpr int kRowBlock = 6;
 constexpr int64_t kColumnPanel = 128;
+constexpr int64_t kRowChunk = 20 * kRowBlock;
 
 // C[M, N] = A[M, K] @ B[K, N], by column panels, then blocks of kRowBlock rows (a smaller
 // template for the rest).
@@ -224,19 +225,23 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
     std::vector<float> rows_in, gate_up, act;
     for (int64_t task = begin; task < end; ++task) {
       for (int64_t s : slots_of[task]) {
-        const int64_t rows = count[s];
-        rows_in.resize(rows * size_d);
-        gate_up.resize(rows * 2 * size_i);
-        act.resize(rows * size_i);
-        for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(rows_in.data() + r * size_d, x + pair_row[first[s] + r] * ldx,
-                      size_d * sizeof(float));
+        // In chunks of rows, so a chunk's inputs and intermediates stay in L2 between the two
+        // GEMMs however many rows the slot has.
+        for (int64_t start = first[s]; start < first[s + 1]; start += kRowChunk) {
+          const int64_t rows = std::min(kRowChunk, first[s + 1] - start);
+          rows_in.resize(rows * size_d);
+          gate_up.resize(rows * 2 * size_i);
+          act.resize(rows * size_i);
+          for (int64_t r = 0; r < rows; ++r) {
+            std::memcpy(rows_in.data() + r * size_d, x + pair_row[start + r] * ldx,
+                        size_d * sizeof(float));
+          }
+          gemm(rows_in.data(), size_d, w_gate_up + s * size_d * 2 * size_i, 2 * size_i,
+               gate_up.data(), 2 * size_i, rows, size_d, 2 * size_i);
+          swiglu_rows(gate_up.data(), act.data(), rows, size_i);
+          gemm(act.data(), size_i, w_down + s * size_i * size_d, size_d,
+               expert_out.data() + start * size_d, size_d, rows, size_i, size_d);
         }
-        gemm(rows_in.data(), size_d, w_gate_up + s * size_d * 2 * size_i, 2 * size_i,
-             gate_up.data(), 2 * size_i, rows, size_d, 2 * size_i);
-        swiglu_rows(gate_up.data(), act.data(), rows, size_i);
-        gemm(act.data(), size_i, w_down + s * size_i * size_d, size_d,
-             expert_out.data() + first[s] * size_d, size_d, rows, size_i, size_d);
       }
     }
   });
