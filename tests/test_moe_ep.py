@@ -2,7 +2,10 @@
 
 Each world size spawns ONE group and runs every case in it (process start-up dominates the cost).
 Children return their outputs; the parent regenerates the same inputs from the case seeds and
-compares each rank's output with `dense_reference_moe` computed independently here.
+compares each rank's output with `dense_reference_moe` computed independently here. Each case
+runs twice: through MoELayer and through the public dispatch → run_local_experts → combine.
+Odd seeds run the experts through the compiled kernel (when it is built; it reads the received
+rows in place, strided), even seeds through PyTorch.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import torch
 import torch.distributed as dist
 from multirank_utils import run_multirank
 
+from dist_engine import native
 from moe import (
     DispatchMode,
     ExpertPlacement,
     MoELayer,
     choose_replicas,
+    combine,
     dense_reference_moe,
     dispatch,
+    run_local_experts,
     softmax_topk,
 )
 
@@ -112,6 +118,8 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
         gate, up, down = make_expert_weights(case)
         for logical in placement.hosted_logical(rank):
             layer.load_expert(logical, gate[logical], up[logical], down[logical])
+        if case.seed % 2:
+            layer.experts.native_swiglu = native.swiglu_kernel()
         hidden, weights, ids, offset = make_tokens(case, rank, world_size)
         try:
             output = layer(hidden, weights, ids, case.mode, token_offset=offset)
@@ -119,10 +127,14 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
             results.append({"error": str(exc)})
             continue
         physical = choose_replicas(ids, placement, offset)
-        recv_hidden, _, _ = dispatch(
+        recv_hidden, recv_routing, meta = dispatch(
             case.mode, hidden, weights, physical, placement.slots_per_rank, group, CAPACITY
         )
-        results.append({"output": output, "num_received": recv_hidden.shape[0]})
+        expert_out = run_local_experts(layer.experts, recv_hidden, recv_routing)
+        composed = combine(expert_out, meta, group)
+        results.append(
+            {"output": output, "composed": composed, "num_received": recv_hidden.shape[0]}
+        )
     return results
 
 
@@ -155,9 +167,10 @@ def test_ep_matches_dense_reference(world_size: int) -> None:
             assert "output" in result, (case, rank, result)
             hidden, weights, ids, _ = make_tokens(case, rank, world_size)
             expected = dense_reference_moe(hidden, weights, ids, gate, up, down)
-            torch.testing.assert_close(
-                result["output"], expected, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank}"
-            )
+            for path in ("output", "composed"):
+                torch.testing.assert_close(
+                    result[path], expected, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank} {path}"
+                )
         received = sum(result["num_received"] for result in results)
         if case.mode is DispatchMode.NORMAL:
             assert received == num_token_rank_pairs(case, world_size), case
