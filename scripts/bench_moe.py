@@ -14,6 +14,8 @@ top-k, renormalise), because DeepSpeed's layer cannot skip its gate. Contenders 
                       expert count in the group: dropless), when `import deepspeed` works.
 They run interleaved (one call of each per repeat, a barrier before each), so machine noise
 hits all of them alike; a call's time is the slowest rank's (the layer ends in a collective).
+Each rank process is pinned to its own core, as the Ray launcher pins CPU ranks by default
+(`parallel.cpu_binding`; `--no-cpu-binding` leaves them to the scheduler).
 Reported: the median over repeats after warm-up. Baselines, in one process afterwards, with the
 same weights and one torch thread (what each EP rank has):
   1p local — MoELayer(group=None) holding all E experts, on T tokens (same FLOPs as one EP rank,
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_engine import native
+from dist_engine.cpu_binding import bind_process
 from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
 
 DEEPSPEED_SKIP = "skipped: deepspeed not installed (pip install -e '.[deepspeed]' torch==2.13.0)"
@@ -59,6 +62,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=900.0, help="whole-run limit, seconds")
+    parser.add_argument(
+        "--no-cpu-binding",
+        dest="cpu_binding",
+        action="store_false",
+        help="leave the rank processes unpinned (default: each on its own core when they fit)",
+    )
     parser.add_argument("--out", default="bench_results/moe.json")
     return parser.parse_args()
 
@@ -232,6 +241,8 @@ def build_deepspeed(rank, world_size, args, weights) -> tuple[nn.Module | None, 
 def child(rank, world_size, port, args, queue) -> None:
     try:
         torch.set_num_threads(1)
+        if args.cpu_binding:  # before the process group, so gloo's threads inherit the pin
+            bind_process(rank, world_size, threads=1)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
         dist.init_process_group(
             "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300)
@@ -308,7 +319,7 @@ def print_table(args, rows: list[dict], ep: dict[str, Any]) -> None:
     print(
         f"MoE layer, {args.world_size} ranks gloo, D={args.hidden} I={args.intermediate} "
         f"E={args.experts} K={args.top_k}, median of {args.repeats} (ms), router included; "
-        f"1 thread per process"
+        f"1 thread per process, ranks {'pinned' if args.cpu_binding else 'unpinned'}"
     )
     columns = (
         "T/rank", "EP normal", "EP LL", "normal pt", "1p local", "1p dense", "DeepSpeed",
