@@ -7,15 +7,19 @@ group's TCPStore so that every rank returns all of them in input order.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
+from dist_engine import native
 from dist_engine.config import EngineConfig
-from dist_engine.distributed import init_distributed
+from dist_engine.cpu_binding import bind_process
+from dist_engine.distributed import init_distributed, resolve_backend
 from dist_engine.request_output import RequestOutput
 from launcher.clients import EngineHost, Submission
 
@@ -32,6 +36,20 @@ def torchrun_rank() -> tuple[int, int, str, int]:
         ) from None
 
 
+def _bind_cpu_rank(config: EngineConfig, rank: int, world: int) -> list[int]:
+    """Pin this CPU rank to its own cores among the ranks torchrun started on this host
+    (LOCAL_RANK of LOCAL_WORLD_SIZE), as the Ray launcher does; before any process group, so
+    gloo's threads inherit the pin. Returns the cores, [] where nothing was pinned (binding
+    off, a GPU job, or more rank threads than cores)."""
+    if not config.parallel.cpu_binding or resolve_backend(config.parallel.backend) != "gloo":
+        return []
+    # Build (or load) the CPU kernels first: a pinned rank would compile them on its own cores.
+    native.prepare()
+    threads = config.parallel.threads_per_rank or torch.get_num_threads()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return bind_process(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), threads)
+
+
 class TorchrunClient:
     def __init__(self, config: EngineConfig) -> None:
         rank, world, host, port = torchrun_rank()
@@ -45,6 +63,7 @@ class TorchrunClient:
         # torchrun's agent already serves a store on MASTER_PORT; otherwise rank 0 hosts it.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
+        self.cpu_cores = _bind_cpu_rank(config, rank, world)
         store = dist.TCPStore(
             host, port, world, is_master=rank == 0 and not agent_store, timeout=timeout
         )
@@ -88,9 +107,15 @@ class TorchrunClient:
 
     def shutdown(self) -> None:
         self.host.shutdown(timeout_s=60.0)
-        # Tear the process groups down now, while every thread can still run: left to
-        # interpreter exit, gloo's threads can be destroyed while joinable, which aborts the
-        # process ("terminate called without an active exception") after the job succeeded.
+        # Tear the process groups down now, while every thread can still run. Left to
+        # interpreter exit, a gloo worker thread of a group still alive then can need the GIL
+        # (releasing a tensor), and Python force-exits a thread that asks for it while it
+        # finalizes; the forced unwind through gloo's loop aborts the process ("terminate called
+        # without an active exception", seen in gdb) after the job succeeded. Destroying the
+        # groups is not enough: the engine (its context, its MoE layers) still holds them, so it
+        # is dropped too and the groups are freed here, their threads joined.
         # Only once the engine loop has stopped: a loop still inside a collective would block it.
         if not self.host.thread.is_alive() and dist.is_initialized():
             dist.destroy_process_group()
+            self.host.engine = None
+            gc.collect()

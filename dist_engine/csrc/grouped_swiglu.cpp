@@ -217,7 +217,9 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
   }
 
   // Each pair's expert output, pairs grouped by slot: [P, D].
-  std::vector<float> expert_out(first[num_slots] * size_d);
+  // (at::empty, not std::vector: every row is written, so no zero fill.)
+  const at::Tensor pair_out = at::empty({first[num_slots], size_d}, hidden.options());
+  float* expert_out = pair_out.data_ptr<float>();
   const float* x = hidden.data_ptr<float>();
   const float* w_gate_up = w13.data_ptr<float>();
   const float* w_down = w2.data_ptr<float>();
@@ -240,7 +242,7 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
                gate_up.data(), 2 * size_i, rows, size_d, 2 * size_i);
           swiglu_rows(gate_up.data(), act.data(), rows, size_i);
           gemm(act.data(), size_i, w_down + s * size_i * size_d, size_d,
-               expert_out.data() + start * size_d, size_d, rows, size_i, size_d);
+               expert_out + start * size_d, size_d, rows, size_i, size_d);
         }
       }
     }
@@ -258,7 +260,7 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
         const int64_t pair = pair_of[n * top_k + k];
         if (pair < 0) continue;
         const float w = weight[n * top_k + k];
-        const float* src = expert_out.data() + pair * size_d;
+        const float* src = expert_out + pair * size_d;
         for (int64_t j = 0; j < size_d; ++j) row[j] += w * src[j];
       }
     }
