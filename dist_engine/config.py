@@ -44,7 +44,7 @@ class ParallelConfig:
     # Torch threads of each rank. None: under Ray the host's cores split evenly over the ranks
     # (at least 1 each); under torchrun or local, the process's own setting.
     threads_per_rank: int | None = None
-    # Under Ray, CPU ranks that share a host each pinned to their own cores
+    # CPU ranks that share a host each pinned to their own cores, under Ray and torchrun
     # (dist_engine/cpu_binding.py).
     cpu_binding: bool = True
 

@@ -12,11 +12,9 @@ cores, one run per rank on the host, in local-rank order. If the ranks do not fi
 (oversubscribed: local ranks x threads > cores) nothing is pinned, because overlapping pins
 would be worse than none. vLLM's CPU backend binds its workers the same way.
 
-Used by the Ray launcher (`parallel.cpu_binding`, on by default), whose rank processes end by
-`ray.kill`. Under torchrun each process exits on its own, and with every thread on one core
-gloo's threads were seen to outlive interpreter shutdown (an abort after the job's output was
-written, 2 runs in 8), so torchrun ranks are not pinned here: bind them from outside
-(`numactl --physcpubind`, `taskset`). Two groups on one host pin to the same cores: set
+Used by both launchers (`parallel.cpu_binding`, on by default): the Ray actors and the torchrun
+processes (LOCAL_RANK of LOCAL_WORLD_SIZE) pin themselves before joining the process group, so
+gloo's threads inherit the pin. Two groups on one host pin to the same cores: set
 `cpu_binding: false` where ranks of several groups share a machine.
 """
 

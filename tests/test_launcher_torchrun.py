@@ -142,17 +142,17 @@ def test_each_launcher_shards_by_its_documented_rule(outputs):
     assert expected_torchrun != expected_ray
 
 
-def test_an_out_of_range_pin_raises_on_every_rank(job):
-    # Under torchrun a pin outside [0, world) used to be served by no rank: every process then
-    # failed with a KeyError when collecting results. It must be a clear ValueError, after
-    # which the group still serves.
-    script = job["root"] / "pin.py"
+@pytest.fixture(scope="module")
+def api_job(job) -> dict[int, list[str]]:
+    """`LLM(launcher="torchrun")` in a script under torchrun (2 ranks); each rank's report lines."""
+    script = job["root"] / "api.py"
     # Each rank writes its own file: two processes printing to one pipe can interleave bytes.
     script.write_text(
         "import os\n"
         "from launcher import LLM, SamplingParams\n"
         "lines = []\n"
         f"with LLM(config={str(job['config'])!r}) as llm:\n"
+        "    lines.append(f'CORES {llm.client.cpu_cores} {sorted(os.sched_getaffinity(0))}')\n"
         "    params = SamplingParams(max_tokens=3, ignore_eos=True)\n"
         "    try:\n"
         "        llm.generate([[1, 2, 3], [4, 5]], params, dp_rank=[0, 5], use_tqdm=False)\n"
@@ -162,14 +162,35 @@ def test_an_out_of_range_pin_raises_on_every_rank(job):
         "    ranks = [o.dp_rank for o in outs]\n"
         "    lengths = [len(o.output_token_ids) for o in outs]\n"
         "    lines.append(f'SERVED {ranks} {lengths}')\n"
-        "with open(f\"pin_rank{os.environ['RANK']}.txt\", 'w') as out:\n"
+        "with open(f\"api_rank{os.environ['RANK']}.txt\", 'w') as out:\n"
         "    out.write('\\n'.join(lines))\n"
     )
-    result = torchrun(2, str(script), cwd=job["root"])
+    # One torch thread per rank, whatever the caller's environment says (torchrun's default).
+    result = run(
+        [TORCHRUN, "--standalone", "--nproc-per-node", "2", str(script)],
+        job["root"],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     check(result)
-    for rank in range(2):
-        lines = (job["root"] / f"pin_rank{rank}.txt").read_text().splitlines()
-        assert lines == ["RAISED dp_rank must be in [0, 2), got 5", "SERVED [0, 1] [3, 3]"], lines
+    return {r: (job["root"] / f"api_rank{r}.txt").read_text().splitlines() for r in range(2)}
+
+
+def test_an_out_of_range_pin_raises_on_every_rank(api_job):
+    # Under torchrun a pin outside [0, world) used to be served by no rank: every process then
+    # failed with a KeyError when collecting results. It must be a clear ValueError, after
+    # which the group still serves.
+    for lines in api_job.values():
+        assert lines[1:] == ["RAISED dp_rank must be in [0, 2), got 5", "SERVED [0, 1] [3, 3]"]
+
+
+def test_torchrun_ranks_are_pinned_to_disjoint_cores(api_job):
+    """parallel.cpu_binding (on by default) under torchrun: with one thread each, local rank r
+    runs on the r-th available core, gloo's threads included; left unpinned if they do not fit."""
+    available = sorted(os.sched_getaffinity(0))
+    for rank, lines in api_job.items():
+        expected = [available[rank]] if len(available) >= 2 else []
+        affinity = expected or available
+        assert lines[0] == f"CORES {expected} {affinity}", (rank, lines)
 
 
 def test_a_world_size_that_differs_from_dp_size_is_refused(job):
