@@ -37,6 +37,7 @@ Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outpu
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -270,6 +271,7 @@ def _rank_main(
     cpu_binding: bool,
     results: Any,
 ) -> None:
+    ctx = None
     try:
         threads = max(1, (os.cpu_count() or 2) // world)
         torch.set_num_threads(threads)
@@ -285,6 +287,11 @@ def _rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Free the groups now (ctx and the engine hold them; engine and collector form a
+        # cycle): at interpreter exit a gloo thread that needs the GIL aborts the process (see
+        # launcher/torchrun_launcher.py, TorchrunClient.shutdown).
+        del ctx
+        gc.collect()
 
 
 # -- the parent --------------------------------------------------------------------------------
