@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -66,6 +67,11 @@ class LLM:
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
         self.closed = False
+        # A torchrun rank whose LLM is never shut down (no `with`, no shutdown()) would keep its
+        # process groups into interpreter finalization, where gloo's threads can abort the
+        # process after a successful job (see TorchrunClient.shutdown); shut it down at exit,
+        # before finalization, instead. The finalizer holds the client, not this object.
+        self._at_exit = weakref.finalize(self, self.client.shutdown) if self._torchrun else None
 
     # -- generation -------------------------------------------------------------------------
     def generate(
@@ -203,7 +209,10 @@ class LLM:
     def shutdown(self) -> None:
         if not self.closed:
             self.closed = True
-            self.client.shutdown()
+            if self._at_exit is not None:
+                self._at_exit()  # runs client.shutdown once, and no more at exit
+            else:
+                self.client.shutdown()
 
     def __enter__(self) -> LLM:
         return self

@@ -193,6 +193,27 @@ def test_torchrun_ranks_are_pinned_to_disjoint_cores(api_job):
         assert lines[0] == f"CORES {expected} {affinity}", (rank, lines)
 
 
+def test_an_llm_left_open_exits_cleanly(job):
+    """No `with`, no shutdown(): the LLM is shut down at interpreter exit, before finalization.
+    Left to finalization, gloo's threads aborted the process after the job succeeded
+    ('terminate called without an active exception', 8 of 8 runs before the fix)."""
+    script = job["root"] / "left_open.py"
+    script.write_text(
+        "import os\n"
+        "from launcher import LLM, SamplingParams\n"
+        f"llm = LLM(config={str(job['config'])!r})\n"
+        "params = SamplingParams(max_tokens=3, ignore_eos=True)\n"
+        "outs = llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False)\n"
+        "with open(f\"left_open_rank{os.environ['RANK']}.txt\", 'w') as out:\n"
+        "    out.write(str([len(o.output_token_ids) for o in outs]))\n"
+    )
+    result = torchrun(2, str(script), cwd=job["root"])
+    check(result)
+    assert "terminate called" not in result.stderr
+    for rank in range(2):
+        assert (job["root"] / f"left_open_rank{rank}.txt").read_text() == "[3, 3]"
+
+
 def test_a_world_size_that_differs_from_dp_size_is_refused(job):
     result = torchrun(
         1, "-m", "launcher.cli", "run", "--config", str(job["config"]),
