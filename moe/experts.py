@@ -101,16 +101,9 @@ class LocalExperts(nn.Module):
                 f"{tuple(slot_ids.shape)}, weights "
                 f"{None if weights is None else tuple(weights.shape)}"
             )
-        kernel = self._kernel_for(hidden)
-        if kernel is not None:
-            scale = torch.ones(num_rows) if weights is None else weights.float()
-            return kernel(
-                hidden.contiguous(),
-                slot_ids.reshape(-1, 1).contiguous(),
-                scale.reshape(-1, 1).contiguous(),
-                self.w13,
-                self.w2,
-            )
+        if self._kernel_for(hidden) is not None:  # the kernel's contract, with K = 1
+            scale = torch.ones(num_rows) if weights is None else weights
+            return self.weighted_sum(hidden, slot_ids.reshape(-1, 1), scale.reshape(-1, 1))
         counts, order = self._group_by_slot(slot_ids)
         sorted_out = self._grouped_swiglu(hidden.index_select(0, order), slot_ids[order], counts)
         if weights is not None:
