@@ -25,6 +25,7 @@ from scheduler import SchedulerConfig
 
 LAUNCHERS = ("ray", "torchrun", "local")
 BACKENDS = ("auto", "nccl", "gloo")
+MOE_EXCHANGES = ("auto", "shared_memory", "process_group")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DTYPES = {
     "float32": torch.float32,
@@ -47,6 +48,10 @@ class ParallelConfig:
     # CPU ranks that share a host each pinned to their own cores, under Ray and torchrun
     # (dist_engine/cpu_binding.py).
     cpu_binding: bool = True
+    # How the MoE all-to-alls travel: `shared_memory` between CPU ranks on one host
+    # (dist_engine/shm_exchange.py), `process_group` through the MoE group's backend; `auto`
+    # takes shared memory where every rank is on one host and the backend is gloo.
+    moe_exchange: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("parallel.dp_size", self.dp_size)
@@ -59,6 +64,12 @@ class ParallelConfig:
         _choice("parallel.launcher", self.launcher, LAUNCHERS)
         _choice("parallel.backend", self.backend, BACKENDS)
         _choice("parallel.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        _choice("parallel.moe_exchange", self.moe_exchange, MOE_EXCHANGES)
+        if self.moe_exchange == "shared_memory" and self.backend == "nccl":
+            raise ValueError(
+                "parallel.moe_exchange 'shared_memory' moves CPU tensors; with parallel.backend "
+                "'nccl' use auto or process_group"
+            )
         if (
             not isinstance(self.collective_timeout_s, (int, float))
             or self.collective_timeout_s <= 0

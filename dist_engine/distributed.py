@@ -3,6 +3,9 @@
 The vote is a few integers per attempt point; it always runs on a gloo (CPU) group so that it
 needs no device synchronisation, also where the MoE all-to-alls run on NCCL. Rendezvous goes
 through a TCPStore that rank 0 creates on port 0 (no port race) and hands out.
+
+The MoE layers exchange rows through `DistContext.moe_exchange`: the MoE group, or a
+shared-memory exchange (dist_engine/shm_exchange.py) where CPU ranks share one host.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from dist_engine.shm_exchange import open_shared_memory_exchange
+from moe.exchange import Exchange, GroupExchange
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,9 @@ class DistContext:
     moe_backend: str
     device: torch.device
     timeout_s: float
+    # What the MoE layers use: moe_group's all-to-all, or shared memory. The segment is
+    # unmapped when the last reference goes (its file name is gone once every rank mapped it).
+    moe_exchange: Exchange
 
 
 def resolve_backend(backend: str) -> str:
@@ -45,8 +54,10 @@ def init_distributed(
     backend: str = "auto",
     timeout_s: float = 60.0,
     local_rank: int | None = None,
+    moe_exchange: str = "auto",
 ) -> DistContext:
-    """Join the group (if this process has not yet) and create the MoE group.
+    """Join the group (if this process has not yet), create the MoE group and choose how the
+    MoE all-to-alls travel (`parallel.moe_exchange`; shared memory only on gloo).
 
     Every rank must call this in the same order: ``new_group`` is itself collective.
     """
@@ -69,6 +80,12 @@ def init_distributed(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if moe_backend == "nccl" and moe_exchange == "shared_memory":
+        raise ValueError("parallel.moe_exchange 'shared_memory' needs the gloo backend")
+    shared = None
+    if moe_backend == "gloo" and world_size > 1:
+        shared = open_shared_memory_exchange(dist.group.WORLD, moe_exchange, timeout_s=timeout_s)
+    exchange = shared if shared is not None else GroupExchange(moe_group)
     return DistContext(
         rank=rank,
         world_size=world_size,
@@ -78,4 +95,5 @@ def init_distributed(
         moe_backend=moe_backend,
         device=device,
         timeout_s=timeout_s,
+        moe_exchange=exchange,
     )

@@ -152,7 +152,7 @@ class DPEngine:
         context = ExpertParallelContext(
             placement=ExpertPlacement.even(num_experts, self.world_size),
             rank=self.rank,
-            group=self.dist.moe_group if self.dist and self.world_size > 1 else None,
+            group=self.dist.moe_exchange if self.dist and self.world_size > 1 else None,
             ll_max_tokens_per_rank=self.config.ll_capacity,
         )
         return load_model(

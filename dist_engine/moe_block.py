@@ -27,7 +27,8 @@ class ExpertParallelContext:
 
     placement: ExpertPlacement | None = None
     rank: int = 0
-    group: object | None = None  # torch.distributed ProcessGroup; None = single process
+    # A torch.distributed ProcessGroup or a moe.exchange.Exchange; None = single process.
+    group: object | None = None
     ll_max_tokens_per_rank: int = 256
 
     def resolve_placement(self, num_experts: int) -> ExpertPlacement:

@@ -10,6 +10,9 @@
 - `rms_norm_kernel()`: float32 RMSNorm in one pass (csrc/rms_norm.cpp; used by `RMSNorm`).
 - `rope_kernel()`: float32 rotary q/k plus the paged KV cache write in one pass
   (csrc/rope_cache.cpp; used by `Attention`).
+- `shm_exchange_type()`: the shared-memory all-to-all for ranks on one host
+  (csrc/shm_exchange.cpp; used by `dist_engine.shm_exchange`). Not a kernel switch: the
+  config's `parallel.moe_exchange` chooses it.
 
 Each returns the compiled function, or None when it cannot be used: its switch is set to 0
 (`LOCKSTEP_FUSED_ATTENTION=0`, `LOCKSTEP_FUSED_EXPERTS=0`, `LOCKSTEP_FUSED_NORM=0`), or the
@@ -47,6 +50,7 @@ SOURCES = tuple(
         "grouped_swiglu.cpp",
         "rms_norm.cpp",
         "rope_cache.cpp",
+        "shm_exchange.cpp",
     )
 )
 ENV_SWITCH = "LOCKSTEP_FUSED_ATTENTION"  # the decode and prefill attention kernels
@@ -94,11 +98,16 @@ def rope_kernel() -> Callable[..., torch.Tensor] | None:
     return _kernel(NORM_ENV_SWITCH, "rope_write_kv")
 
 
+def shm_exchange_type() -> Any:
+    """The `ShmExchange` class (csrc/shm_exchange.cpp), or None if the module failed to build."""
+    module = _module()
+    return None if module is None else module.ShmExchange
+
+
 def prepare() -> None:
-    """Build (or load) the kernels now if any of them is switched on. `DPEngine` calls this
-    before its first collective; otherwise the first kernel lookup builds."""
-    if any(enabled(switch) for switch in (ENV_SWITCH, EXPERTS_ENV_SWITCH, NORM_ENV_SWITCH)):
-        _module()
+    """Build (or load) the module now. The launchers and `DPEngine` call this before their
+    first collective; otherwise the first lookup builds."""
+    _module()
 
 
 def _kernel(switch: str, name: str) -> Callable[..., torch.Tensor] | None:
@@ -160,8 +169,7 @@ def _build() -> Any:
         cause = repr(result.get("error"))[:300]
     warnings.warn(
         f"lockstep: the CPU kernels (dist_engine/csrc) could not be built ({cause}); using "
-        f"the PyTorch paths (set {ENV_SWITCH}=0, {EXPERTS_ENV_SWITCH}=0 and "
-        f"{NORM_ENV_SWITCH}=0 to skip the attempt)",
+        f"the PyTorch paths, and the process group for the MoE all-to-alls",
         RuntimeWarning,
         stacklevel=3,
     )

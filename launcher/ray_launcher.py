@@ -72,6 +72,7 @@ class RankActor:
             self.store,
             backend=self.config.parallel.backend,
             timeout_s=self.config.parallel.collective_timeout_s,
+            moe_exchange=self.config.parallel.moe_exchange,
         )
         self.host = EngineHost(self.config, ctx)
         return os.getpid(), ray.get_runtime_context().get_node_id()

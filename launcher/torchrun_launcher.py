@@ -75,6 +75,7 @@ class TorchrunClient:
             backend=config.parallel.backend,
             timeout_s=config.parallel.collective_timeout_s,
             local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+            moe_exchange=config.parallel.moe_exchange,
         )
         self.host = EngineHost(config, ctx)
         self._num_exchanges = 0

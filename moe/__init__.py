@@ -7,6 +7,7 @@ from moe.dispatch import DispatchMeta, DispatchMode, combine, dispatch, run_loca
 from moe.dispatch_common import ReceivedRouting
 from moe.dispatch_low_latency import LowLatencyDispatchMeta
 from moe.dispatch_normal import NormalDispatchMeta
+from moe.exchange import Exchange, GroupExchange
 from moe.experts import LocalExperts
 from moe.layer import MoELayer, dense_reference_moe
 from moe.placement import ExpertPlacement, choose_replicas
@@ -15,7 +16,9 @@ from moe.routing import RoutingResult, sigmoid_grouped_topk, softmax_topk
 __all__ = [
     "DispatchMeta",
     "DispatchMode",
+    "Exchange",
     "ExpertPlacement",
+    "GroupExchange",
     "LocalExperts",
     "LowLatencyDispatchMeta",
     "MoELayer",

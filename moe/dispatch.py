@@ -21,6 +21,7 @@ from moe.dispatch_low_latency import (
     low_latency_dispatch,
 )
 from moe.dispatch_normal import NormalDispatchMeta, normal_combine, normal_dispatch
+from moe.exchange import Exchange, as_exchange
 from moe.experts import LocalExperts
 
 DispatchMeta = NormalDispatchMeta | LowLatencyDispatchMeta
@@ -37,29 +38,34 @@ def dispatch(
     topk_weights: torch.Tensor,
     physical_ids: torch.Tensor,
     slots_per_rank: int,
-    group: dist.ProcessGroup,
+    group: dist.ProcessGroup | Exchange,
     ll_max_tokens_per_rank: int,
 ) -> tuple[torch.Tensor, ReceivedRouting, DispatchMeta]:
     """Send tokens to the ranks hosting their chosen slots.
 
     hidden: [T, D]; topk_weights: [T, K]; physical_ids: [T, K] global physical slot ids.
+    group: the EP group, a process group or any `moe.exchange.Exchange`.
     Returns (recv_hidden [N, D], recv_routing with [N, K] rows, meta for `combine`).
     """
     check_slot_count(slots_per_rank)
+    exchange = as_exchange(group)
     if mode is DispatchMode.NORMAL:
-        return normal_dispatch(hidden, topk_weights, physical_ids, slots_per_rank, group)
+        return normal_dispatch(hidden, topk_weights, physical_ids, slots_per_rank, exchange)
     if mode is DispatchMode.LOW_LATENCY:
         return low_latency_dispatch(
-            hidden, topk_weights, physical_ids, slots_per_rank, ll_max_tokens_per_rank, group
+            hidden, topk_weights, physical_ids, slots_per_rank, ll_max_tokens_per_rank, exchange
         )
     raise ValueError(f"unknown dispatch mode {mode!r}; expected one of {list(DispatchMode)}")
 
 
-def combine(expert_out: torch.Tensor, meta: DispatchMeta, group: dist.ProcessGroup) -> torch.Tensor:
+def combine(
+    expert_out: torch.Tensor, meta: DispatchMeta, group: dist.ProcessGroup | Exchange
+) -> torch.Tensor:
     """expert_out: [N, D] from `run_local_experts` → [T, D] summed per token, original order."""
+    exchange = as_exchange(group)
     if isinstance(meta, NormalDispatchMeta):
-        return normal_combine(expert_out, meta, group)
-    return low_latency_combine(expert_out, meta, group)
+        return normal_combine(expert_out, meta, exchange)
+    return low_latency_combine(expert_out, meta, exchange)
 
 
 def run_local_experts(

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moe.dispatch_common import ReceivedRouting, pack_rows, split_by_rank, unpack_rows
+from moe.exchange import Exchange
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +46,7 @@ def low_latency_dispatch(
     physical_ids: torch.Tensor,
     slots_per_rank: int,
     capacity: int,
-    group: dist.ProcessGroup,
+    exchange: Exchange,
 ) -> tuple[torch.Tensor, ReceivedRouting, LowLatencyDispatchMeta]:
     """Scatter tokens into padded per-rank blocks and exchange them.
 
@@ -56,7 +56,7 @@ def low_latency_dispatch(
     """
     num_tokens, hidden_size = hidden.shape
     check_capacity(num_tokens, capacity)
-    num_ranks = dist.get_world_size(group)
+    num_ranks = exchange.size
     top_k = physical_ids.shape[1]
     device = hidden.device
     dest_rank, local_slot = split_by_rank(physical_ids, slots_per_rank)
@@ -74,7 +74,7 @@ def low_latency_dispatch(
 
     send = pack_rows(send_hidden, send_slots, send_weights)  # [R, C, W]
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    exchange.all_to_all_single(recv, send)
 
     meta = LowLatencyDispatchMeta(
         num_tokens=num_tokens, capacity=capacity, num_ranks=num_ranks, dtype=hidden.dtype
@@ -86,7 +86,7 @@ def low_latency_dispatch(
 
 
 def low_latency_combine(
-    expert_out: torch.Tensor, meta: LowLatencyDispatchMeta, group: dist.ProcessGroup
+    expert_out: torch.Tensor, meta: LowLatencyDispatchMeta, exchange: Exchange
 ) -> torch.Tensor:
     """Send each block of weighted expert rows back and sum the R partial results per token.
 
@@ -95,6 +95,6 @@ def low_latency_combine(
     hidden_size = expert_out.shape[1]
     assert expert_out.shape[0] == meta.num_ranks * meta.capacity, (expert_out.shape, meta)
     returned = torch.empty_like(expert_out)
-    dist.all_to_all_single(returned, expert_out, group=group)
+    exchange.all_to_all_single(returned, expert_out)
     blocks = returned.view(meta.num_ranks, meta.capacity, hidden_size)[:, : meta.num_tokens]
     return blocks.float().sum(dim=0).to(meta.dtype)

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moe.dispatch_common import ReceivedRouting, pack_rows, split_by_rank, unpack_rows
+from moe.exchange import Exchange
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,14 +43,14 @@ def normal_dispatch(
     topk_weights: torch.Tensor,
     physical_ids: torch.Tensor,
     slots_per_rank: int,
-    group: dist.ProcessGroup,
+    exchange: Exchange,
 ) -> tuple[torch.Tensor, ReceivedRouting, NormalDispatchMeta]:
     """Send each token once to every rank that hosts one of its chosen physical slots.
 
     hidden: [T, D]; topk_weights: [T, K]; physical_ids: [T, K] global physical slot ids.
     Returns (recv_hidden [N, D], recv_routing with [N, K] rows, meta for normal_combine).
     """
-    num_ranks = dist.get_world_size(group)
+    num_ranks = exchange.size
     num_tokens, hidden_size = hidden.shape
     device = hidden.device
     dest_rank, local_slot = split_by_rank(physical_ids, slots_per_rank)
@@ -66,7 +66,7 @@ def normal_dispatch(
 
     send_counts = torch.bincount(pair_rank, minlength=num_ranks)
     recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    exchange.all_to_all_single(recv_counts, send_counts)
     # The only host sync: split sizes must be Python ints (NCCL needs them on host too).
     send_splits, recv_splits = (tuple(s) for s in torch.stack([send_counts, recv_counts]).tolist())
     num_recv = sum(recv_splits)
@@ -75,7 +75,7 @@ def normal_dispatch(
     # (1 MB of rows: 164 vs 27 us).
     send = pack_rows(hidden.index_select(0, pair_token), send_slots, send_weights)  # [M, W]
     recv = send.new_empty(num_recv, send.shape[1])
-    dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=group)
+    exchange.all_to_all_single(recv, send, list(recv_splits), list(send_splits))
     recv_hidden, recv_routing = unpack_rows(recv, hidden_size, hidden.dtype)
     meta = NormalDispatchMeta(
         pair_token=pair_token,
@@ -88,7 +88,7 @@ def normal_dispatch(
 
 
 def normal_combine(
-    expert_out: torch.Tensor, meta: NormalDispatchMeta, group: dist.ProcessGroup
+    expert_out: torch.Tensor, meta: NormalDispatchMeta, exchange: Exchange
 ) -> torch.Tensor:
     """Return expert rows to their source ranks and sum them per token.
 
@@ -99,9 +99,7 @@ def normal_combine(
     hidden_size = expert_out.shape[1]
     assert expert_out.shape[0] == sum(meta.recv_splits), (expert_out.shape, meta.recv_splits)
     returned = expert_out.new_empty(sum(meta.send_splits), hidden_size)
-    dist.all_to_all_single(
-        returned, expert_out, list(meta.send_splits), list(meta.recv_splits), group=group
-    )
+    exchange.all_to_all_single(returned, expert_out, list(meta.send_splits), list(meta.recv_splits))
     # Accumulate in float32: a token's partial sums from several ranks meet here.
     out = torch.zeros(meta.num_tokens, hidden_size, dtype=torch.float32, device=expert_out.device)
     out.index_add_(0, meta.pair_token, returned.float())

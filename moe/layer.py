@@ -17,6 +17,7 @@ from torch import nn
 from moe.dispatch import DispatchMode, combine, dispatch, run_local_experts
 from moe.dispatch_common import ReceivedRouting
 from moe.dispatch_low_latency import check_capacity
+from moe.exchange import Exchange, as_exchange
 from moe.experts import LocalExperts
 from moe.placement import ExpertPlacement, choose_replicas_from_maps
 
@@ -24,8 +25,10 @@ from moe.placement import ExpertPlacement, choose_replicas_from_maps
 class MoELayer(nn.Module):
     """Routed experts of one MoE layer, sharded over an EP group by `placement`.
 
-    With `group=None` the layer is single-process: the placement must have one rank, and the
-    same LocalExperts path runs with no collectives.
+    `group` is the EP group: a torch.distributed process group, or any `moe.exchange.Exchange`
+    (the engine passes a shared-memory one where its ranks share a host). With `group=None`
+    the layer is single-process: the placement must have one rank, and the same LocalExperts
+    path runs with no collectives.
     """
 
     def __init__(
@@ -35,7 +38,7 @@ class MoELayer(nn.Module):
         intermediate_size: int,
         placement: ExpertPlacement,
         rank: int = 0,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | Exchange | None = None,
         dtype: torch.dtype = torch.float32,
         ll_max_tokens_per_rank: int = 256,
     ) -> None:
@@ -45,14 +48,15 @@ class MoELayer(nn.Module):
                 f"num_experts={num_experts} but the placement maps "
                 f"{placement.num_experts} logical experts"
             )
-        num_group_ranks = 1 if group is None else dist.get_world_size(group)
+        exchange = None if group is None else as_exchange(group)
+        num_group_ranks = 1 if exchange is None else exchange.size
         if placement.num_ranks != num_group_ranks:
             raise ValueError(
                 f"placement is for num_ranks={placement.num_ranks} but the group has "
                 f"{num_group_ranks} rank(s) (group={'None' if group is None else 'set'})"
             )
-        if group is not None and dist.get_rank(group) != rank:
-            raise ValueError(f"rank={rank} but this process is rank {dist.get_rank(group)}")
+        if exchange is not None and exchange.rank != rank:
+            raise ValueError(f"rank={rank} but this process is rank {exchange.rank}")
         if ll_max_tokens_per_rank < 1:
             raise ValueError(f"ll_max_tokens_per_rank must be >= 1, got {ll_max_tokens_per_rank}")
         self.num_experts = num_experts
@@ -60,7 +64,7 @@ class MoELayer(nn.Module):
         self.intermediate_size = intermediate_size
         self.placement = placement
         self.rank = rank
-        self.group = group
+        self.exchange = exchange
         self.ll_max_tokens_per_rank = ll_max_tokens_per_rank
         self.hosted_slots = placement.hosted_slots(rank)
         self.experts = LocalExperts(len(self.hosted_slots), hidden_size, intermediate_size, dtype)
@@ -130,7 +134,7 @@ class MoELayer(nn.Module):
         if mode is DispatchMode.LOW_LATENCY:
             check_capacity(num_tokens, self.ll_max_tokens_per_rank)
         physical_ids = choose_replicas_from_maps(topk_ids, self.log2phy, self.logcnt, token_offset)
-        if self.group is None:
+        if self.exchange is None:
             local = ReceivedRouting(local_slots=physical_ids, weights=topk_weights.float())
             return run_local_experts(self.experts, hidden, local)
         recv_hidden, recv_routing, meta = dispatch(
@@ -139,11 +143,11 @@ class MoELayer(nn.Module):
             topk_weights,
             physical_ids,
             self.placement.slots_per_rank,
-            self.group,
+            self.exchange,
             self.ll_max_tokens_per_rank,
         )
         expert_out = run_local_experts(self.experts, recv_hidden, recv_routing)
-        return combine(expert_out, meta, self.group)
+        return combine(expert_out, meta, self.exchange)
 
 
 def dense_reference_moe(

@@ -1,4 +1,4 @@
-"""Benchmark one EP MoE layer (router + dispatch + expert compute + combine) over a gloo group.
+"""Benchmark one EP MoE layer (router + dispatch + expert compute + combine) over 2+ CPU ranks.
 
     .venv/bin/python scripts/bench_moe.py [--repeats 10] [--out bench_results/moe.json]
 
@@ -7,8 +7,12 @@
 For each tokens-per-rank size every rank maps its own hidden states [T, D] to the MoE output
 [T, D]; every contender starts from hidden states and includes its router (a Linear, softmax,
 top-k, renormalise), because DeepSpeed's layer cannot skip its gate. Contenders over the group:
-  EP normal / EP LL — `MoELayer.forward` in each dispatch mode (LL capacity C = T), with the
-                      compiled SwiGLU expert kernel the runtime plugs into float32 CPU models;
+  EP normal / EP LL — `MoELayer.forward` in each dispatch mode (LL capacity C = T), as the
+                      runtime runs a float32 CPU model on one host: the compiled SwiGLU expert
+                      kernel, and the all-to-alls through the shared-memory exchange
+                      (`parallel.moe_exchange: auto`, dist_engine/shm_exchange.py);
+  normal gloo / LL gloo — the same with the all-to-alls on the gloo group instead
+                      (`parallel.moe_exchange: process_group`, what multi-host groups use);
   normal pt         — EP normal with the experts on the PyTorch path instead (torch.mm/bmm);
   DeepSpeed         — `deepspeed.moe.layer.MoE` (`drop_tokens=False`, so capacity is the largest
                       expert count in the group: dropless), when `import deepspeed` works.
@@ -45,10 +49,10 @@ from torch import nn
 
 from dist_engine import native
 from dist_engine.cpu_binding import bind_process
+from dist_engine.shm_exchange import open_shared_memory_exchange
 from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
 
 DEEPSPEED_SKIP = "skipped: deepspeed not installed (pip install -e '.[deepspeed]' torch==2.13.0)"
-EP_CONTENDERS = ("normal", "low_latency", "deepspeed")
 
 
 def parse_args() -> argparse.Namespace:
@@ -158,6 +162,7 @@ def max_over_ranks(value: float, group) -> float:
 
 def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     group = dist.group.WORLD
+    exchange = open_shared_memory_exchange(group, "shared_memory", timeout_s=300)
     weights = expert_weights(args)
     placement = ExpertPlacement.even(args.experts, world_size)
     deepspeed_moe, deepspeed_status = build_deepspeed(rank, world_size, args, weights)
@@ -165,13 +170,17 @@ def rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict[str,
     with torch.no_grad():
         for num_tokens in args.tokens:
             # Low-latency capacity = T: the engine's tightest setting (C = max_num_seqs).
-            layer = build_layer(args, placement, rank, group, weights, capacity=num_tokens)
+            layer = build_layer(args, placement, rank, exchange, weights, capacity=num_tokens)
+            gloo_layer = build_layer(args, placement, rank, group, weights, capacity=num_tokens)
             hidden = make_hidden(args, num_tokens, rank)
-            contenders = {
-                mode.value: ours(layer, mode, hidden, weights, args.top_k) for mode in DispatchMode
-            }
+            contenders = {}
+            for mode in DispatchMode:
+                contenders[mode.value] = ours(layer, mode, hidden, weights, args.top_k)
+                contenders[f"{mode.value}_gloo"] = ours(
+                    gloo_layer, mode, hidden, weights, args.top_k
+                )
             torch_layer = build_layer(
-                args, placement, rank, group, weights, num_tokens, native_experts=False
+                args, placement, rank, exchange, weights, num_tokens, native_experts=False
             )
             normal = DispatchMode.NORMAL
             contenders["normal_torch"] = ours(torch_layer, normal, hidden, weights, args.top_k)
@@ -304,12 +313,17 @@ def table_rows(args, ep: dict[str, Any], single: dict[str, dict[int, float]]) ->
             {
                 "tokens_per_rank": num_tokens,
                 "ep_normal_ms": 1e3 * normal,
+                "ep_normal_gloo_ms": 1e3 * ep["ep"][f"normal_gloo/{num_tokens}"],
                 "ep_low_latency_ms": 1e3 * ep["ep"][f"low_latency/{num_tokens}"],
+                "ep_low_latency_gloo_ms": 1e3 * ep["ep"][f"low_latency_gloo/{num_tokens}"],
                 "ep_normal_torch_ms": 1e3 * ep["ep"][f"normal_torch/{num_tokens}"],
                 "single_local_ms": 1e3 * single["local"][num_tokens],
                 "single_dense_ms": 1e3 * single["dense"][num_tokens],
                 "deepspeed_ms": None if deepspeed is None else 1e3 * deepspeed,
                 "deepspeed_over_normal": None if deepspeed is None else deepspeed / normal,
+                "deepspeed_over_normal_gloo": (
+                    None if deepspeed is None else deepspeed / ep["ep"][f"normal_gloo/{num_tokens}"]
+                ),
             }
         )
     return rows
@@ -317,22 +331,28 @@ def table_rows(args, ep: dict[str, Any], single: dict[str, dict[int, float]]) ->
 
 def print_table(args, rows: list[dict], ep: dict[str, Any]) -> None:
     print(
-        f"MoE layer, {args.world_size} ranks gloo, D={args.hidden} I={args.intermediate} "
+        f"MoE layer, {args.world_size} ranks, D={args.hidden} I={args.intermediate} "
         f"E={args.experts} K={args.top_k}, median of {args.repeats} (ms), router included; "
         f"1 thread per process, ranks {'pinned' if args.cpu_binding else 'unpinned'}"
     )
     columns = (
-        "T/rank", "EP normal", "EP LL", "normal pt", "1p local", "1p dense", "DeepSpeed",
-        "DS/normal",
+        "T/rank", "EP normal", "normal gloo", "EP LL", "LL gloo", "normal pt", "1p local",
+        "1p dense", "DeepSpeed", "DS/normal", "DS/n gloo",
     )  # fmt: skip
-    print(f"{columns[0]:>7}" + "".join(f" {name:>10}" for name in columns[1:]))
+    print(f"{columns[0]:>7}" + "".join(f" {name:>11}" for name in columns[1:]))
     for row in rows:
-        cells = [row[key] for key in ("ep_normal_ms", "ep_low_latency_ms", "ep_normal_torch_ms")]
-        cells += [row[key] for key in ("single_local_ms", "single_dense_ms", "deepspeed_ms")]
-        text = ["-" if cell is None else f"{cell:.2f}" for cell in cells]
-        ratio = row["deepspeed_over_normal"]
-        text.append("-" if ratio is None else f"{ratio:.2f}x")
-        print(f"{row['tokens_per_rank']:>7}" + "".join(f" {cell:>10}" for cell in text))
+        keys = (
+            "ep_normal_ms", "ep_normal_gloo_ms", "ep_low_latency_ms", "ep_low_latency_gloo_ms",
+            "ep_normal_torch_ms", "single_local_ms", "single_dense_ms", "deepspeed_ms",
+        )  # fmt: skip
+        text = ["-" if row[key] is None else f"{row[key]:.2f}" for key in keys]
+        for key in ("deepspeed_over_normal", "deepspeed_over_normal_gloo"):
+            text.append("-" if row[key] is None else f"{row[key]:.2f}x")
+        print(f"{row['tokens_per_rank']:>7}" + "".join(f" {cell:>11}" for cell in text))
+    print(
+        "EP normal / EP LL / normal pt: all-to-alls through shared memory; normal gloo / LL "
+        "gloo: through the gloo group"
+    )
     errors = ", ".join(f"{name} {err:.2e}" for name, err in ep["max_abs_err"].items())
     print(f"max abs error vs dense_reference_moe, over all sizes and ranks: {errors}")
     print(f"DeepSpeed: {ep['deepspeed']}")

@@ -203,9 +203,10 @@ def test_decode_falls_back_to_torch_when_switched_off(monkeypatch: pytest.Monkey
     assert paged_attention_module._fused_decode_kernel(query) is None
 
 
-def test_prepare_builds_when_any_kernel_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DPEngine builds before its first collective through prepare(): that must happen even
-    when the attention kernel alone is switched off, and not at all when every kernel is."""
+def test_prepare_builds_once_whatever_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DPEngine and the launchers build before their first collective through prepare(): the
+    module also holds the shared-memory exchange, so it builds even with every kernel switched
+    off, once per process; the switches only decide which kernels are handed out."""
     builds: list[int] = []
     monkeypatch.setattr(native, "_build", lambda: builds.append(1) or None)
     switches = (native.ENV_SWITCH, native.EXPERTS_ENV_SWITCH, native.NORM_ENV_SWITCH)
@@ -213,13 +214,13 @@ def test_prepare_builds_when_any_kernel_is_on(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setenv(switch, "0")
     monkeypatch.setattr(native, "_state", {})
     native.prepare()
-    assert builds == []
-    monkeypatch.setenv(native.EXPERTS_ENV_SWITCH, "1")
-    native.prepare()
     native.prepare()
     assert builds == [1]  # once per process
+    monkeypatch.setenv(native.EXPERTS_ENV_SWITCH, "1")
     assert native.decode_kernel() is None  # switched off
     assert native.swiglu_kernel() is None  # on, but the (stubbed) build gave nothing
+    assert native.shm_exchange_type() is None
+    assert builds == [1]
 
 
 @pytest.mark.parametrize("failure", ["error", "stuck"])

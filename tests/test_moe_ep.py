@@ -5,11 +5,13 @@ Children return their outputs; the parent regenerates the same inputs from the c
 compares each rank's output with `dense_reference_moe` computed independently here. Each case
 runs twice: through MoELayer and through the public dispatch → run_local_experts → combine.
 Odd seeds run the experts through the compiled kernel (when it is built; it reads the received
-rows in place, strided), even seeds through PyTorch.
+rows in place, strided), even seeds through PyTorch. Every case travels both through the gloo
+group and through the shared-memory exchange (small slots, so rows go in several chunks).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from multirank_utils import run_multirank
 
 from dist_engine import native
+from dist_engine.shm_exchange import open_shared_memory_exchange
 from moe import (
     DispatchMode,
     ExpertPlacement,
@@ -102,9 +105,14 @@ def make_tokens(case: Case, rank: int, world_size: int):
 
 def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
     """Runs in each spawned rank: every case through MoELayer, plus a raw dispatch for counts."""
-    group = dist.group.WORLD
+    exchanges = {
+        "": dist.group.WORLD,
+        "_shm": open_shared_memory_exchange(
+            dist.group.WORLD, "shared_memory", timeout_s=60, slot_bytes=4096
+        ),
+    }
     results = []
-    for case in cases:
+    for case, (suffix, group) in itertools.product(cases, exchanges.items()):
         placement = make_placement(case, world_size)
         layer = MoELayer(
             NUM_EXPERTS,
@@ -124,7 +132,7 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
         try:
             output = layer(hidden, weights, ids, case.mode, token_offset=offset)
         except ValueError as exc:
-            results.append({"error": str(exc)})
+            results.append({"error" + suffix: str(exc)})
             continue
         physical = choose_replicas(ids, placement, offset)
         recv_hidden, recv_routing, meta = dispatch(
@@ -133,9 +141,14 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
         expert_out = run_local_experts(layer.experts, recv_hidden, recv_routing)
         composed = combine(expert_out, meta, group)
         results.append(
-            {"output": output, "composed": composed, "num_received": recv_hidden.shape[0]}
+            {
+                "output" + suffix: output,
+                "composed" + suffix: composed,
+                "num_received" + suffix: recv_hidden.shape[0],
+            }
         )
-    return results
+    # One dict per case, both exchanges' results in it.
+    return [{**results[2 * i], **results[2 * i + 1]} for i in range(len(cases))]
 
 
 def num_token_rank_pairs(case: Case, world_size: int) -> int:
@@ -158,20 +171,21 @@ def test_ep_matches_dense_reference(world_size: int) -> None:
         gate, up, down = make_expert_weights(case)
         results = [per_rank[rank][index] for rank in range(world_size)]
         if case.token_counts == "over_capacity":
-            for result in results:
-                assert "error" in result, (case, result)
-                assert f"T={CAPACITY + 1}" in result["error"], result["error"]
-                assert f"C={CAPACITY}" in result["error"], result["error"]
+            for result, suffix in itertools.product(results, ("", "_shm")):
+                assert "error" + suffix in result, (case, result)
+                assert f"T={CAPACITY + 1}" in result["error" + suffix], result
+                assert f"C={CAPACITY}" in result["error" + suffix], result
             continue
         for rank, result in enumerate(results):
             assert "output" in result, (case, rank, result)
             hidden, weights, ids, _ = make_tokens(case, rank, world_size)
             expected = dense_reference_moe(hidden, weights, ids, gate, up, down)
-            for path in ("output", "composed"):
+            for path in ("output", "composed", "output_shm", "composed_shm"):
                 torch.testing.assert_close(
                     result[path], expected, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank} {path}"
                 )
         received = sum(result["num_received"] for result in results)
+        assert received == sum(result["num_received_shm"] for result in results), case
         if case.mode is DispatchMode.NORMAL:
             assert received == num_token_rank_pairs(case, world_size), case
         else:

@@ -217,6 +217,8 @@ torch::Tensor rope_write_kv(const torch::Tensor& query, const torch::Tensor& key
                             const torch::Tensor& sin, const torch::Tensor& slot_mapping,
                             torch::Tensor key_cache, torch::Tensor value_cache);
 
+void register_shm_exchange(pybind11::module& m);  // shm_exchange.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
@@ -227,4 +229,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Causal prefill attention over a paged KV cache, float32 (paged_prefill_attention.cpp)");
   m.def("rope_write_kv", &rope_write_kv,
         "Rotary q/k and the paged KV cache write in one pass, float32 (rope_cache.cpp)");
+  register_shm_exchange(m);
 }
