@@ -17,6 +17,8 @@ Contenders, all alive at once and run interleaved (one full workload each per ro
   ours dp1 … 1 core — DP=1 with `threads_per_rank=1`: the cores of one DP=2 rank (every other
                      rank of ours gets cpu_count // DP torch threads, so DP=1 and DP=2 both
                      use the whole machine).
+  ours dp2 tuned gloo — DP=2 tuned with `moe_exchange: process_group`: the MoE all-to-alls on
+                     the gloo group instead of shared memory (the default on one host).
   hf bsB           — transformers `generate` in the driver process (2 torch threads, like
                      ours at DP=1): static batches of B requests sorted by requested output
                      length (longest first, then prompt length), left padding, greedy,
@@ -315,6 +317,13 @@ def build_contenders(model_dir: Path, args: argparse.Namespace) -> dict[str, Con
             contenders[f"ours dp{dp} {label}"] = Ours(model_dir, dp, settings)
         one_core = {**settings, "threads_per_rank": 1}
         contenders[f"ours dp1 {label} 1 core"] = Ours(model_dir, 1, one_core)
+    # DP=2's all-to-alls on the gloo group instead of shared memory (what a multi-host group
+    # gets), to show what the exchange is worth end to end.
+    gloo = {
+        **engine_settings(args.max_num_seqs, max_len, TUNED_INTERVALS),
+        "moe_exchange": "process_group",
+    }
+    contenders["ours dp2 tuned gloo"] = Ours(model_dir, 2, gloo)
     for batch_size in args.hf_batch_sizes:
         contenders[f"hf bs{batch_size}"] = Transformers(model_dir, batch_size)
     return contenders
@@ -330,7 +339,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(2)
     workload = make_workload(args.requests, args.seed, args.prompt_len, args.output_len)
-    connect_ray(num_cpus=8)  # logical CPUs: every contender's actors stay up at once
+    connect_ray(num_cpus=10)  # logical CPUs: every contender's actors stay up at once
     import ray
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -352,6 +361,7 @@ def main() -> None:
     checks = {
         "dp2_equals_dp1": agreement(results, "ours dp1 default", "ours dp2 default"),
         "tuned_equals_default": agreement(results, "ours dp1 default", "ours dp1 tuned"),
+        "gloo_equals_shared_memory": agreement(results, "ours dp2 tuned", "ours dp2 tuned gloo"),
         "hf_agreement": agreement(results, "ours dp1 default", baseline),
     }
     print(

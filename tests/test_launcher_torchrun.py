@@ -1,10 +1,12 @@
 """`torchrun -m launcher.cli run` (one process per rank) against `lockstep run --launcher ray`.
 
 Both launchers run the same YAML (DP=2, gloo, float64) on the same prompts file; the output
-files must hold the same records. Sharding: torchrun sends prompt i to rank i mod world unless
-pinned; Ray's round-robin router cycles over the unpinned prompts only. The two agree when no
-prompt is pinned before an unpinned one, and each honours a pin, so we check each against its
-own documented rule and the tokens against a single-rank reference.
+files must hold the same records. The torchrun job's MoE all-to-alls go through shared memory
+(`moe_exchange: auto` on one host), the Ray job's through the gloo group (`process_group`).
+Sharding: torchrun sends prompt i to rank i mod world unless pinned; Ray's round-robin router
+cycles over the unpinned prompts only. The two agree when no prompt is pinned before an
+unpinned one, and each honours a pin, so we check each against its own documented rule and
+the tokens against a single-rank reference.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def outputs(job) -> dict[str, list[dict]]:
     assert result.stdout.count("launcher / DP          torchrun / 2") == 1, result.stdout
     result = run(
         [LOCKSTEP, "run", "--config", config, "--launcher", "ray", "--dp-size", "2",
-         "--prompts", prompts, "--output", str(out_ray), "--quiet"],
+         "--prompts", prompts, "--output", str(out_ray), "--quiet",
+         "--set", "parallel.moe_exchange=process_group"],
         root,
     )  # fmt: skip
     check(result)

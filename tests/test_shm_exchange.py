@@ -192,6 +192,24 @@ def test_setup_agrees_on_every_rank() -> None:
     assert run_multirank(2, setup_worker, ("process_group",), timeout_s=60) == [None, None]
 
 
+def init_worker(rank: int, world: int) -> list[str]:
+    from multirank_utils import current_store
+
+    from dist_engine.distributed import init_distributed
+
+    names = []
+    for mode in ("auto", "process_group", "shared_memory"):
+        ctx = init_distributed(rank, world, current_store(), backend="gloo", moe_exchange=mode)
+        names.append(type(ctx.moe_exchange).__name__)
+    return names
+
+
+def test_init_distributed_picks_the_exchange() -> None:
+    """On one host, `auto` is shared memory; `process_group` keeps the MoE group's."""
+    expected = ["SharedMemoryExchange", "GroupExchange", "SharedMemoryExchange"]
+    assert run_multirank(2, init_worker, timeout_s=60) == [expected, expected]
+
+
 def test_config_rejects_bad_exchange_values() -> None:
     with pytest.raises(ValueError, match=r"parallel\.moe_exchange"):
         ParallelConfig(moe_exchange="tcp")

@@ -156,8 +156,24 @@ class ShmExchange {
   // output/input: contiguous CPU tensors of one dtype, rows along dim 0; splits in rows (empty:
   // equal splits), as torch.distributed.all_to_all_single.
   void all_to_all(const torch::Tensor& output, const torch::Tensor& input,
-                  std::vector<int64_t> output_splits, std::vector<int64_t> input_splits) {
+                  const std::vector<int64_t>& output_splits,
+                  const std::vector<int64_t>& input_splits) {
     TORCH_CHECK(base_ != nullptr, "the shared-memory exchange is closed");
+    const int64_t who = header()->aborted_by.load(std::memory_order_acquire);
+    TORCH_CHECK(who == 0, "shared-memory all-to-all: rank ", who - 1,
+                " gave up on the group earlier (see its error)");
+    try {
+      exchange(output, input, output_splits, input_splits);
+    } catch (...) {
+      give_up();  // this rank leaves the call: its peers must not wait for their timeout
+      throw;
+    }
+  }
+
+ private:
+  void exchange(const torch::Tensor& output, const torch::Tensor& input,
+                const std::vector<int64_t>& output_splits,
+                const std::vector<int64_t>& input_splits) {
     TORCH_CHECK(output.device().is_cpu() && input.device().is_cpu(), "CPU tensors only");
     TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), "tensors must be contiguous");
     TORCH_CHECK(output.scalar_type() == input.scalar_type(), "output and input dtypes differ");
@@ -232,7 +248,6 @@ class ShmExchange {
               " bytes from rank " + std::to_string(src) + ", which sent a chunk of call " +
               std::to_string(head->call) + " carrying " + std::to_string(head->total) +
               " bytes (the ranks' collectives diverged)";
-          give_up();
           TORCH_CHECK(false, what);
         }
         if (head->bytes > 0) {
@@ -256,7 +271,6 @@ class ShmExchange {
     }
   }
 
- private:
   // Spin for kSpin, then yield the core until kYield, then nap kNap at a time; idle() is
   // true about every kCheck, when the caller looks at its peers and the deadline.
   class Waiter {
@@ -311,13 +325,11 @@ class ShmExchange {
       owed += (owed.empty() ? "" : ", ") + std::to_string(r);
       const int64_t peer = pid(r).value.load(std::memory_order_acquire);
       if (peer > 0 && process_gone(static_cast<pid_t>(peer))) {
-        give_up();
         TORCH_CHECK(false, "shared-memory all-to-all: rank ", r, " (pid ", peer,
                     ") has exited");
       }
     }
     if (waiter.expired()) {
-      give_up();
       TORCH_CHECK(false, "shared-memory all-to-all timed out after ", waiter.elapsed_s(),
                   " s on rank ", rank_, " waiting for rank(s) ", owed);
     }
