@@ -18,7 +18,9 @@ pass each per round):
   dp1            — one rank.
   dp2 1 node     — two ranks, `placement_strategy="STRICT_PACK"` (same raylet).
   dp4 1 node     — four ranks, STRICT_PACK: OVERSUBSCRIBED, 4 processes on 2 physical cores.
-  dp2 2 nodes    — two ranks, `placement_strategy="STRICT_SPREAD"` (one per raylet).
+  dp2 2 nodes    — two ranks, `placement_strategy="STRICT_SPREAD"` (one per raylet), with
+                   `moe_exchange: process_group`: the raylets share this host's /dev/shm, so
+                   `auto` would pick the shared-memory exchange that two real hosts cannot use.
 The simulated nodes share the same 2 cores, memory and loopback network, so "2 nodes" measures
 that placement across raylets works and what the Ray-level path costs; it does NOT measure a
 real network or extra hardware. Every rank gets one torch thread (`--threads-per-rank`), so
@@ -55,12 +57,12 @@ from bench_e2e import (
 
 from launcher.builtin import BUILTIN_MODEL
 
-# name -> (dp_size, placement strategy, nodes used)
+# name -> (dp_size, placement strategy, nodes used, parallel.moe_exchange)
 CONTENDERS = {
-    "dp1": (1, "PACK", 1),
-    "dp2 1 node": (2, "STRICT_PACK", 1),
-    "dp4 1 node (oversubscribed)": (4, "STRICT_PACK", 1),
-    "dp2 2 nodes": (2, "STRICT_SPREAD", 2),
+    "dp1": (1, "PACK", 1, "auto"),
+    "dp2 1 node": (2, "STRICT_PACK", 1, "auto"),
+    "dp4 1 node (oversubscribed)": (4, "STRICT_PACK", 1, "auto"),
+    "dp2 2 nodes": (2, "STRICT_SPREAD", 2, "process_group"),
 }
 
 
@@ -108,12 +110,13 @@ def run_rounds(
 def summarize(contenders: dict[str, Ours], results: dict[str, list[RunResult]]) -> dict:
     rows: dict[str, dict[str, Any]] = {}
     for name, runs in results.items():
-        dp, strategy, nodes = CONTENDERS[name]
+        dp, strategy, nodes, exchange = CONTENDERS[name]
         tok_s = statistics.median(r.tok_s for r in runs)
         rows[name] = {
             "dp_size": dp,
             "placement_strategy": strategy,
             "nodes": nodes,
+            "moe_exchange": exchange,
             "startup_s": contenders[name].startup_s,
             "tok_s": tok_s,
             "tok_s_runs": [r.tok_s for r in runs],
@@ -202,8 +205,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             spec = dict(BUILTIN_MODEL)
             model_dir = make_tiny_checkpoint(spec.pop("arch"), tmp, **spec)
-            for name, (dp, strategy, _) in CONTENDERS.items():
-                contenders[name] = Ours(model_dir, dp, {**settings, "placement_strategy": strategy})
+            for name, (dp, strategy, _, exchange) in CONTENDERS.items():
+                contenders[name] = Ours(
+                    model_dir,
+                    dp,
+                    {**settings, "placement_strategy": strategy, "moe_exchange": exchange},
+                )
             for name, ours in contenders.items():  # warm-up
                 ours.run(*replicate(base[:2], CONTENDERS[name][0], seed=-1))
             results = run_rounds(contenders, base, args.rounds, args.seed + 1)
