@@ -5,7 +5,8 @@ tens to hundreds of KB of an MoE dispatch that is latency (system calls, thread 
 wake-ups), not bandwidth. `SharedMemoryExchange` (csrc/shm_exchange.cpp) has each rank copy
 its rows into the receiver's mailbox in a segment every rank maps, and the receiver copy them
 out: two memcpys and a few atomic counters per pair, no thread, no system call while data
-flows. It implements `moe.exchange.Exchange`, so the MoE layer uses it like a process group.
+flows. It implements `moe.exchange.Exchange`, so the MoE layer uses it like a process group,
+and the engine's votes use its `allreduce_min` (dist_engine/step_sync.py).
 
 `open_shared_memory_exchange` sets it up, collectively, over the (gloo) vote group. Every rank
 takes the same decision: the exchange is used only if every rank reports the same host (host
@@ -16,8 +17,9 @@ soon as every rank has mapped it, so no file outlives the group, even if it cras
 Failure rules, as for a process group's collective: a call that waits past the collective
 timeout raises and names the ranks it still waits for; so does a call whose peer's process has
 exited (checked every 20 ms while waiting); a rank that gives up marks the segment so its peers
-raise at once instead of waiting for their own timeouts; ranks whose calls diverged (another
-call number or size on a pair) raise with both views instead of mixing data.
+raise at once instead of waiting for their own timeouts (the engine also marks it, `abort`,
+when its loop fails for any other reason); ranks whose calls diverged (another call number or
+size on a pair) raise with both views instead of mixing data. A failed segment stays failed.
 """
 
 from __future__ import annotations
@@ -65,6 +67,18 @@ class SharedMemoryExchange:
             list(output_split_sizes or ()),
             list(input_split_sizes or ()),
         )
+
+    def allreduce_min(self, values: torch.Tensor) -> torch.Tensor:
+        """MIN over ranks of a 1-D int64 tensor, as an all-gather through the mailboxes: every
+        rank sends its vector to every rank and takes the minimum of what it gets."""
+        gathered = values.new_empty(self.size * values.numel())
+        self.all_to_all_single(gathered, values.repeat(self.size))
+        return gathered.view(self.size, -1).amin(dim=0)
+
+    def abort(self) -> None:
+        """Tell the peers this rank has failed: their current or next call raises at once,
+        naming this rank, instead of waiting for the collective timeout."""
+        self._handle.abort()
 
     def close(self) -> None:
         """Unmap the segment; a later call raises."""

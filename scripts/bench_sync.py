@@ -17,8 +17,10 @@ Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outpu
   inside the vote collectives, which includes waiting for the slowest rank to arrive.
 - per vote: mean seconds per allreduce call (``sum(sync_s) / TorchVote.num_calls``); "floor":
   the median over vote steps of the *smallest* ``sync_s`` of any rank at that step (per call),
-  i.e. the last rank to arrive, which waits for nobody; and "bare": one gloo MIN-allreduce of
-  7 int64s with the ranks aligned (200 back-to-back calls after a barrier, after the run).
+  i.e. the last rank to arrive, which waits for nobody; and "bare": one vote call
+  (``TorchVote.allreduce_min`` as the engine makes it: through the shared-memory exchange on
+  one host, else a gloo MIN-allreduce) of 7 int64s with the ranks aligned (200 back-to-back
+  calls after a barrier, after the run).
   "p50": the median call on each rank (vote steps' ``sync_s`` over their calls), averaged.
 - votes/step: allreduce calls per step (vote 1 and vote 2 both count).
 - placeholder %: rank-steps that ran a zero-token forward (``num_seqs == 0``, not known-empty).
@@ -63,6 +65,8 @@ from dist_engine.distributed import DistContext, init_distributed
 from dist_engine.engine import DPEngine
 from dist_engine.make_model import make_tiny_checkpoint
 from dist_engine.request_output import RequestOutput
+from dist_engine.shm_exchange import SharedMemoryExchange
+from dist_engine.step_sync import TorchVote
 from scheduler import SamplingParams, SchedulerConfig
 
 MODEL_SIZES = dict(
@@ -196,13 +200,16 @@ def _shut_down_together(engine: DPEngine, store: dist.Store, rank: int, world: i
 
 
 def _bare_allreduce(ctx: DistContext) -> list[float]:
-    """Seconds per MIN-allreduce of a vote-sized vector with the ranks aligned."""
-    tensor = torch.zeros(VOTE_LEN, dtype=torch.int64)
+    """Seconds per vote call on a vote-sized vector with the ranks aligned, through the path
+    the engine's votes take (`TorchVote`: shared memory on one host, else gloo)."""
+    shared = ctx.moe_exchange if isinstance(ctx.moe_exchange, SharedMemoryExchange) else None
+    vote = TorchVote(ctx.vote_group, shared)
+    values = [0] * VOTE_LEN
     dist.barrier(group=ctx.vote_group)
     times = []
     for _ in range(BARE_CALLS):
         start = time.perf_counter()
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=ctx.vote_group)
+        vote.allreduce_min(values)
         times.append(time.perf_counter() - start)
     return times
 

@@ -81,6 +81,36 @@ def test_equals_gloo_and_leaves_no_file(world_size: int) -> None:
         assert result["leftover"] == [], (rank, result)  # the name is gone once all mapped it
 
 
+def vote_worker(rank: int, world: int) -> list[str]:
+    """The engine's vote through shared memory equals gloo's MIN-allreduce; abort() makes the
+    peers' next call fail at once, naming the rank."""
+    from dist_engine.step_sync import TorchVote
+
+    exchange = open_shared_memory_exchange(dist.group.WORLD, "shared_memory", timeout_s=30)
+    shared, plain = TorchVote(dist.group.WORLD, exchange), TorchVote(dist.group.WORLD)
+    for step in range(20):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        values = torch.randint(-5, 5, (7,), generator=gen).tolist()
+        assert shared.allreduce_min(values) == plain.allreduce_min(values), step
+    dist.barrier()
+    messages = []
+    if rank == 0:
+        exchange.abort()
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        shared.allreduce_min([1] * 7)
+    except RuntimeError as exc:
+        messages.append(str(exc))
+    assert time.monotonic() - start < 5
+    return messages
+
+
+def test_vote_through_shared_memory_and_abort() -> None:
+    for rank, messages in enumerate(run_multirank(3, vote_worker, timeout_s=60, num_threads=1)):
+        assert len(messages) == 1 and "rank 0 gave up" in messages[0], (rank, messages)
+
+
 def _fresh(timeout_s: float) -> SharedMemoryExchange:
     exchange = open_shared_memory_exchange(
         dist.group.WORLD, "shared_memory", timeout_s=timeout_s, slot_bytes=SMALL_SLOT

@@ -141,6 +141,9 @@ class ShmExchange {
 
   void unlink() { ::unlink(path_.c_str()); }
 
+  // Marks the group as failed by this rank: every peer's current or next call raises.
+  void abort() { give_up(); }
+
   // -1 while no rank has given up, else the rank that did.
   int64_t aborted_by() const {
     int64_t who = header()->aborted_by.load(std::memory_order_acquire);
@@ -271,8 +274,10 @@ class ShmExchange {
     }
   }
 
-  // Spin for kSpin, then yield the core until kYield, then nap kNap at a time; idle() is
-  // true about every kCheck, when the caller looks at its peers and the deadline.
+  // Spin for kSpin, then yield the core until kYield, then nap kNap at a time (kLongNap past
+  // kLong); idle() is true about every kCheck, when the caller looks at its peers and the
+  // deadline. Staying awake for the first 2 ms matters on VMs, where waking a halted vCPU
+  // (a thread blocked in the kernel) costs milliseconds.
   class Waiter {
    public:
     explicit Waiter(double timeout_s)
@@ -291,7 +296,7 @@ class ShmExchange {
       } else if (waited < kYield) {
         sched_yield();
       } else {
-        std::this_thread::sleep_for(kNap);
+        std::this_thread::sleep_for(waited < kLong ? kNap : kLongNap);
       }
       if (now < next_check_) return false;
       next_check_ = now + kCheck;
@@ -307,6 +312,8 @@ class ShmExchange {
     static constexpr auto kSpin = std::chrono::microseconds(50);
     static constexpr auto kYield = std::chrono::milliseconds(2);
     static constexpr auto kNap = std::chrono::microseconds(50);
+    static constexpr auto kLong = std::chrono::milliseconds(100);
+    static constexpr auto kLongNap = std::chrono::milliseconds(1);
     static constexpr auto kCheck = std::chrono::milliseconds(20);
     Clock::time_point start_, deadline_, idle_since_, next_check_;
     uint64_t idle_ = 0;
@@ -416,6 +423,7 @@ void register_shm_exchange(pybind11::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("close", &ShmExchange::close)
       .def("unlink", &ShmExchange::unlink)
+      .def("abort", &ShmExchange::abort)
       .def("aborted_by", &ShmExchange::aborted_by)
       .def("pids", &ShmExchange::pids);
 }
