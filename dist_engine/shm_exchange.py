@@ -12,7 +12,8 @@ and the engine's votes use its `allreduce_min` (dist_engine/step_sync.py).
 takes the same decision: the exchange is used only if every rank reports the same host (host
 name, boot id and /dev/shm device), the kernel module built, each rank mapped the segment and
 can see every peer's process. Rank 0 creates the file under /dev/shm and removes its name as
-soon as every rank has mapped it, so no file outlives the group, even if it crashes.
+soon as every rank has mapped it (a few milliseconds after creating it), so no file outlives
+the group even if its ranks are killed later.
 
 Failure rules, as for a process group's collective: a call that waits past the collective
 timeout raises and names the ranks it still waits for; so does a call whose peer's process has
