@@ -45,10 +45,11 @@ DEFAULT_SLOT_BYTES = 512 * 1024
 class SharedMemoryExchange:
     """`moe.exchange.Exchange` over a shared-memory segment; CPU tensors only."""
 
-    def __init__(self, handle: object, rank: int, size: int) -> None:
+    def __init__(self, handle: object, rank: int, size: int, path: str) -> None:
         self._handle = handle
         self.rank = rank
         self.size = size
+        self.path = path  # the segment's file name, removed once every rank mapped it
 
     def all_to_all_single(
         self,
@@ -181,7 +182,7 @@ def open_shared_memory_exchange(
         if handle is not None:
             handle.close()
         return _give_up(problems, required)
-    return SharedMemoryExchange(handle, rank, size)
+    return SharedMemoryExchange(handle, rank, size, path[0])
 
 
 def _give_up(problems: list[str], required: bool, warn: bool = True) -> None:

@@ -25,12 +25,7 @@ pytestmark = pytest.mark.multirank
 SMALL_SLOT = 4096  # forces multi-chunk messages through the two-slot pipeline
 
 
-def _segments() -> set[str]:
-    return {path.name for path in Path("/dev/shm").glob("lockstep-*")}
-
-
 def equal_to_gloo_worker(rank: int, world: int) -> dict:
-    before = _segments()
     exchanges = {
         "default": open_shared_memory_exchange(dist.group.WORLD, "shared_memory", timeout_s=30),
         "small_slots": open_shared_memory_exchange(
@@ -38,7 +33,8 @@ def equal_to_gloo_worker(rank: int, world: int) -> dict:
         ),
     }
     dist.barrier()
-    leftover = _segments() - before
+    assert all(e.path.startswith("/dev/shm/lockstep-") for e in exchanges.values())
+    leftover = [e.path for e in exchanges.values() if Path(e.path).exists()]
     checked = 0
     for name, exchange in exchanges.items():
         assert isinstance(exchange, SharedMemoryExchange)
