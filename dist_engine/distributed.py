@@ -1,11 +1,12 @@
 """Process groups of a DP group: the CPU vote group and the MoE (expert-parallel) group.
 
-The vote is a few integers per attempt point; it always runs on a gloo (CPU) group so that it
-needs no device synchronisation, also where the MoE all-to-alls run on NCCL. Rendezvous goes
-through a TCPStore that rank 0 creates on port 0 (no port race) and hands out.
+The vote is a few integers per attempt point; it runs on a gloo (CPU) group so that it needs
+no device synchronisation, also where the MoE all-to-alls run on NCCL. Rendezvous goes through
+a TCPStore that rank 0 creates on port 0 (no port race) and hands out.
 
 The MoE layers exchange rows through `DistContext.moe_exchange`: the MoE group, or a
-shared-memory exchange (dist_engine/shm_exchange.py) where CPU ranks share one host.
+shared-memory exchange (dist_engine/shm_exchange.py) where CPU ranks share one host; the votes
+then go through that exchange too (dist_engine/step_sync.py, `TorchVote`).
 """
 
 from __future__ import annotations
