@@ -36,6 +36,16 @@ class DistContext:
     moe_exchange: Exchange
 
 
+def describe_exchange(ctx: DistContext | None) -> str:
+    """How this group's MoE rows travel, for people: "shared memory", the process group's
+    backend ("gloo", "nccl"), or "none" for a group of one."""
+    if ctx is None or ctx.world_size == 1:
+        return "none"
+    if isinstance(ctx.moe_exchange, GroupExchange):
+        return ctx.moe_backend
+    return "shared memory"
+
+
 def resolve_backend(backend: str) -> str:
     """``auto`` means NCCL where CUDA is available, gloo otherwise."""
     if backend == "auto":

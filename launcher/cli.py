@@ -75,13 +75,14 @@ def run_job(args: argparse.Namespace) -> int:
         ready = time.perf_counter()
         outputs = llm.generate(prompts, sampling, dp_rank=pins, use_tqdm=not args.quiet)
         done = time.perf_counter()
+        exchange = llm.moe_exchange
     if config.parallel.launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
         return 0
     if not args.quiet:
         for index, output in enumerate(outputs):
             shown = output.text if output.text is not None else output.output_token_ids
             print(f"[{index}] rank {output.dp_rank} {output.finish_reason}: {shown!r}")
-    _print_summary(config, outputs, ready - start, done - ready)
+    _print_summary(config, outputs, ready - start, done - ready, exchange)
     if args.output:
         _write_outputs(Path(args.output), outputs)
     failed = [o for o in outputs if (o.finish_reason or "").startswith("error")]
@@ -179,7 +180,7 @@ def _write_outputs(path: Path, outputs) -> None:
             out.write(json.dumps(record) + "\n")
 
 
-def _print_summary(config, outputs, startup_s: float, generate_s: float) -> None:
+def _print_summary(config, outputs, startup_s: float, generate_s: float, exchange: str) -> None:
     num_out = sum(len(o.output_token_ids) for o in outputs)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     ttft = sorted(o.ttft_s * 1e3 for o in outputs if o.ttft_s is not None)
@@ -190,6 +191,7 @@ def _print_summary(config, outputs, startup_s: float, generate_s: float) -> None
     )
     rows = [
         ("launcher / DP", f"{config.parallel.launcher} / {config.parallel.dp_size}"),
+        ("MoE exchange", exchange),
         ("requests", f"{len(outputs)}"),
         ("prompt tokens", f"{num_in}"),
         ("output tokens", f"{num_out}"),

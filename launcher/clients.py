@@ -121,6 +121,7 @@ class LocalClient:
                 "(use launcher ray or torchrun)"
             )
         self.num_ranks = 1
+        self.moe_exchange = "none"  # one rank: its MoE layers exchange nothing
         self.host = EngineHost(config)
 
     def submit(self, rank: int, batch: list[Submission]) -> None:

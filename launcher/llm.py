@@ -115,6 +115,13 @@ class LLM:
         return (pin if pin is not None else index % self.client.num_ranks) == self.client.rank
 
     @property
+    def moe_exchange(self) -> str:
+        """How the group's MoE all-to-alls (and, with shared memory, votes) travel:
+        "shared memory" (ranks on one host, `parallel.moe_exchange: auto`), the process
+        group's backend ("gloo", "nccl"), or "none" for a single rank."""
+        return self.client.moe_exchange
+
+    @property
     def _torchrun(self) -> bool:
         return self.config.parallel.launcher == "torchrun"
 

@@ -42,8 +42,9 @@ class RankActor:
         self.store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
         return host, self.store.port
 
-    def start(self, host: str, port: int, cpu_slot: tuple[int, int] | None) -> tuple[int, str]:
-        """Join the group; returns this rank's process id and Ray node id.
+    def start(self, host: str, port: int, cpu_slot: tuple[int, int] | None) -> tuple[int, str, str]:
+        """Join the group; returns this rank's process id, its Ray node id and how the
+        group's MoE rows travel (`describe_exchange`).
 
         cpu_slot: (this rank's index among the ranks on its host, their number), to pin the
         rank to its own cores (dist_engine/cpu_binding.py); None leaves the OS to place it.
@@ -52,7 +53,7 @@ class RankActor:
 
         from dist_engine import native
         from dist_engine.cpu_binding import bind_process
-        from dist_engine.distributed import init_distributed
+        from dist_engine.distributed import describe_exchange, init_distributed
 
         if cpu_slot is not None:
             # Build (or load) the CPU kernels before pinning: a first build compiles its files
@@ -75,7 +76,7 @@ class RankActor:
             moe_exchange=self.config.parallel.moe_exchange,
         )
         self.host = EngineHost(self.config, ctx)
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        return os.getpid(), ray.get_runtime_context().get_node_id(), describe_exchange(ctx)
 
     def submit(self, batch: list[Submission]) -> None:
         self.host.submit(batch)
@@ -160,8 +161,9 @@ class RayClient:
                 ],
                 timeout=_STARTUP_TIMEOUT_S,
             )
-            self.pids = {rank: pid for rank, (pid, _) in enumerate(started)}
-            self.node_ids = {rank: node for rank, (_, node) in enumerate(started)}
+            self.pids = {rank: pid for rank, (pid, _, _) in enumerate(started)}
+            self.node_ids = {rank: node for rank, (_, node, _) in enumerate(started)}
+            self.moe_exchange = started[0][2]  # a group decision: the same on every rank
         except BaseException:
             self.shutdown()
             raise

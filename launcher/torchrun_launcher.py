@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dist_engine import native
 from dist_engine.config import EngineConfig
 from dist_engine.cpu_binding import bind_process
-from dist_engine.distributed import init_distributed, resolve_backend
+from dist_engine.distributed import describe_exchange, init_distributed, resolve_backend
 from dist_engine.request_output import RequestOutput
 from launcher.clients import EngineHost, Submission
 
@@ -78,6 +78,7 @@ class TorchrunClient:
             moe_exchange=config.parallel.moe_exchange,
         )
         self.host = EngineHost(config, ctx)
+        self.moe_exchange = describe_exchange(ctx)
         self._num_exchanges = 0
 
     def submit(self, rank: int, batch: list[Submission]) -> None:

@@ -273,6 +273,7 @@ def test_a_local_job_writes_one_record_per_prompt_in_order(capsys, tmp_path, con
     assert records[0]["prompt_token_ids"] == [5, 9, 13, 17]
     # The summary table is printed, and one line per request unless --quiet.
     assert "launcher / DP          local / 1" in out
+    assert "MoE exchange           none" in out
     assert "[4] rank 0" in out
 
 

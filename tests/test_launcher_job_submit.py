@@ -198,6 +198,7 @@ def test_lockstep_run_as_a_ray_job_matches_the_local_reference(head, job_files, 
     # The driver joined our cluster through RAY_ADDRESS rather than starting a Ray of its own.
     assert f"Connecting to existing Ray cluster at address: {head['address']}" in logs
     assert "launcher / DP          ray / 2" in logs
+    assert "MoE exchange           shared memory" in logs  # a local cluster: one host
     actors = list_actors(address=head["url"], filters=[("class_name", "=", "RankActor")])
     assert len(actors) == 2 and all(actor.state == "DEAD" for actor in actors)
     groups = list_placement_groups(address=head["url"])

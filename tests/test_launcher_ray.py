@@ -54,6 +54,7 @@ def test_dp2_equals_the_single_rank_reference(llm, reference):
     assert [o.output_token_ids for o in outputs] == reference
     assert {o.dp_rank for o in outputs} == {0, 1}  # round robin used both ranks
     assert all(o.finish_reason == "length" and o.ttft_s is not None for o in outputs)
+    assert llm.moe_exchange == "shared memory"  # both actors on this host (moe_exchange: auto)
 
 
 def test_each_rank_gets_its_share_of_the_cores(llm):

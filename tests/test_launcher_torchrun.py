@@ -97,6 +97,7 @@ def outputs(job) -> dict[str, list[dict]]:
     check(result)
     # Only rank 0 prints the summary (every process runs the same command).
     assert result.stdout.count("launcher / DP          torchrun / 2") == 1, result.stdout
+    assert "MoE exchange           shared memory" in result.stdout, result.stdout
     result = run(
         [LOCKSTEP, "run", "--config", config, "--launcher", "ray", "--dp-size", "2",
          "--prompts", prompts, "--output", str(out_ray), "--quiet",
@@ -105,6 +106,7 @@ def outputs(job) -> dict[str, list[dict]]:
     )  # fmt: skip
     check(result)
     assert "launcher / DP          ray / 2" in result.stdout
+    assert "MoE exchange           gloo" in result.stdout, result.stdout  # process_group
     return {"torchrun": records(out_torchrun), "ray": records(out_ray)}
 
 
