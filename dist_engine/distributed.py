@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dist_engine.shm_exchange import open_shared_memory_exchange
+from dist_engine.shm_exchange import SharedMemoryExchange, open_shared_memory_exchange
 from moe.exchange import Exchange, GroupExchange
 
 
@@ -35,15 +35,18 @@ class DistContext:
     # unmapped when the last reference goes (its file name is gone once every rank mapped it).
     moe_exchange: Exchange
 
+    @property
+    def shared_memory(self) -> SharedMemoryExchange | None:
+        """The shared-memory exchange when the group uses one (the votes go through it too)."""
+        return self.moe_exchange if isinstance(self.moe_exchange, SharedMemoryExchange) else None
+
 
 def describe_exchange(ctx: DistContext | None) -> str:
     """How this group's MoE rows travel, for people: "shared memory", the process group's
     backend ("gloo", "nccl"), or "none" for a group of one."""
     if ctx is None or ctx.world_size == 1:
         return "none"
-    if isinstance(ctx.moe_exchange, GroupExchange):
-        return ctx.moe_backend
-    return "shared memory"
+    return ctx.moe_backend if ctx.shared_memory is None else "shared memory"
 
 
 def resolve_backend(backend: str) -> str:

@@ -30,7 +30,6 @@ from dist_engine.model_config import ModelConfig
 from dist_engine.moe_block import ExpertParallelContext
 from dist_engine.request_output import RequestOutput
 from dist_engine.runner import ModelRunner
-from dist_engine.shm_exchange import SharedMemoryExchange
 from dist_engine.step_sync import TorchVote, agree_settings, check_lockstep, find_failed_ranks
 from dist_engine.wake import LocalWake, StoreWake
 from moe import ExpertPlacement
@@ -112,10 +111,7 @@ class DPEngine:
             # Before anything expensive: a rank with other settings would desynchronise the
             # group's attempt points and hang in a collective later.
             agree_settings(dist_ctx.vote_group, config.group_agreed(model_identity(config.model)))
-            shared = dist_ctx.moe_exchange
-            self.vote = TorchVote(
-                dist_ctx.vote_group, shared if isinstance(shared, SharedMemoryExchange) else None
-            )
+            self.vote = TorchVote(dist_ctx.vote_group, dist_ctx.shared_memory)
         self.model = model if model is not None else self._load_model(device)
         self.model.attach_kv_cache(
             KVCache.for_model(
@@ -214,9 +210,9 @@ class DPEngine:
             while not self.stopped:
                 self.step()
         except BaseException as error:
-            if self.vote is not None and self.vote.shared is not None:
+            if self.dist is not None and self.dist.shared_memory is not None:
                 # Peers blocked in a shared-memory vote or all-to-all learn of it at once.
-                self.vote.shared.abort()
+                self.dist.shared_memory.abort()
             self._fail_outstanding(error)
             if self.error is error:
                 raise

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dist_engine import native
+from dist_engine.config import MOE_EXCHANGES
 
 SHM_DIR = Path("/dev/shm")
 # Bytes per mailbox slot; each (receiver, sender) pair has two. A larger message goes in
@@ -60,9 +61,9 @@ class SharedMemoryExchange:
     ) -> None:
         if output.device.type != "cpu" or input.device.type != "cpu":
             raise ValueError("the shared-memory exchange moves CPU tensors only")
-        # The kernel releases the GIL while it copies and waits.
         if not output.is_contiguous():
             raise ValueError("the output of an all-to-all must be contiguous")
+        # The kernel releases the GIL while it copies and waits.
         self._handle.all_to_all(
             output,
             input.contiguous(),
@@ -100,9 +101,6 @@ def host_identity() -> str:
     return f"{socket.gethostname()}|{boot_id}|{shm_dev}"
 
 
-MODES = ("auto", "shared_memory", "process_group")  # parallel.moe_exchange
-
-
 def open_shared_memory_exchange(
     group: dist.ProcessGroup,
     mode: str,
@@ -119,8 +117,10 @@ def open_shared_memory_exchange(
     the segment; all but the first with a warning). `shared_memory` raises `RuntimeError`
     with the reason instead of returning None.
     """
-    if mode not in MODES:
-        raise ValueError(f"parallel.moe_exchange must be one of {list(MODES)}, got {mode!r}")
+    if mode not in MOE_EXCHANGES:
+        raise ValueError(
+            f"parallel.moe_exchange must be one of {list(MOE_EXCHANGES)}, got {mode!r}"
+        )
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     exchange_type, problem = None, ""
     if mode != "process_group":

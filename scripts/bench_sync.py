@@ -65,7 +65,6 @@ from dist_engine.distributed import DistContext, init_distributed
 from dist_engine.engine import DPEngine
 from dist_engine.make_model import make_tiny_checkpoint
 from dist_engine.request_output import RequestOutput
-from dist_engine.shm_exchange import SharedMemoryExchange
 from dist_engine.step_sync import TorchVote
 from scheduler import SamplingParams, SchedulerConfig
 
@@ -202,8 +201,7 @@ def _shut_down_together(engine: DPEngine, store: dist.Store, rank: int, world: i
 def _bare_allreduce(ctx: DistContext) -> list[float]:
     """Seconds per vote call on a vote-sized vector with the ranks aligned, through the path
     the engine's votes take (`TorchVote`: shared memory on one host, else gloo)."""
-    shared = ctx.moe_exchange if isinstance(ctx.moe_exchange, SharedMemoryExchange) else None
-    vote = TorchVote(ctx.vote_group, shared)
+    vote = TorchVote(ctx.vote_group, ctx.shared_memory)
     values = [0] * VOTE_LEN
     dist.barrier(group=ctx.vote_group)
     times = []
