@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.models.make_model import make_tiny_checkpoint
 
 BUILTIN_MODEL_NAME = "tiny-qwen3-moe-v1"
 BUILTIN_MODEL = dict(

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, rest = parser.parse_known_args(argv)
     if args.command == "make-model":
-        from dist_engine.make_model import main as make_model_main
+        from dist_engine.models.make_model import main as make_model_main
 
         return make_model_main(rest)
     if rest:
@@ -90,7 +90,7 @@ def run_job(args: argparse.Namespace) -> int:
 
 
 def _job_config(args: argparse.Namespace):
-    from dist_engine.config import EngineConfig
+    from dist_engine.engine.config import EngineConfig
 
     if args.config:
         if not Path(args.config).is_file():

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from dist_engine.config import EngineConfig
-from dist_engine.engine import DPEngine
-from dist_engine.request_output import RequestOutput
+from dist_engine.engine.config import EngineConfig
+from dist_engine.engine.engine import DPEngine
+from dist_engine.engine.outputs import RequestOutput
 from scheduler import SamplingParams
 
 Submission = tuple[str, list[int], SamplingParams, bool]  # id, prompt, params, stream

@@ -21,9 +21,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dist_engine.config import EngineConfig
-from dist_engine.errors import LockstepError
-from dist_engine.request_output import RequestOutput
+from dist_engine.engine.config import EngineConfig
+from dist_engine.engine.errors import LockstepError
+from dist_engine.engine.outputs import RequestOutput
 from launcher.clients import LocalClient, RankFailure, Submission
 from launcher.routing import Router
 from scheduler import SamplingParams

@@ -15,9 +15,9 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dist_engine.config import EngineConfig
-from dist_engine.errors import LockstepError
-from dist_engine.request_output import RequestOutput
+from dist_engine.engine.config import EngineConfig
+from dist_engine.engine.errors import LockstepError
+from dist_engine.engine.outputs import RequestOutput
 from launcher.clients import EngineHost, RankFailure, Submission
 
 _STARTUP_TIMEOUT_S = 300.0
@@ -51,9 +51,9 @@ class RankActor:
         """
         import torch.distributed as dist
 
-        from dist_engine import native
-        from dist_engine.cpu_binding import bind_process
-        from dist_engine.distributed import describe_exchange, init_distributed
+        from dist_engine.distributed.cpu_binding import bind_process
+        from dist_engine.distributed.groups import describe_exchange, init_distributed
+        from dist_engine.kernels import build as native
 
         if cpu_slot is not None:
             # Build (or load) the CPU kernels before pinning: a first build compiles its files

@@ -16,11 +16,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dist_engine import native
-from dist_engine.config import EngineConfig
-from dist_engine.cpu_binding import bind_process
-from dist_engine.distributed import describe_exchange, init_distributed, resolve_backend
-from dist_engine.request_output import RequestOutput
+from dist_engine.distributed.cpu_binding import bind_process
+from dist_engine.distributed.groups import describe_exchange, init_distributed, resolve_backend
+from dist_engine.engine.config import EngineConfig
+from dist_engine.engine.outputs import RequestOutput
+from dist_engine.kernels import build as native
 from launcher.clients import EngineHost, Submission
 
 

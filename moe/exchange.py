@@ -3,8 +3,8 @@
 `Exchange` is that collective, `all_to_all_single` with `torch.distributed`'s signature, plus
 the caller's rank and the group size. `GroupExchange` runs it on a `torch.distributed` process
 group (gloo, NCCL); the engine may hand the MoE layer another implementation instead, such as
-a shared-memory exchange for ranks on one host (`dist_engine.shm_exchange`). moe/ only calls
-the protocol: it never learns how the rows travel.
+a shared-memory exchange for ranks on one host (`dist_engine.distributed.shm_exchange`). moe/
+only calls the protocol: it never learns how the rows travel.
 """
 
 from __future__ import annotations

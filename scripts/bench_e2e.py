@@ -344,7 +344,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = dict(BUILTIN_MODEL)
-        from dist_engine.make_model import make_tiny_checkpoint
+        from dist_engine.models.make_model import make_tiny_checkpoint
 
         model_dir = make_tiny_checkpoint(settings.pop("arch"), tmp, **settings)
         contenders = build_contenders(model_dir, args)

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.checkpoint import load_model
-from dist_engine.kv_cache import KVCache
-from dist_engine.make_model import make_tiny_checkpoint
-from dist_engine.model import MoECausalLM
+from dist_engine.attention.kv_cache import KVCache
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.models.decoder import MoECausalLM
+from dist_engine.models.loader import load_model
+from dist_engine.models.make_model import make_tiny_checkpoint
 from moe import DispatchMode
 
 MODEL_SIZES = {

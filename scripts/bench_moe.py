@@ -47,9 +47,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from dist_engine import native
-from dist_engine.cpu_binding import bind_process
-from dist_engine.shm_exchange import open_shared_memory_exchange
+from dist_engine.distributed.cpu_binding import bind_process
+from dist_engine.distributed.shm_exchange import open_shared_memory_exchange
+from dist_engine.kernels import build as native
 from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
 
 DEEPSPEED_SKIP = "skipped: deepspeed not installed (pip install -e '.[deepspeed]' torch==2.13.0)"
@@ -102,7 +102,7 @@ def route(hidden: torch.Tensor, router: torch.Tensor, top_k: int):
 
 def build_layer(args, placement, rank, group, weights, capacity: int, native_experts=True):
     """Our layer with the given expert weights; native_experts: the compiled SwiGLU kernel, as
-    the runtime runs float32 CPU models (dist_engine.moe_block), else the PyTorch path."""
+    the runtime runs float32 CPU models (dist_engine.layers.moe), else the PyTorch path."""
     layer = MoELayer(
         args.experts,
         args.hidden,

@@ -192,7 +192,7 @@ def main() -> None:
     args = parse_args()
     import ray
 
-    from dist_engine.make_model import make_tiny_checkpoint
+    from dist_engine.models.make_model import make_tiny_checkpoint
 
     base = make_workload(args.per_rank, args.seed, args.prompt_len, args.output_len)
     settings = engine_settings(

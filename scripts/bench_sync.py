@@ -59,13 +59,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dist_engine.config import EngineConfig, ParallelConfig
-from dist_engine.cpu_binding import bind_process
-from dist_engine.distributed import DistContext, init_distributed
-from dist_engine.engine import DPEngine
-from dist_engine.make_model import make_tiny_checkpoint
-from dist_engine.request_output import RequestOutput
-from dist_engine.step_sync import TorchVote
+from dist_engine.distributed.cpu_binding import bind_process
+from dist_engine.distributed.groups import DistContext, init_distributed
+from dist_engine.distributed.step_sync import TorchVote
+from dist_engine.engine.config import EngineConfig, ParallelConfig
+from dist_engine.engine.engine import DPEngine
+from dist_engine.engine.outputs import RequestOutput
+from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, SchedulerConfig
 
 MODEL_SIZES = dict(

@@ -9,6 +9,6 @@ def pytest_sessionstart(session) -> None:
     """Build the CPU kernels (dist_engine.native) once, up front (tens of seconds on a fresh
     machine), so no test pays for it inside its own timeout; spawned ranks then load the cached
     build."""
-    from dist_engine import native
+    from dist_engine.kernels import build as native
 
     native.prepare()

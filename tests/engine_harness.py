@@ -18,9 +18,9 @@ from typing import Any
 import torch.distributed as dist
 from multirank_utils import current_store
 
-from dist_engine.config import EngineConfig, ParallelConfig
-from dist_engine.distributed import init_distributed
-from dist_engine.engine import DPEngine
+from dist_engine.distributed.groups import init_distributed
+from dist_engine.engine.config import EngineConfig, ParallelConfig
+from dist_engine.engine.engine import DPEngine
 from scheduler import SamplingParams, SchedulerConfig
 
 MODEL_SIZES = dict(

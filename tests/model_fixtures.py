@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.kv_cache import KVCache
-from dist_engine.model import MoECausalLM
+from dist_engine.attention.kv_cache import KVCache
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
 
 TINY_SIZES = {

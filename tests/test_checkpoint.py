@@ -13,13 +13,13 @@ from model_fixtures import TINY_SIZES, hf_model, random_prompts
 from multirank_utils import run_multirank
 from safetensors.torch import load_file, save_file
 
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.checkpoint import CheckpointReader, load_model, load_weights
-from dist_engine.kv_cache import KVCache
-from dist_engine.make_model import make_tiny_checkpoint
-from dist_engine.model import MoECausalLM
-from dist_engine.model_config import ModelConfig
-from dist_engine.moe_block import ExpertParallelContext
+from dist_engine.attention.kv_cache import KVCache
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.layers.moe import ExpertParallelContext
+from dist_engine.models.config import ModelConfig
+from dist_engine.models.decoder import MoECausalLM
+from dist_engine.models.loader import CheckpointReader, load_model, load_weights
+from dist_engine.models.make_model import make_tiny_checkpoint
 from moe import DispatchMode, ExpertPlacement
 
 PROMPT = random_prompts(1, TINY_SIZES["vocab_size"], 19, 19, seed=4)[0]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from engine_harness import MODEL_SIZES
 
-from dist_engine.config import EngineConfig
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.engine.config import EngineConfig
+from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 from launcher import cli as cli_module
 from launcher.cli import main

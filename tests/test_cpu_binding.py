@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch.multiprocessing as mp
 
-from dist_engine.config import EngineConfig
-from dist_engine.cpu_binding import bind_process, cores_for
+from dist_engine.distributed.cpu_binding import bind_process, cores_for
+from dist_engine.engine.config import EngineConfig
 
 
 def test_cores_are_split_into_disjoint_runs_in_rank_order() -> None:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dist_engine.distributed import resolve_backend
+from dist_engine.distributed.groups import resolve_backend
 
 
 def test_auto_backend_follows_cuda():

@@ -1,6 +1,6 @@
 import pytest
 
-from dist_engine.config import EngineConfig, model_identity
+from dist_engine.engine.config import EngineConfig, model_identity
 
 
 def test_nested_sections_and_flat_overrides():

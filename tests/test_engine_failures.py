@@ -10,7 +10,7 @@ import pytest
 from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
 from multirank_utils import run_multirank
 
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.models.make_model import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import torch
 from engine_harness import MODEL_SIZES
 
 import launcher.clients as clients
-from dist_engine.engine import DPEngine
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.engine.engine import DPEngine
+from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 
 SETTINGS = dict(dtype="float64", max_num_seqs=4, max_model_len=64, num_blocks=64, block_size=4)

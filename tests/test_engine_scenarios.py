@@ -17,10 +17,10 @@ import torch
 from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
 from multirank_utils import run_multirank
 
-from dist_engine.checkpoint import load_model
-from dist_engine.kv_cache import KVCache
-from dist_engine.make_model import make_tiny_checkpoint
-from dist_engine.runner import ModelRunner
+from dist_engine.attention.kv_cache import KVCache
+from dist_engine.engine.runner import ModelRunner
+from dist_engine.models.loader import load_model
+from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 VOCAB = MODEL_SIZES["vocab_size"]

@@ -8,9 +8,9 @@ import time
 import pytest
 from engine_harness import MODEL_SIZES
 
-from dist_engine.config import EngineConfig
-from dist_engine.engine import DPEngine
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.engine.config import EngineConfig
+from dist_engine.engine.engine import DPEngine
+from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -163,7 +163,7 @@ def test_engine_refuses_a_model_len_beyond_the_model(model_dir):
 
 
 def test_kv_pool_sized_from_a_memory_budget(model_dir):
-    from dist_engine.kv_cache import bytes_per_block
+    from dist_engine.attention.kv_cache import bytes_per_block
 
     config = EngineConfig.from_dict(
         {"model": model_dir, "kv_cache_bytes": 1_000_000, "scheduler": {"max_model_len": 64}}

@@ -9,13 +9,18 @@ import warnings
 import pytest
 import torch
 
-import dist_engine.paged_attention as paged_attention_module
-from dist_engine import native
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget, slot_mapping_for
-from dist_engine.layers import RotaryEmbedding, apply_rotary
-from dist_engine.model_config import ModelConfig
-from dist_engine.paged_attention import paged_attention, write_kv
+import dist_engine.attention.torch_backend as paged_attention_module
+from dist_engine.attention.kv_cache import (
+    KVCache,
+    bytes_per_block,
+    num_blocks_for_budget,
+    slot_mapping_for,
+)
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.attention.torch_backend import paged_attention, write_kv
+from dist_engine.kernels import build as native
+from dist_engine.layers.basic import RotaryEmbedding, apply_rotary
+from dist_engine.models.config import ModelConfig
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 8, 4
 

@@ -23,7 +23,7 @@ import ray
 from engine_harness import MODEL_SIZES
 
 import launcher.ray_launcher as ray_launcher
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 
 BIN = Path(sys.executable).parent

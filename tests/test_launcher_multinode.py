@@ -16,8 +16,8 @@ from engine_harness import MODEL_SIZES
 from ray.cluster_utils import Cluster
 
 import launcher.ray_launcher as ray_launcher
-from dist_engine.errors import LockstepError
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.engine.errors import LockstepError
+from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 
 PROMPTS = [[(11 * i + 5 * j) % 383 + 1 for j in range(2 + 3 * i)] for i in range(6)]

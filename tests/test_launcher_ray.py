@@ -9,8 +9,8 @@ import pytest
 import ray
 from engine_harness import MODEL_SIZES
 
-from dist_engine.errors import LockstepError
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.engine.errors import LockstepError
+from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 
 PROMPTS = [[(7 * i + 3 * j) % 383 + 1 for j in range(3 + 2 * i)] for i in range(8)]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from engine_harness import MODEL_SIZES
 
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 
 BIN = Path(sys.executable).parent

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-from dist_engine import native
-from dist_engine.layers import RMSNorm
+from dist_engine.kernels import build as native
+from dist_engine.layers.basic import RMSNorm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -9,11 +9,11 @@ import pytest
 import torch
 from model_fixtures import TINY_SIZES, hf_model, random_prompts
 
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.checkpoint import load_model
-from dist_engine.kv_cache import KVCache
-from dist_engine.make_model import main, make_tiny_checkpoint
-from dist_engine.model_config import ModelConfig
+from dist_engine.attention.kv_cache import KVCache
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.models.config import ModelConfig
+from dist_engine.models.loader import load_model
+from dist_engine.models.make_model import main, make_tiny_checkpoint
 from moe import DispatchMode
 
 QWEN_HUB_STYLE = {

@@ -14,10 +14,10 @@ from model_fixtures import (
     random_prompts,
 )
 
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.checkpoint import load_model
-from dist_engine.kv_cache import KVCache
-from dist_engine.make_model import make_tiny_checkpoint
+from dist_engine.attention.kv_cache import KVCache
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.models.loader import load_model
+from dist_engine.models.make_model import make_tiny_checkpoint
 from moe import DispatchMode
 
 # Qwen3-MoE with a dense layer in the middle (mlp_only_layers) and no top-k renormalisation;

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from multirank_utils import run_multirank
 
-from dist_engine import native
-from dist_engine.shm_exchange import open_shared_memory_exchange
+from dist_engine.distributed.shm_exchange import open_shared_memory_exchange
+from dist_engine.kernels import build as native
 from moe import (
     DispatchMode,
     ExpertPlacement,

@@ -9,7 +9,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import moe.experts as experts_module
-from dist_engine import native
+from dist_engine.kernels import build as native
 from moe import LocalExperts, dense_reference_moe
 
 HIDDEN, INTERMEDIATE, NUM_SLOTS = 16, 24, 5

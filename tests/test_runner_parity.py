@@ -12,10 +12,10 @@ import random
 import pytest
 from model_fixtures import TINY_SIZES, hf_greedy, hf_model, random_prompts
 
-from dist_engine.checkpoint import load_model
-from dist_engine.kv_cache import KVCache
-from dist_engine.make_model import make_tiny_checkpoint
-from dist_engine.runner import ModelRunner
+from dist_engine.attention.kv_cache import KVCache
+from dist_engine.engine.runner import ModelRunner
+from dist_engine.models.loader import load_model
+from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 ARCHS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_engine.sampler import Sampler, SamplingState
+from dist_engine.engine.sampler import Sampler, SamplingState
 
 VOCAB = 50
 

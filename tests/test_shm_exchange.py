@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from multirank_utils import run_multirank
 
-from dist_engine import shm_exchange
-from dist_engine.config import ParallelConfig
-from dist_engine.shm_exchange import SharedMemoryExchange, open_shared_memory_exchange
+from dist_engine.distributed import shm_exchange
+from dist_engine.distributed.shm_exchange import SharedMemoryExchange, open_shared_memory_exchange
+from dist_engine.engine.config import ParallelConfig
 
 pytestmark = pytest.mark.multirank
 
@@ -80,7 +80,7 @@ def test_equals_gloo_and_leaves_no_file(world_size: int) -> None:
 def vote_worker(rank: int, world: int) -> list[str]:
     """The engine's vote through shared memory equals gloo's MIN-allreduce; abort() makes the
     peers' next call fail at once, naming the rank."""
-    from dist_engine.step_sync import TorchVote
+    from dist_engine.distributed.step_sync import TorchVote
 
     exchange = open_shared_memory_exchange(dist.group.WORLD, "shared_memory", timeout_s=30)
     shared, plain = TorchVote(dist.group.WORLD, exchange), TorchVote(dist.group.WORLD)
@@ -221,7 +221,7 @@ def test_setup_agrees_on_every_rank() -> None:
 def init_worker(rank: int, world: int) -> list[str]:
     from multirank_utils import current_store
 
-    from dist_engine.distributed import init_distributed
+    from dist_engine.distributed.groups import init_distributed
 
     names = []
     for mode in ("auto", "process_group", "shared_memory"):

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dist_engine import native
-from dist_engine.attention_metadata import AttentionMetadata, PrefillGroup
+from dist_engine.attention.metadata import AttentionMetadata, PrefillGroup
+from dist_engine.kernels import build as native
 
 
 def write_kv(

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dist_engine import native
-from dist_engine.layers import Linear
-from dist_engine.model_config import ModelConfig
+from dist_engine.kernels import build as native
+from dist_engine.layers.basic import Linear
+from dist_engine.models.config import ModelConfig
 from moe import DispatchMode, ExpertPlacement, MoELayer, softmax_topk
 
 

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dist_engine.shm_exchange import SharedMemoryExchange, open_shared_memory_exchange
+from dist_engine.distributed.shm_exchange import SharedMemoryExchange, open_shared_memory_exchange
 from moe.exchange import Exchange, GroupExchange
 
 

@@ -1,9 +1,9 @@
 """Lockstep's CPU kernels (csrc/), built on first use as one extension module.
 
 - `decode_kernel()`: decode attention straight from the paged KV cache
-  (csrc/paged_decode_attention.cpp; used by `dist_engine.paged_attention`).
+  (csrc/paged_decode_attention.cpp; used by `dist_engine.attention.torch_backend`).
 - `prefill_kernel()`: float32 causal prefill attention straight from the paged KV cache, no
-  padding (csrc/paged_prefill_attention.cpp; used by `dist_engine.paged_attention`).
+  padding (csrc/paged_prefill_attention.cpp; used by `dist_engine.attention.torch_backend`).
 - `swiglu_kernel()`: the float32 expert side of an MoE layer, routed rows to their weighted
   sum of SwiGLU experts, without padding (csrc/grouped_swiglu.cpp; `MoEBlock` hands it to its
   `LocalExperts`).
@@ -11,7 +11,7 @@
 - `rope_kernel()`: float32 rotary q/k plus the paged KV cache write in one pass
   (csrc/rope_cache.cpp; used by `Attention`).
 - `shm_exchange_type()`: the shared-memory all-to-all for ranks on one host
-  (csrc/shm_exchange.cpp; used by `dist_engine.shm_exchange`). Not a kernel switch: the
+  (csrc/shm_exchange.cpp; used by `dist_engine.distributed.shm_exchange`). Not a kernel switch: the
   config's `parallel.moe_exchange` chooses it.
 
 Each returns the compiled function, or None when it cannot be used: its switch is set to 0

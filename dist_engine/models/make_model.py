@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dist_engine.model_config import ModelConfig
-from dist_engine.weight_names import dense_tensor_shapes, expert_names, expert_shapes
+from dist_engine.models.config import ModelConfig
+from dist_engine.models.weight_names import dense_tensor_shapes, expert_names, expert_shapes
 
 DTYPES = {
     "float32": torch.float32,

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dist_engine import native
-from dist_engine.config import MOE_EXCHANGES
+from dist_engine.engine.config import MOE_EXCHANGES
+from dist_engine.kernels import build as native
 
 SHM_DIR = Path("/dev/shm")
 # Bytes per mailbox slot; each (receiver, sender) pair has two. A larger message goes in

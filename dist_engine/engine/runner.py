@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.model import MoECausalLM
-from dist_engine.sampler import Sampler, SamplingState
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.engine.sampler import Sampler, SamplingState
+from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
 from scheduler import SchedulerOutputs, Sequence
 

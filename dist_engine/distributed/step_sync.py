@@ -8,8 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dist_engine.errors import LockstepError, SettingsMismatchError
-from dist_engine.shm_exchange import SharedMemoryExchange
+from dist_engine.distributed.shm_exchange import SharedMemoryExchange
+from dist_engine.engine.errors import LockstepError, SettingsMismatchError
 
 STEP_KINDS = {"prefill": 0, "decode": 1, "empty": 2}
 _KIND_NAMES = {value: key for key, value in STEP_KINDS.items()}

@@ -11,11 +11,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dist_engine import native
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.layers import Linear, RMSNorm, apply_rotary
-from dist_engine.model_config import ModelConfig
-from dist_engine.paged_attention import paged_attention, write_kv
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.attention.torch_backend import paged_attention, write_kv
+from dist_engine.kernels import build as native
+from dist_engine.layers.basic import Linear, RMSNorm, apply_rotary
+from dist_engine.models.config import ModelConfig
 
 
 class Attention(nn.Module):

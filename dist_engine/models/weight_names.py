@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dist_engine.model_config import ModelConfig
+from dist_engine.models.config import ModelConfig
 
 
 @dataclass(frozen=True)

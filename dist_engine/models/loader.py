@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dist_engine.model import MoECausalLM
-from dist_engine.model_config import ModelConfig
-from dist_engine.moe_block import ExpertParallelContext, MoEBlock
-from dist_engine.weight_names import dense_tensor_shapes, expert_names, expert_shapes
+from dist_engine.layers.moe import ExpertParallelContext, MoEBlock
+from dist_engine.models.config import ModelConfig
+from dist_engine.models.decoder import MoECausalLM
+from dist_engine.models.weight_names import dense_tensor_shapes, expert_names, expert_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_IN_ERROR = 10

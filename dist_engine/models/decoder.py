@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_engine.attention import Attention
-from dist_engine.attention_metadata import AttentionMetadata
-from dist_engine.kv_cache import KVCache
-from dist_engine.layers import DenseMLP, Linear, RMSNorm, RotaryEmbedding, empty_parameter
-from dist_engine.model_config import ModelConfig
-from dist_engine.moe_block import ExpertParallelContext, MoEBlock
+from dist_engine.attention.kv_cache import KVCache
+from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.layers.attention import Attention
+from dist_engine.layers.basic import DenseMLP, Linear, RMSNorm, RotaryEmbedding, empty_parameter
+from dist_engine.layers.moe import ExpertParallelContext, MoEBlock
+from dist_engine.models.config import ModelConfig
 from moe import DispatchMode
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -90,7 +90,7 @@ class MoECausalLM(nn.Module):
     """One rank's copy of the model. Expert parallelism comes in through `ep_context`; with the
     default, all experts are local and the model runs in a single process.
 
-    Use `load_model` (dist_engine.checkpoint) to build one from a checkpoint; a fresh instance
+    Use `load_model` (dist_engine.models.loader) to build one from a checkpoint; a fresh instance
     holds uninitialised weights. Attach a `KVCache` before the first forward.
     """
 

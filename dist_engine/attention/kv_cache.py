@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_engine.model_config import ModelConfig
+from dist_engine.models.config import ModelConfig
 
 # Block 0 is never allocated to a sequence (see the module docstring).
 NUM_RESERVED_BLOCKS = 1

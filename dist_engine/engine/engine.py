@@ -19,19 +19,24 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dist_engine import native
-from dist_engine.checkpoint import load_model
-from dist_engine.config import EngineConfig, model_identity
-from dist_engine.distributed import DistContext
-from dist_engine.errors import LockstepError, RankFailureError
-from dist_engine.kv_cache import KVCache, num_blocks_for_budget
-from dist_engine.model import MoECausalLM
-from dist_engine.model_config import ModelConfig
-from dist_engine.moe_block import ExpertParallelContext
-from dist_engine.request_output import RequestOutput
-from dist_engine.runner import ModelRunner
-from dist_engine.step_sync import TorchVote, agree_settings, check_lockstep, find_failed_ranks
-from dist_engine.wake import LocalWake, StoreWake
+from dist_engine.attention.kv_cache import KVCache, num_blocks_for_budget
+from dist_engine.distributed.groups import DistContext
+from dist_engine.distributed.step_sync import (
+    TorchVote,
+    agree_settings,
+    check_lockstep,
+    find_failed_ranks,
+)
+from dist_engine.distributed.wake import LocalWake, StoreWake
+from dist_engine.engine.config import EngineConfig, model_identity
+from dist_engine.engine.errors import LockstepError, RankFailureError
+from dist_engine.engine.outputs import RequestOutput
+from dist_engine.engine.runner import ModelRunner
+from dist_engine.kernels import build as native
+from dist_engine.layers.moe import ExpertParallelContext
+from dist_engine.models.config import ModelConfig
+from dist_engine.models.decoder import MoECausalLM
+from dist_engine.models.loader import load_model
 from moe import ExpertPlacement
 from scheduler import (
     AttemptPoint,
