@@ -1,6 +1,6 @@
 """Starting and feeding Lockstep's DP ranks: Ray, torchrun, the offline LLM API and the CLI."""
 
-from dist_engine.engine.errors import LockstepError
+from dist_engine.errors import LockstepError
 from launcher.llm import LLM, Completion
 from scheduler import SamplingParams
 

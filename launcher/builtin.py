@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dist_engine.kernels.build import cache_root
 from dist_engine.models.make_model import make_tiny_checkpoint
 
 BUILTIN_MODEL_NAME = "tiny-qwen3-moe-v1"
@@ -33,14 +34,9 @@ BUILTIN_PROMPTS = [
 ]
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("LOCKSTEP_CACHE") or os.environ.get("XDG_CACHE_HOME")
-    return Path(base) / "lockstep" if base else Path.home() / ".cache" / "lockstep"
-
-
 def builtin_model() -> Path:
     """The built-in model's directory, written the first time it is asked for."""
-    target = cache_dir() / "models" / BUILTIN_MODEL_NAME
+    target = cache_root() / "models" / BUILTIN_MODEL_NAME
     if (target / "config.json").is_file():
         return target
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")

@@ -22,8 +22,8 @@ from typing import Any
 from tqdm import tqdm
 
 from dist_engine.engine.config import EngineConfig
-from dist_engine.engine.errors import LockstepError
 from dist_engine.engine.outputs import RequestOutput
+from dist_engine.errors import LockstepError
 from launcher.clients import LocalClient, RankFailure, Submission
 from launcher.routing import Router
 from scheduler import SamplingParams

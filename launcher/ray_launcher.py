@@ -16,8 +16,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dist_engine.engine.config import EngineConfig
-from dist_engine.engine.errors import LockstepError
 from dist_engine.engine.outputs import RequestOutput
+from dist_engine.errors import LockstepError
 from launcher.clients import EngineHost, RankFailure, Submission
 
 _STARTUP_TIMEOUT_S = 300.0
@@ -47,22 +47,27 @@ class RankActor:
         group's MoE rows travel (`describe_exchange`).
 
         cpu_slot: (this rank's index among the ranks on its host, their number), to pin the
-        rank to its own cores (dist_engine/cpu_binding.py); None leaves the OS to place it.
+        rank to its own cores (dist_engine/distributed/cpu_binding.py); None leaves the OS to
+        place it.
         """
         import torch.distributed as dist
 
+        from dist_engine.backends import may_use_native
         from dist_engine.distributed.cpu_binding import bind_process
         from dist_engine.distributed.groups import describe_exchange, init_distributed
-        from dist_engine.kernels import build as native
+        from dist_engine.kernels import compute
+        from dist_engine.log import get_logger
 
         if cpu_slot is not None:
             # Build (or load) the CPU kernels before pinning: a first build compiles its files
             # in parallel, and a pinned rank would have only its own cores for it (the demo's
             # start-up went 36 -> ~70 s).
-            native.prepare()
+            if may_use_native(self.config.backend_settings):
+                compute.prepare()
             threads = self.config.parallel.threads_per_rank
             assert threads is not None, "RayClient fills in threads_per_rank"
-            bind_process(*cpu_slot, threads)
+            cores = bind_process(*cpu_slot, threads)
+            get_logger(self.rank).info("pinned to cores %s", cores or "none (they do not fit)")
 
         world = self.config.parallel.dp_size
         if self.store is None:
@@ -123,6 +128,10 @@ class RayClient:
         world = config.parallel.dp_size
         self.num_ranks = world
         self.started_ray = connect_ray(num_cpus=max(world, os.cpu_count() or 1))
+        if self.started_ray:
+            # Every rank runs on this host: build the native code here, where the first build's
+            # progress reaches the user's terminal, and the ranks load the cached files.
+            _prepare_native(config)
         use_gpu = config.parallel.backend != "gloo" and _cluster_has_gpus()
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         self.pg = placement_group([bundle] * world, strategy=config.parallel.placement_strategy)
@@ -213,6 +222,17 @@ class RayClient:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+
+
+def _prepare_native(config: EngineConfig) -> None:
+    from dist_engine.backends import may_use_native
+    from dist_engine.distributed.shm_exchange import transport_library
+    from dist_engine.kernels import compute
+
+    if config.parallel.dp_size > 1 and config.parallel.moe_exchange != "process_group":
+        transport_library()
+    if may_use_native(config.backend_settings):
+        compute.prepare()
 
 
 def _describe_nodes() -> str:

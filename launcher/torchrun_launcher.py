@@ -16,11 +16,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dist_engine.backends import may_use_native
 from dist_engine.distributed.cpu_binding import bind_process
 from dist_engine.distributed.groups import describe_exchange, init_distributed, resolve_backend
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import RequestOutput
-from dist_engine.kernels import build as native
+from dist_engine.kernels import compute
+from dist_engine.log import get_logger
 from launcher.clients import EngineHost, Submission
 
 
@@ -44,10 +46,13 @@ def _bind_cpu_rank(config: EngineConfig, rank: int, world: int) -> list[int]:
     if not config.parallel.cpu_binding or resolve_backend(config.parallel.backend) != "gloo":
         return []
     # Build (or load) the CPU kernels first: a pinned rank would compile them on its own cores.
-    native.prepare()
+    if may_use_native(config.backend_settings):
+        compute.prepare()
     threads = config.parallel.threads_per_rank or torch.get_num_threads()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return bind_process(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), threads)
+    cores = bind_process(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), threads)
+    get_logger(rank).info("pinned to cores %s" if cores else "not pinned%s", cores or "")
+    return cores
 
 
 class TorchrunClient:

@@ -22,7 +22,7 @@ from moe.dispatch_low_latency import (
 )
 from moe.dispatch_normal import NormalDispatchMeta, normal_combine, normal_dispatch
 from moe.exchange import Exchange, as_exchange
-from moe.experts import LocalExperts
+from moe.experts import ExpertImpl, LocalExperts
 
 DispatchMeta = NormalDispatchMeta | LowLatencyDispatchMeta
 
@@ -69,12 +69,16 @@ def combine(
 
 
 def run_local_experts(
-    experts: LocalExperts, hidden: torch.Tensor, routing: ReceivedRouting
+    experts: LocalExperts,
+    hidden: torch.Tensor,
+    routing: ReceivedRouting,
+    impl: ExpertImpl | None = None,
 ) -> torch.Tensor:
     """Compute every (row, k) choice this rank serves and sum them per row.
 
     hidden: [N, D]; routing rows [N, K] with -1 for choices served elsewhere (or padding).
     Only valid choices are computed. Returns [N, D] (zero rows where nothing is served), each
-    row already weighted, so one row per (token, rank) pair travels back.
+    row already weighted, so one row per (token, rank) pair travels back. `impl`: see
+    `LocalExperts.weighted_sum`.
     """
-    return experts.weighted_sum(hidden, routing.local_slots, routing.weights)
+    return experts.weighted_sum(hidden, routing.local_slots, routing.weights, impl)

@@ -13,6 +13,7 @@ batched and plain GEMMs stream fastest (measured on this CPU: 1.4x on a decode-s
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,14 @@ from torch import nn
 # more than one thread (or on an accelerator, where each loop step is a kernel launch), and only
 # while the padding adds at most PADDED_SLACK_ROWS rows per slot over the real rows.
 PADDED_SLACK_ROWS = 16
+
+# Another implementation of `LocalExperts.weighted_sum`: `(experts, hidden [N, D],
+# local_slots [N, K], weights [N, K]) -> [N, D]`, with `torch_weighted_sum`'s results (to
+# float32 rounding). The runtime plugs in a compiled CPU kernel this way (per dispatch mode,
+# see `MoELayer.set_expert_impl`); None means the PyTorch path below.
+ExpertImpl: TypeAlias = Callable[
+    ["LocalExperts", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 
 class LocalExperts(nn.Module):
@@ -61,11 +70,6 @@ class LocalExperts(nn.Module):
             torch.zeros(num_slots, intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
         )
-        # A compiled `weighted_sum` for float32 rows on the CPU:
-        # `(hidden [N, D], local_slots [N, K] int64, weights [N, K] float32, w13, w2) -> [N, D]`.
-        # The runtime plugs one in (dist_engine.native.swiglu_kernel); None keeps the PyTorch
-        # paths below. `forward` goes through it too, as K = 1.
-        self.native_swiglu: Callable[..., torch.Tensor] | None = None
 
     @torch.no_grad()
     def load_slot(
@@ -82,12 +86,14 @@ class LocalExperts(nn.Module):
         hidden: torch.Tensor,
         slot_ids: torch.Tensor,
         weights: torch.Tensor | None = None,
+        impl: ExpertImpl | None = None,
     ) -> torch.Tensor:
         """Run each row through the expert in its slot.
 
         hidden:   [N, D]
         slot_ids: [N] int64 local slot index in [0, S).
         weights:  [N] or None — multiplies each output row (in float32, then cast back).
+        impl:     another implementation (see `ExpertImpl`), used as `weighted_sum` with K = 1.
         Returns [N, D] in hidden's dtype, rows in the input order.
         """
         num_rows = hidden.shape[0]
@@ -101,9 +107,9 @@ class LocalExperts(nn.Module):
                 f"{tuple(slot_ids.shape)}, weights "
                 f"{None if weights is None else tuple(weights.shape)}"
             )
-        if self._kernel_for(hidden) is not None:  # the kernel's contract, with K = 1
+        if impl is not None:  # its contract, with K = 1
             scale = torch.ones(num_rows) if weights is None else weights
-            return self.weighted_sum(hidden, slot_ids.reshape(-1, 1), scale.reshape(-1, 1))
+            return impl(self, hidden, slot_ids.reshape(-1, 1), scale.reshape(-1, 1))
         counts, order = self._group_by_slot(slot_ids)
         sorted_out = self._grouped_swiglu(hidden.index_select(0, order), slot_ids[order], counts)
         if weights is not None:
@@ -113,22 +119,29 @@ class LocalExperts(nn.Module):
         return out
 
     def weighted_sum(
-        self, hidden: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        local_slots: torch.Tensor,
+        weights: torch.Tensor,
+        impl: ExpertImpl | None = None,
     ) -> torch.Tensor:
         """out[n] = sum_k weights[n, k] * expert_{local_slots[n, k]}(hidden[n]): the expert side
         of a dispatch, every choice this rank serves summed per row.
 
         hidden: [N, D]; local_slots: [N, K] int64, -1 for choices served elsewhere (and
         padding rows); weights: [N, K]. Returns [N, D] in hidden's dtype, zero rows where
-        nothing is served. Numerics are `add_weighted`'s, summed in float32.
+        nothing is served. Numerics are `add_weighted`'s, summed in float32. `impl`: another
+        implementation of this contract (`ExpertImpl`); None runs `torch_weighted_sum`.
         """
-        kernel = self._kernel_for(hidden)
-        if kernel is not None:
-            if hidden.stride(-1) != 1:
-                hidden = hidden.contiguous()
-            return kernel(
-                hidden, local_slots.contiguous(), weights.float().contiguous(), self.w13, self.w2
-            )
+        if impl is not None:
+            return impl(self, hidden, local_slots, weights)
+        return torch_weighted_sum(self, hidden, local_slots, weights)
+
+    def torch_weighted_sum(
+        self, hidden: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """`weighted_sum` in PyTorch ops: the choices grouped by slot, one GEMM pair per slot
+        (or one padded `bmm` per projection, see PADDED_SLACK_ROWS)."""
         row, choice = (local_slots >= 0).nonzero(as_tuple=True)
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         self.add_weighted(out, hidden, row, local_slots[row, choice], weights[row, choice])
@@ -168,13 +181,6 @@ class LocalExperts(nn.Module):
                 f"num_slots={self.num_slots}"
             )
         return counts, torch.argsort(slot_ids, stable=True)
-
-    def _kernel_for(self, hidden: torch.Tensor) -> Callable[..., torch.Tensor] | None:
-        """The plugged-in kernel if it applies to these rows (float32 on the CPU), else None."""
-        kernel = self.native_swiglu
-        if kernel is None or hidden.device.type != "cpu" or hidden.dtype != torch.float32:
-            return None
-        return kernel if self.w13.dtype == torch.float32 else None
 
     def _grouped_swiglu(
         self, sorted_hidden: torch.Tensor, sorted_slots: torch.Tensor, counts: list[int]
@@ -226,6 +232,13 @@ class LocalExperts(nn.Module):
         gate_up = torch.bmm(padded.view(self.num_slots, capacity, size_d), self.w13)
         down = torch.bmm(_swiglu(gate_up, self.intermediate_size), self.w2)
         return down.view(-1, size_d).index_select(0, padded_row)
+
+
+def torch_weighted_sum(
+    experts: LocalExperts, hidden: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The PyTorch implementation of `LocalExperts.weighted_sum` (an `ExpertImpl`)."""
+    return experts.torch_weighted_sum(hidden, local_slots, weights)
 
 
 def _swiglu(gate_up: torch.Tensor, size_i: int) -> torch.Tensor:

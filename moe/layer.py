@@ -18,7 +18,7 @@ from moe.dispatch import DispatchMode, combine, dispatch, run_local_experts
 from moe.dispatch_common import ReceivedRouting
 from moe.dispatch_low_latency import check_capacity
 from moe.exchange import Exchange, as_exchange
-from moe.experts import LocalExperts
+from moe.experts import ExpertImpl, LocalExperts
 from moe.placement import ExpertPlacement, choose_replicas_from_maps
 
 
@@ -68,6 +68,8 @@ class MoELayer(nn.Module):
         self.ll_max_tokens_per_rank = ll_max_tokens_per_rank
         self.hosted_slots = placement.hosted_slots(rank)
         self.experts = LocalExperts(len(self.hosted_slots), hidden_size, intermediate_size, dtype)
+        # The implementation of the expert side per dispatch mode (None: PyTorch's ops).
+        self.expert_impls: dict[DispatchMode, ExpertImpl | None] = dict.fromkeys(DispatchMode)
         # Device copies of the replica maps: they follow `.to(device)`, so replica choice never
         # copies from the host in the forward pass. Not persistent: the placement is config.
         self.register_buffer("log2phy", placement.log2phy.clone(), persistent=False)
@@ -100,6 +102,11 @@ class MoELayer(nn.Module):
             )
         for slot in local_slots:
             self.experts.load_slot(slot, gate, up, down)
+
+    def set_expert_impl(self, impl: ExpertImpl | None, mode: DispatchMode | None = None) -> None:
+        """Run the expert side of `mode`'s steps (every mode when None) through `impl`."""
+        for each in DispatchMode if mode is None else (mode,):
+            self.expert_impls[each] = impl
 
     def forward(
         self,
@@ -136,7 +143,7 @@ class MoELayer(nn.Module):
         physical_ids = choose_replicas_from_maps(topk_ids, self.log2phy, self.logcnt, token_offset)
         if self.exchange is None:
             local = ReceivedRouting(local_slots=physical_ids, weights=topk_weights.float())
-            return run_local_experts(self.experts, hidden, local)
+            return run_local_experts(self.experts, hidden, local, self.expert_impls[mode])
         recv_hidden, recv_routing, meta = dispatch(
             mode,
             hidden,
@@ -146,7 +153,9 @@ class MoELayer(nn.Module):
             self.exchange,
             self.ll_max_tokens_per_rank,
         )
-        expert_out = run_local_experts(self.experts, recv_hidden, recv_routing)
+        expert_out = run_local_experts(
+            self.experts, recv_hidden, recv_routing, self.expert_impls[mode]
+        )
         return combine(expert_out, meta, self.exchange)
 
 

@@ -2,7 +2,7 @@
 
 from scheduler.block_pool import AllocStatus, BlockPool
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import SchedulerOutputs
+from scheduler.outputs import SchedulerOutputs, StepKind
 from scheduler.prefix_cache import PrefixCache
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -31,5 +31,6 @@ __all__ = [
     "SchedulerOutputs",
     "Sequence",
     "SequenceStatus",
+    "StepKind",
     "Vote",
 ]

@@ -9,10 +9,27 @@ Every sequence ends with exactly one report, through one of three doors:
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from scheduler.sequence import Sequence
 from scheduler.vote import AttemptPoint, GroupView
+
+
+class StepKind(enum.Enum):
+    """What the whole group does in a step; the same on every rank."""
+
+    PREFILL = "prefill"  # prompt tokens; MoE layers dispatch in normal mode
+    DECODE = "decode"  # one token per running sequence; low-latency dispatch
+    EMPTY = "empty"  # known-empty: the last vote proved no rank has a token, so no forward
+
+    @property
+    def code(self) -> int:
+        """A small integer for collectives that compare step kinds across ranks."""
+        return _KIND_CODES[self]
+
+
+_KIND_CODES = {kind: code for code, kind in enumerate(StepKind)}
 
 
 @dataclass
@@ -29,6 +46,12 @@ class SchedulerOutputs:
     any_scheduled: bool | None = None  # vote 2, when taken
     # Every rank knows no rank has a token this step: nobody runs a forward.
     known_empty: bool = False
+
+    @property
+    def kind(self) -> StepKind:
+        if self.known_empty:
+            return StepKind.EMPTY
+        return StepKind.PREFILL if self.prompt_run else StepKind.DECODE
 
     @property
     def is_placeholder(self) -> bool:

@@ -49,7 +49,8 @@ from torch import nn
 
 from dist_engine.distributed.cpu_binding import bind_process
 from dist_engine.distributed.shm_exchange import open_shared_memory_exchange
-from dist_engine.kernels import build as native
+from dist_engine.kernels import compute
+from dist_engine.layers.moe import NativeExperts
 from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
 
 DEEPSPEED_SKIP = "skipped: deepspeed not installed (pip install -e '.[deepspeed]' torch==2.13.0)"
@@ -117,7 +118,7 @@ def build_layer(args, placement, rank, group, weights, capacity: int, native_exp
             logical, weights["gate"][logical], weights["up"][logical], weights["down"][logical]
         )
     if native_experts:
-        layer.experts.native_swiglu = native.swiglu_kernel()
+        layer.set_expert_impl(NativeExperts(compute.routed_swiglu()))
     return layer
 
 

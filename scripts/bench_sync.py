@@ -252,7 +252,7 @@ def _rank_result(engine: DPEngine, collector: Collector, arrivals: list[Arrival]
     trace = [
         (
             t.step,
-            t.kind,
+            t.kind.value,
             t.point.value,
             (t.group is not None) + (t.any_scheduled is not None),  # allreduce calls
             t.num_seqs,

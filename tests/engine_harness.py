@@ -147,7 +147,7 @@ def _run_one(ctx, model_dir: str, scenario: Scenario, model) -> tuple[dict, Any]
         "outputs": {rid: _summarise(outs) for rid, outs in outputs.items()},
         "added": added,
         "trace": [
-            (t.step, t.kind, t.point.value, _view(t.group), t.any_scheduled, t.num_seqs)
+            (t.step, t.kind.value, t.point.value, _view(t.group), t.any_scheduled, t.num_seqs)
             for t in engine.trace
         ],
         "sync_s": sum(t.sync_s for t in engine.trace),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dist_engine.attention.torch_backend as paged_attention_module
+from dist_engine.attention import attention_backend
 from dist_engine.attention.kv_cache import (
     KVCache,
     bytes_per_block,
@@ -18,8 +19,9 @@ from dist_engine.attention.kv_cache import (
 )
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.attention.torch_backend import paged_attention, write_kv
-from dist_engine.kernels import build as native
-from dist_engine.layers.basic import RotaryEmbedding, apply_rotary
+from dist_engine.backends import Backends, LayerOps, RegimeChoice, resolve_backends
+from dist_engine.kernels import build, compute
+from dist_engine.layers.rotary import RotaryEmbedding, apply_rotary
 from dist_engine.models.config import ModelConfig
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 8, 4
@@ -84,9 +86,7 @@ def test_paged_attention_matches_dense(
     or the PyTorch paths, decode with its own chunking or forced chunks of 1 or 2 sequences."""
     if decode_path == "fused":
         require_fused_kernel()
-    else:
-        monkeypatch.setattr(paged_attention_module, "_fused_decode_kernel", lambda _: None)
-        monkeypatch.setattr(paged_attention_module, "_fused_prefill_kernel", lambda *_: None)
+    backend = attention_backend("native" if decode_path == "fused" else "torch")
     if decode_path.startswith("torch_chunk"):
         chunk = int(decode_path.removeprefix("torch_chunk"))
         monkeypatch.setattr(paged_attention_module, "_decode_chunk", lambda *_: chunk)
@@ -122,7 +122,7 @@ def test_paged_attention_matches_dense(
     new_v = torch.cat([v[c:] for v, c in zip(full_v, num_cached, strict=True)])
     write_kv(new_k, new_v, key_cache, value_cache, attn.slot_mapping)
     query = torch.randn(sum(num_new), NUM_HEADS, HEAD_DIM, generator=gen, dtype=dtype)
-    out = paged_attention(query, key_cache, value_cache, attn)
+    out = backend.attend(query, key_cache, value_cache, attn)
 
     starts = attn.query_start_loc.tolist()
     for b in range(len(num_new)):
@@ -133,12 +133,10 @@ def test_paged_attention_matches_dense(
 
 
 def require_fused_kernel():
-    """The kernel, or a skip when the user switched it off; a failed build fails the test."""
-    if not native.enabled():
-        pytest.skip(f"{native.ENV_SWITCH}=0 switches the fused kernel off")
+    """The kernel; a failed build fails the test."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the build's fallback warning becomes a failure here
-        kernel = native.decode_kernel()
+        kernel = compute.decode_attention()
     assert kernel is not None
     return kernel
 
@@ -201,36 +199,69 @@ def test_fused_decode_kernel_rejects_bad_input() -> None:
         kernel(query.double(), key_cache, value_cache, torch.tensor([[1, 2]]), lens, 1.0)
 
 
-def test_decode_falls_back_to_torch_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ENV_SWITCH, "0")
-    assert native.decode_kernel() is None
-    query = torch.zeros(1, 4, 8)
-    assert paged_attention_module._fused_decode_kernel(query) is None
+def test_backends_come_from_the_config_keys() -> None:
+    """Each key resolves to one implementation per regime; `torch` never touches a kernel,
+    `auto` takes the kernels for float32 on the CPU, and `native` where it cannot run names
+    the key."""
+    torch_only = resolve_backends(
+        {"attention_backend": "torch", "expert_backend": "torch", "norm_backend": "torch"},
+        torch.float32,
+        "cpu",
+    )
+    assert torch_only == Backends.all("torch")
+    ops = LayerOps.build(torch_only, max_decode_tokens=8)
+    assert ops.attention.name == "torch" and ops.norm is None
+    assert set(ops.experts.values()) == {None}
+    auto = resolve_backends({}, torch.float32, None)
+    assert auto == Backends.all("native")
+    native_ops = LayerOps.build(auto, max_decode_tokens=8)
+    assert native_ops.attention.name == "native" and native_ops.norm.max_tokens is None
+    # Decode attention runs natively on every float dtype; experts and norm only on float32.
+    half = resolve_backends({}, torch.bfloat16, "cpu")
+    assert (half.attention.decode, half.experts.decode, half.norm.decode) == (
+        "native",
+        "torch",
+        "torch",
+    )
+    with pytest.raises(ValueError, match=r"norm_backend is 'native'.*bfloat16"):
+        resolve_backends({"norm_backend": "native"}, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=r"expert_backend must be one of"):
+        resolve_backends({"expert_backend": "fast"}, torch.float32, "cpu")
+    split = Backends(RegimeChoice("native", "torch"), auto.experts, RegimeChoice("native", "torch"))
+    split_ops = LayerOps.build(split, max_decode_tokens=8)
+    assert split_ops.attention.name == "per-regime" and split_ops.norm.max_tokens == 8
+    assert str(split.attention) == "decode native, prefill torch"
 
 
-def test_prepare_builds_once_whatever_the_switches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DPEngine and the launchers build before their first collective through prepare(): the
-    module also holds the shared-memory exchange, so it builds even with every kernel switched
-    off, once per process; the switches only decide which kernels are handed out."""
-    builds: list[int] = []
-    monkeypatch.setattr(native, "_build", lambda: builds.append(1) or None)
-    switches = (native.ENV_SWITCH, native.EXPERTS_ENV_SWITCH, native.NORM_ENV_SWITCH)
-    for switch in switches:
-        monkeypatch.setenv(switch, "0")
-    monkeypatch.setattr(native, "_state", {})
-    native.prepare()
-    native.prepare()
-    assert builds == [1]  # once per process
-    monkeypatch.setenv(native.EXPERTS_ENV_SWITCH, "1")
-    assert native.decode_kernel() is None  # switched off
-    assert native.swiglu_kernel() is None  # on, but the (stubbed) build gave nothing
-    assert native.shm_exchange_type() is None
-    assert builds == [1]
+def test_kernels_and_transport_build_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute kernels build once per process, and a failed kernel build leaves the
+    shared-memory transport (a library of its own) available, and the reverse."""
+    from dist_engine.distributed import shm_exchange
+
+    builds: list[str] = []
+
+    def failing_extension(prefix, *args):
+        builds.append(prefix)
+        return None, "no compiler here"
+
+    monkeypatch.setattr(compute, "_state", {})
+    monkeypatch.setattr(compute, "torch_extension", failing_extension)
+    monkeypatch.setattr(shm_exchange, "_library", {})
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        assert not compute.prepare()
+    assert not compute.prepare() and builds == ["lockstep_kernels"]  # once per process
+    assert shm_exchange.transport_library()[0] is not None
+    # The reverse: no transport library, the kernels still there.
+    monkeypatch.undo()
+    monkeypatch.setattr(shm_exchange, "_library", {})
+    monkeypatch.setattr(shm_exchange, "shared_library", lambda *a: (None, "no compiler"))
+    assert shm_exchange.transport_library() == (None, "no compiler")
+    assert compute.prepare() and compute.decode_attention() is not None
 
 
 @pytest.mark.parametrize("failure", ["error", "stuck"])
 def test_kernel_build_failure_falls_back_with_a_warning(
-    failure: str, monkeypatch: pytest.MonkeyPatch
+    failure: str, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
     """A failed build, or one that never returns (a stale build lock), gives one warning naming
     the cause and the PyTorch path; it never raises and never hangs."""
@@ -243,17 +274,18 @@ def test_kernel_build_failure_falls_back_with_a_warning(
             release.wait(30)
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setenv(native.ENV_SWITCH, "1")  # the build is under test, whatever the user set
-    monkeypatch.setenv(native.EXPERTS_ENV_SWITCH, "1")
-    monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(compute, "_state", {})
+    monkeypatch.setattr(build, "BUILD_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)  # nothing cached: a real build
     monkeypatch.setattr(cpp_extension, "load", broken_load)
     expected = "no result after 0 s" if failure == "stuck" else "no compiler here"
     try:
         with pytest.warns(RuntimeWarning, match=expected):
-            assert native.decode_kernel() is None
-        assert native.decode_kernel() is None  # decided once per process, no rebuild
-        assert native.swiglu_kernel() is None  # one module holds both kernels
+            assert compute.decode_attention() is None
+        assert compute.decode_attention() is None  # decided once per process, no rebuild
+        assert compute.routed_swiglu() is None  # one module holds every kernel
+        # `auto` falls back to PyTorch's ops everywhere.
+        assert resolve_backends({}, torch.float32, "cpu") == Backends.all("torch")
     finally:
         release.set()
 
@@ -291,9 +323,7 @@ def test_num_blocks_for_budget() -> None:
 def test_rope_kernel_matches_rotary_then_write_kv(num_tokens: int) -> None:
     """rope_write_kv against apply_rotary + write_kv, on q/k/v views into one fused qkv
     output (the strides the model hands it)."""
-    if not native.enabled(native.NORM_ENV_SWITCH):
-        pytest.skip(f"{native.NORM_ENV_SWITCH}=0 switches the kernel off")
-    kernel = native.rope_kernel()
+    kernel = compute.rope_write_kv()
     assert kernel is not None, "the CPU kernels failed to build (see the warning)"
     gen = torch.Generator().manual_seed(num_tokens)
     heads, kv_heads, head_dim = 4, 2, 8
@@ -320,7 +350,7 @@ def test_rope_kernel_matches_rotary_then_write_kv(num_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 24])
-def test_prefill_kernel_matches_the_torch_path(head_dim: int, monkeypatch) -> None:
+def test_prefill_kernel_matches_the_torch_path(head_dim: int) -> None:
     """The float32 prefill kernel's vector path (blocks of 16, head dims 32/64) and its scalar
     path (head dim 24) against the PyTorch SDPA path on the same cache: fresh prompts of mixed
     lengths, chunks behind cached prefixes, GQA groups of 2."""
@@ -340,7 +370,6 @@ def test_prefill_kernel_matches_the_torch_path(head_dim: int, monkeypatch) -> No
     ]
     attn = AttentionMetadata.build(tables, num_cached, num_new, block, is_prefill=True)
     query = torch.randn(sum(num_new), heads, head_dim, generator=gen)
-    fused = paged_attention(query, key_cache, value_cache, attn)
-    monkeypatch.setattr(paged_attention_module, "_fused_prefill_kernel", lambda *_: None)
+    fused = attention_backend("native").attend(query, key_cache, value_cache, attn)
     reference = paged_attention(query, key_cache, value_cache, attn)
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ from engine_harness import MODEL_SIZES
 from ray.cluster_utils import Cluster
 
 import launcher.ray_launcher as ray_launcher
-from dist_engine.engine.errors import LockstepError
+from dist_engine.errors import LockstepError
 from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 

@@ -9,7 +9,7 @@ import pytest
 import ray
 from engine_harness import MODEL_SIZES
 
-from dist_engine.engine.errors import LockstepError
+from dist_engine.errors import LockstepError
 from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 

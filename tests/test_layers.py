@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-from dist_engine.kernels import build as native
-from dist_engine.layers.basic import RMSNorm
+from dist_engine.kernels import compute
+from dist_engine.layers.norm import NormKernel, RMSNorm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -19,8 +19,7 @@ def test_rms_norm_equals_transformers(dtype: torch.dtype, shape: tuple[int, ...]
     must equal HF bit for bit."""
     gen = torch.Generator().manual_seed(len(shape))
     size, eps = shape[-1], 1e-6
-    ours = RMSNorm(size, eps, dtype)
-    ours.native = None
+    ours = RMSNorm(size, eps, dtype)  # no kernel: PyTorch's ops
     reference = Qwen3MoeRMSNorm(size, eps=eps).to(dtype)
     with torch.no_grad():
         weight = (torch.randn(size, generator=gen) * 0.5 + 1).to(dtype)
@@ -39,10 +38,9 @@ def test_rms_norm_equals_transformers(dtype: torch.dtype, shape: tuple[int, ...]
 def test_rms_norm_kernel_matches_transformers(shape: tuple[int, ...]) -> None:
     """The float32 CPU kernel: strided rows (q/k heads), sizes that are not a multiple of its
     16 lanes, empty batches, and a batch big enough to split over threads."""
-    if not native.enabled(native.NORM_ENV_SWITCH):
-        pytest.skip(f"{native.NORM_ENV_SWITCH}=0 switches the kernel off")
-    ours = RMSNorm(shape[-1], 1e-6, torch.float32)
-    assert ours.native is not None, "the CPU kernels failed to build (see the warning)"
+    kernel = compute.rms_norm()
+    assert kernel is not None, "the CPU kernels failed to build (see the warning)"
+    ours = RMSNorm(shape[-1], 1e-6, torch.float32, kernel=NormKernel(kernel))
     reference = Qwen3MoeRMSNorm(shape[-1], eps=1e-6)
     gen = torch.Generator().manual_seed(sum(shape))
     with torch.no_grad():
@@ -56,12 +54,34 @@ def test_rms_norm_kernel_matches_transformers(shape: tuple[int, ...]) -> None:
 
 
 def test_rms_norm_kernel_checks_its_inputs() -> None:
-    kernel = native.rms_norm_kernel()
-    if kernel is None:
-        pytest.skip("the CPU kernels are switched off")
+    kernel = compute.rms_norm()
+    assert kernel is not None, "the CPU kernels failed to build (see the warning)"
     with pytest.raises(RuntimeError, match=r"must be float32"):
         kernel(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
     with pytest.raises(RuntimeError, match=r"contiguous weight \[D\]"):
         kernel(torch.randn(2, 8), torch.ones(4), 1e-6)
     with pytest.raises(RuntimeError, match=r"last dim must be contiguous"):
         kernel(torch.randn(8, 2).t(), torch.ones(8), 1e-6)
+
+
+def test_norm_kernel_serves_only_its_token_range() -> None:
+    """`norm_backend` decode-only: the kernel for steps of up to max_tokens tokens, PyTorch's
+    op above (and for other dtypes)."""
+    calls: list[int] = []
+
+    def counting(x, weight, eps):
+        calls.append(x.shape[0])
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+    norm = RMSNorm(8, 1e-6, torch.float32, kernel=NormKernel(counting, max_tokens=4))
+    with torch.no_grad():
+        norm.weight.fill_(1.0)
+    norm(torch.randn(4, 8))
+    norm(torch.randn(5, 8))
+    assert calls == [4]
+    above = RMSNorm(8, 1e-6, torch.float32, kernel=NormKernel(counting, min_tokens=5))
+    with torch.no_grad():
+        above.weight.fill_(1.0)
+    above(torch.randn(4, 8))
+    above(torch.randn(6, 8))
+    assert calls == [4, 6]

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from multirank_utils import run_multirank
 
 from dist_engine.distributed.shm_exchange import open_shared_memory_exchange
-from dist_engine.kernels import build as native
+from dist_engine.kernels import compute
+from dist_engine.layers.moe import NativeExperts
 from moe import (
     DispatchMode,
     ExpertPlacement,
@@ -126,8 +127,8 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
         gate, up, down = make_expert_weights(case)
         for logical in placement.hosted_logical(rank):
             layer.load_expert(logical, gate[logical], up[logical], down[logical])
-        if case.seed % 2:
-            layer.experts.native_swiglu = native.swiglu_kernel()
+        impl = NativeExperts(compute.routed_swiglu()) if case.seed % 2 else None
+        layer.set_expert_impl(impl)
         hidden, weights, ids, offset = make_tokens(case, rank, world_size)
         try:
             output = layer(hidden, weights, ids, case.mode, token_offset=offset)
@@ -138,7 +139,7 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
         recv_hidden, recv_routing, meta = dispatch(
             case.mode, hidden, weights, physical, placement.slots_per_rank, group, CAPACITY
         )
-        expert_out = run_local_experts(layer.experts, recv_hidden, recv_routing)
+        expert_out = run_local_experts(layer.experts, recv_hidden, recv_routing, impl)
         composed = combine(expert_out, meta, group)
         results.append(
             {

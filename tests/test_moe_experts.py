@@ -9,7 +9,8 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import moe.experts as experts_module
-from dist_engine.kernels import build as native
+from dist_engine.kernels import compute
+from dist_engine.layers.moe import NativeExperts
 from moe import LocalExperts, dense_reference_moe
 
 HIDDEN, INTERMEDIATE, NUM_SLOTS = 16, 24, 5
@@ -49,11 +50,8 @@ def test_local_experts_match_per_row_loop(num_rows: int, weighted: bool) -> None
 
 
 def native_kernel():
-    """The compiled SwiGLU kernel, or a skip when the user switched it off; a failed build
-    fails the test."""
-    if not native.enabled(native.EXPERTS_ENV_SWITCH):
-        pytest.skip(f"{native.EXPERTS_ENV_SWITCH}=0 switches the expert kernel off")
-    kernel = native.swiglu_kernel()
+    """The compiled SwiGLU kernel; a failed build fails the test."""
+    kernel = compute.routed_swiglu()
     assert kernel is not None, "the CPU kernels failed to build (see the warning)"
     return kernel
 
@@ -80,12 +78,12 @@ def test_every_expert_path_matches_per_row_loop(
 
         monkeypatch.setattr(LocalExperts, name, spy)
     experts = random_experts(seed=7)
-    experts.native_swiglu = native_kernel() if path == "native" else None
+    impl = NativeExperts(native_kernel()) if path == "native" else None
     gen = torch.Generator().manual_seed(num_rows)
     hidden = torch.randn(num_rows, HIDDEN, generator=gen)
     slot_ids = torch.tensor([0, 1, 3, 4])[torch.randint(4, (num_rows,), generator=gen)]
     weights = torch.rand(num_rows, generator=gen)
-    out = experts(hidden, slot_ids, weights)
+    out = experts(hidden, slot_ids, weights, impl)
     torch.testing.assert_close(out, per_row_loop(experts, hidden, slot_ids, weights))
 
     # weighted_sum: a second choice per row (-1 on every third row), and a padding row at each
@@ -100,7 +98,7 @@ def test_every_expert_path_matches_per_row_loop(
     )
     wide = torch.zeros(num_rows + 2, HIDDEN + 5)
     wide[1:-1, :HIDDEN] = hidden
-    summed = experts.weighted_sum(wide[:, :HIDDEN], local_slots, choice_weights)
+    summed = experts.weighted_sum(wide[:, :HIDDEN], local_slots, choice_weights, impl)
     served = second >= 0
     expected = out.clone()
     expected[served] += per_row_loop(

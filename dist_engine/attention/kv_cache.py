@@ -11,33 +11,76 @@ point at it harmlessly.
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Protocol
 
-from dist_engine.models.config import ModelConfig
+import torch
 
 # Block 0 is never allocated to a sequence (see the module docstring).
 NUM_RESERVED_BLOCKS = 1
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+class PagedKVShape(Protocol):
+    """What sizes the cache: a `PagedKVSpec`, or a `ModelConfig` (same attribute names)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class PagedKVSpec:
+    """The cache an architecture with per-head K and V needs (its `MoECausalLM.kv_spec`)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def values_per_token(self) -> int:
+        """Cached values per token over all layers (K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def allocate(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> KVCache:
+        return KVCache(
+            self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype, device
+        )
+
+    def check(self, cache: KVCache, dtype: torch.dtype) -> None:
+        expected = (self.num_layers, self.num_kv_heads, self.head_dim)
+        storage = cache.storage
+        actual = (storage.shape[0], storage.shape[4], storage.shape[5])
+        if actual != expected or storage.dtype != dtype:
+            raise ValueError(
+                f"KV cache (layers, kv_heads, head_dim)={actual} dtype={storage.dtype} does not "
+                f"match the model's {expected} dtype={dtype}"
+            )
+
+
+def bytes_per_block(spec: PagedKVShape, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes over all layers, K and V together."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element_size
 
 
 def num_blocks_for_budget(
-    config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int
+    spec: PagedKVShape, block_size: int, dtype: torch.dtype, budget_bytes: int
 ) -> int:
     """The number of blocks (reserved block included) that fit in `budget_bytes`."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    per_block = bytes_per_block(config, block_size, dtype)
+    per_block = bytes_per_block(spec, block_size, dtype)
     num_blocks = budget_bytes // per_block
     if num_blocks <= NUM_RESERVED_BLOCKS:
         raise ValueError(
             f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes "
-            f"(block_size={block_size}, dtype={dtype}, layers={config.num_layers}, "
-            f"kv_heads={config.num_kv_heads}, head_dim={config.head_dim}); need at least "
+            f"(block_size={block_size}, dtype={dtype}, layers={spec.num_layers}, "
+            f"kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}); need at least "
             f"{NUM_RESERVED_BLOCKS + 1}"
         )
     return num_blocks
@@ -80,7 +123,7 @@ class KVCache:
     @classmethod
     def for_model(
         cls,
-        config: ModelConfig,
+        config: PagedKVShape,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,

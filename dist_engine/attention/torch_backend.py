@@ -1,4 +1,4 @@
-"""Paged attention in plain PyTorch: write new K/V into the block cache, then attend.
+"""The `torch` attention backend: paged attention in plain PyTorch, on any device and dtype.
 
 Shape legend: T = tokens in the flat batch, B = sequences, H = query heads, Hkv = kv heads,
 Dh = head dim, NB = blocks, BS = block size, MB = block-table columns, S = MB * BS,
@@ -6,11 +6,10 @@ Lq = longest query in the step.
 
 Each sequence's K/V is gathered through its block table into a padded `[B, Hkv, S, Dh]` tensor
 and one batched `scaled_dot_product_attention` call serves all sequences (GQA via
-`enable_gqa`). This copies the context once per layer. Decode steps on CPU instead use the
-fused C++ kernel of `dist_engine.native`, which reads each cached row once, straight
-through the block tables; without it they go in sequence chunks sized to the CPU cache. On
-GPU, a fused paged kernel (FlashInfer, FlashAttention's paged API) can replace these functions
-without touching the model.
+`enable_gqa`). This copies the context once per layer; on the CPU, decode steps go in sequence
+chunks sized to the CPU cache. The `native` backend (attention/native_backend.py) reads each
+cached row once instead, straight through the block tables; on a GPU a fused paged kernel
+(FlashInfer, FlashAttention's paged API) would be another backend beside these two.
 """
 
 from __future__ import annotations
@@ -18,8 +17,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dist_engine.attention.backend import AttentionBackend
 from dist_engine.attention.metadata import AttentionMetadata, PrefillGroup
-from dist_engine.kernels import build as native
+from dist_engine.layers.rotary import apply_rotary
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def rotate_and_store(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        write_kv(key, value, key_cache, value_cache, attn.slot_mapping)
+        return query
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        return paged_attention(query, key_cache, value_cache, attn)
 
 
 def write_kv(
@@ -64,11 +92,6 @@ def paged_attention(
         return query.new_empty(query.shape)
     if attn.max_query_len == 1:
         # Decode fast path: one query per sequence, rows already in sequence order.
-        kernel = _fused_decode_kernel(query)
-        if kernel is not None:
-            scale = query.shape[-1] ** -0.5
-            tables, lens = attn.block_tables, attn.context_lens
-            return kernel(query.contiguous(), key_cache, value_cache, tables, lens, scale)
         chunk = _decode_chunk(key_cache, attn.block_tables.shape[1])
         if chunk >= attn.num_seqs:
             return _decode(query, key_cache, value_cache, attn.block_tables, attn.attn_mask)
@@ -78,18 +101,6 @@ def paged_attention(
             tables, mask = attn.block_tables[rows], attn.attn_mask[rows]
             parts.append(_decode(query[rows], key_cache, value_cache, tables, mask))
         return torch.cat(parts)
-    kernel = _fused_prefill_kernel(query, key_cache)
-    if kernel is not None:
-        scale = query.shape[-1] ** -0.5
-        return kernel(
-            query.contiguous(),
-            key_cache,
-            value_cache,
-            attn.block_tables,
-            attn.query_start_loc,
-            attn.num_cached_tokens,
-            scale,
-        )
     if len(attn.prefill_groups) == 1:  # every sequence, tokens in batch order
         return _prefill_group(query, key_cache, value_cache, attn, attn.prefill_groups[0])
     out = query.new_empty(query.shape)
@@ -151,30 +162,12 @@ def _decode(
     return out.squeeze(2)
 
 
-KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def _fused_decode_kernel(query: torch.Tensor):
-    """The C++ decode kernel where it applies (CPU, any float dtype), else None."""
-    if query.device.type != "cpu" or query.dtype not in KERNEL_DTYPES:
-        return None
-    return native.decode_kernel()
-
-
-def _fused_prefill_kernel(query: torch.Tensor, key_cache: torch.Tensor):
-    """The C++ prefill kernel where it applies (float32 on the CPU, contiguous cache), else
-    None."""
-    if query.device.type != "cpu" or query.dtype != torch.float32 or not key_cache.is_contiguous():
-        return None
-    return native.prefill_kernel()
-
-
 def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:
     """How many sequences one decode gather + attention call takes.
 
     A decode step reads the whole context twice: once to gather it, once in the attention call.
     In sequence chunks whose gathered K and V fit DECODE_CHUNK_BYTES per thread, the second read
-    mostly hits the CPU cache instead of memory. Measured on this 2-core CPU, a 64 x 256 decode
+    mostly hits the CPU cache instead of memory. Measured on a 2-core CPU, a 64 x 256 decode
     step of the built-in model: 11% faster with one thread, unchanged with two. On an
     accelerator the whole batch goes in one call.
     """

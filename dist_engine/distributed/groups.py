@@ -5,8 +5,8 @@ no device synchronisation, also where the MoE all-to-alls run on NCCL. Rendezvou
 a TCPStore that rank 0 creates on port 0 (no port race) and hands out.
 
 The MoE layers exchange rows through `DistContext.moe_exchange`: the MoE group, or a
-shared-memory exchange (dist_engine/shm_exchange.py) where CPU ranks share one host; the votes
-then go through that exchange too (dist_engine/step_sync.py, `TorchVote`).
+shared-memory exchange (distributed/shm_exchange.py) where CPU ranks share one host; the votes
+then go through that exchange too (distributed/step_sync.py, `TorchVote`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dist_engine.distributed.shm_exchange import SharedMemoryExchange, open_shared_memory_exchange
+from dist_engine.log import get_logger
 from moe.exchange import Exchange, GroupExchange
 
 
@@ -100,7 +101,7 @@ def init_distributed(
     if moe_backend == "gloo" and world_size > 1:
         shared = open_shared_memory_exchange(dist.group.WORLD, moe_exchange, timeout_s=timeout_s)
     exchange = shared if shared is not None else GroupExchange(moe_group)
-    return DistContext(
+    ctx = DistContext(
         rank=rank,
         world_size=world_size,
         store=store,
@@ -111,3 +112,10 @@ def init_distributed(
         timeout_s=timeout_s,
         moe_exchange=exchange,
     )
+    get_logger(rank).info(
+        "joined a group of %d; MoE all-to-alls through %s, votes through %s",
+        world_size,
+        describe_exchange(ctx),
+        "shared memory" if shared is not None else "gloo",
+    )
+    return ctx

@@ -2,11 +2,13 @@
 
 On one host, gloo sends each all-to-all over loopback TCP through its worker threads; for the
 tens to hundreds of KB of an MoE dispatch that is latency (system calls, thread hand-offs,
-wake-ups), not bandwidth. `SharedMemoryExchange` (csrc/shm_exchange.cpp) has each rank copy
-its rows into the receiver's mailbox in a segment every rank maps, and the receiver copy them
-out: two memcpys and a few atomic counters per pair, no thread, no system call while data
+wake-ups), not bandwidth. `SharedMemoryExchange` (kernels/csrc/shm_exchange.cpp) has each rank
+copy its rows into the receiver's mailbox in a segment every rank maps, and the receiver copy
+them out: two memcpys and a few atomic counters per pair, no thread, no system call while data
 flows. It implements `moe.exchange.Exchange`, so the MoE layer uses it like a process group,
-and the engine's votes use its `allreduce_min` (dist_engine/step_sync.py).
+and the engine's votes use its `allreduce_min` (distributed/step_sync.py). The C++ side is a
+small library of its own, built in about a second and loaded with ctypes (`kernels.build`), so
+it does not depend on the compute kernels' build.
 
 `open_shared_memory_exchange` sets it up, collectively, over the (gloo) vote group. Every rank
 takes the same decision: the exchange is used only if every rank reports the same host (host
@@ -25,22 +27,127 @@ size on a pair) raise with both views instead of mixing data. A failed segment s
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 import socket
+import threading
 import uuid
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dist_engine.engine.config import MOE_EXCHANGES
-from dist_engine.kernels import build as native
+from dist_engine.kernels.build import CSRC, shared_library
 
+# `parallel.moe_exchange`: how the MoE all-to-alls travel (see open_shared_memory_exchange).
+MOE_EXCHANGES = ("auto", "shared_memory", "process_group")
 SHM_DIR = Path("/dev/shm")
 # Bytes per mailbox slot; each (receiver, sender) pair has two. A larger message goes in
 # chunks, pipelined over the two slots. 2 ranks: 4 MiB of shared memory; 8 ranks: 64 MiB.
 DEFAULT_SLOT_BYTES = 512 * 1024
+_ERROR_BYTES = 1024
+_library_lock = threading.Lock()
+_library: dict[str, Any] = {}
+
+
+def transport_library() -> tuple[Any, str]:
+    """The transport's ctypes library, built on the first call in a process: (library, "")
+    or (None, why not)."""
+    with _library_lock:
+        if "lib" not in _library:
+            lib, problem = shared_library(
+                "lockstep_shm", CSRC / "shm_exchange.cpp", ("-O2", "-std=c++17")
+            )
+            if lib is not None:
+                _declare(lib)
+            _library["lib"], _library["problem"] = lib, problem
+        return _library["lib"], _library["problem"]
+
+
+def _declare(lib: Any) -> None:
+    i64, ptr, size = ctypes.c_int64, ctypes.c_void_p, ctypes.c_size_t
+    lib.lockstep_shm_open.argtypes = [
+        ctypes.c_char_p, ctypes.c_int, i64, i64, i64, ctypes.c_double,
+        ctypes.POINTER(ptr), ctypes.c_char_p, size,
+    ]  # fmt: skip
+    lib.lockstep_shm_all_to_all.argtypes = [
+        ptr, ptr, i64, ptr, i64, i64, ctypes.POINTER(i64), i64, ctypes.POINTER(i64), i64,
+        ctypes.c_char_p, size,
+    ]  # fmt: skip
+    for name in ("close", "free", "unlink", "abort", "aborted_by"):
+        getattr(lib, f"lockstep_shm_{name}").argtypes = [ptr]
+    for name in ("close", "free", "unlink", "abort"):
+        getattr(lib, f"lockstep_shm_{name}").restype = None
+    lib.lockstep_shm_aborted_by.restype = i64
+    lib.lockstep_shm_pids.argtypes = [ptr, ctypes.POINTER(i64)]
+    lib.lockstep_shm_pids.restype = None
+
+
+class _Segment:
+    """One rank's mapping of a segment, through the library's C interface."""
+
+    def __init__(
+        self, path: str, create: bool, rank: int, size: int, slot_bytes: int, timeout_s: float
+    ) -> None:
+        lib, problem = transport_library()
+        if lib is None:
+            raise RuntimeError(f"the shared-memory library did not build: {problem}")
+        self._lib = lib
+        self.size = size
+        handle = ctypes.c_void_p()
+        error = ctypes.create_string_buffer(_ERROR_BYTES)
+        status = lib.lockstep_shm_open(
+            path.encode(), int(create), rank, size, slot_bytes, timeout_s,
+            ctypes.byref(handle), error, _ERROR_BYTES,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(error.value.decode(errors="replace"))
+        self._handle = handle
+        self._error = error
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+    ) -> None:
+        row_bytes = math.prod(output.shape[1:]) * output.element_size()
+        splits = ctypes.c_int64 * self.size
+        status = self._lib.lockstep_shm_all_to_all(
+            self._handle, output.data_ptr(), output.shape[0], input.data_ptr(), input.shape[0],
+            row_bytes, splits(*output_splits) if output_splits else None, len(output_splits),
+            splits(*input_splits) if input_splits else None, len(input_splits),
+            self._error, _ERROR_BYTES,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(self._error.value.decode(errors="replace"))
+
+    def pids(self) -> list[int]:
+        out = (ctypes.c_int64 * self.size)()
+        self._lib.lockstep_shm_pids(self._handle, out)
+        return list(out)
+
+    def abort(self) -> None:
+        self._lib.lockstep_shm_abort(self._handle)
+
+    def aborted_by(self) -> int:
+        return self._lib.lockstep_shm_aborted_by(self._handle)
+
+    def unlink(self) -> None:
+        self._lib.lockstep_shm_unlink(self._handle)
+
+    def close(self) -> None:
+        self._lib.lockstep_shm_close(self._handle)
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle:
+            self._lib.lockstep_shm_free(handle)
+            self._handle = None
 
 
 class SharedMemoryExchange:
@@ -63,7 +170,12 @@ class SharedMemoryExchange:
             raise ValueError("the shared-memory exchange moves CPU tensors only")
         if not output.is_contiguous():
             raise ValueError("the output of an all-to-all must be contiguous")
-        # The kernel releases the GIL while it copies and waits.
+        if output.dim() == 0 or output.dtype != input.dtype or output.shape[1:] != input.shape[1:]:
+            raise ValueError(
+                f"all-to-all rows differ: output {output.dtype} {tuple(output.shape)}, input "
+                f"{input.dtype} {tuple(input.shape)}"
+            )
+        # ctypes releases the GIL while the library copies and waits.
         self._handle.all_to_all(
             output,
             input.contiguous(),
@@ -122,11 +234,11 @@ def open_shared_memory_exchange(
             f"parallel.moe_exchange must be one of {list(MOE_EXCHANGES)}, got {mode!r}"
         )
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    exchange_type, problem = None, ""
+    problem = ""
     if mode != "process_group":
-        exchange_type = native.shm_exchange_type()  # every rank builds it before the gather
-        if exchange_type is None:
-            problem = "the kernel module (dist_engine/csrc) did not build"
+        library, why = transport_library()  # every rank builds it before the gather
+        if library is None:
+            problem = f"the shared-memory library did not build: {why}"
         elif not SHM_DIR.is_dir():
             problem = f"{SHM_DIR} does not exist"
     facts: list[object] = [None] * size
@@ -153,14 +265,14 @@ def open_shared_memory_exchange(
     handle, error = None, ""
     if rank == 0:
         try:
-            handle = exchange_type(path[0], True, rank, size, slot_bytes, timeout_s)
+            handle = _Segment(path[0], True, rank, size, slot_bytes, timeout_s)
         except Exception as exc:  # e.g. /dev/shm full
             error = str(exc)
     created = [error]
     dist.broadcast_object_list(created, src=0, group=group)
     if not created[0] and rank != 0:
         try:
-            handle = exchange_type(path[0], False, rank, size, slot_bytes, timeout_s)
+            handle = _Segment(path[0], False, rank, size, slot_bytes, timeout_s)
         except Exception as exc:
             error = str(exc)
     # Each rank checks that it can see every peer's process: the exchange detects a dead peer

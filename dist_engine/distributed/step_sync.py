@@ -9,10 +9,9 @@ import torch
 import torch.distributed as dist
 
 from dist_engine.distributed.shm_exchange import SharedMemoryExchange
-from dist_engine.engine.errors import LockstepError, SettingsMismatchError
+from dist_engine.errors import LockstepError, SettingsMismatchError
+from scheduler import StepKind
 
-STEP_KINDS = {"prefill": 0, "decode": 1, "empty": 2}
-_KIND_NAMES = {value: key for key, value in STEP_KINDS.items()}
 _MODE_NAMES = {0: "normal", 1: "low_latency", 2: "none"}
 
 
@@ -20,15 +19,19 @@ class TorchVote:
     """``scheduler.Vote`` as a MIN-allreduce of an int64 vector on the CPU vote group, or
     through the shared-memory exchange where the ranks share a host (`shared`): the same
     result, without gloo's loopback TCP and the wake-up of a peer blocked in it, which cost
-    more than the rest of a fast step."""
+    more than the rest of a fast step.
+
+    It also runs the lock-step check, and times itself: `take_seconds()` is the time spent in
+    its collectives (waiting for the slowest rank included) since the previous call.
+    """
 
     def __init__(
         self, group: dist.ProcessGroup, shared: SharedMemoryExchange | None = None
     ) -> None:
         self.group = group
         self.shared = shared
-        self.seconds = 0.0  # time spent in the collective; the engine reads and resets it
-        self.num_calls = 0
+        self.num_calls = 0  # vote collectives (allreduce_min) so far
+        self._seconds = 0.0
 
     def allreduce_min(self, values: list[int]) -> list[int]:
         start = time.perf_counter()
@@ -37,24 +40,37 @@ class TorchVote:
             tensor = self.shared.allreduce_min(tensor)
         else:
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
-        self.seconds += time.perf_counter() - start
+        self._seconds += time.perf_counter() - start
         self.num_calls += 1
         return tensor.tolist()
 
+    def check_lockstep(self, step_index: int, kind: StepKind, mode: int) -> None:
+        """All-gather ``(step index, step kind, dispatch mode)``; raise LockstepError on any
+        disagreement, with every rank's view. A mismatch would otherwise surface as a hang
+        (or garbage) inside the MoE all-to-alls."""
+        start = time.perf_counter()
+        try:
+            check_lockstep(self.group, step_index, kind, mode)
+        finally:
+            self._seconds += time.perf_counter() - start
 
-def check_lockstep(group: dist.ProcessGroup, step_index: int, kind: str, mode: int) -> None:
-    """All-gather ``(step index, step kind, dispatch mode)``; raise on any disagreement.
+    def take_seconds(self) -> float:
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
 
-    A mismatch would otherwise surface as a hang (or garbage) inside the MoE all-to-alls.
-    """
+
+def check_lockstep(group: dist.ProcessGroup, step_index: int, kind: StepKind, mode: int) -> None:
+    """All-gather ``(step index, step kind, dispatch mode)``; raise on any disagreement."""
     world = dist.get_world_size(group)
-    local = torch.tensor([step_index, STEP_KINDS[kind], mode], dtype=torch.int64)
+    local = torch.tensor([step_index, kind.code, mode], dtype=torch.int64)
     gathered = torch.empty(world * 3, dtype=torch.int64)
     dist.all_gather_into_tensor(gathered, local, group=group)
     views = gathered.view(world, 3).tolist()
     if any(view != views[0] for view in views):
+        kinds = list(StepKind)
         described = "; ".join(
-            f"rank {rank}: step {step} {_KIND_NAMES.get(k, k)} {_MODE_NAMES.get(m, m)}"
+            f"rank {rank}: step {step} {kinds[k].value if 0 <= k < len(kinds) else k} "
+            f"{_MODE_NAMES.get(m, m)}"
             for rank, (step, k, m) in enumerate(views)
         )
         raise LockstepError(f"ranks diverged at step {step_index}: {described}")

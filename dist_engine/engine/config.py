@@ -2,6 +2,7 @@
 
     model: /path/to/hf_dir
     dtype: float32
+    attention_backend: auto      # and expert_backend, norm_backend (dist_engine/backends.py)
     parallel: {dp_size: 2, launcher: ray, backend: auto}
     scheduler: {max_num_seqs: 64, block_size: 16, ...}      # scheduler.SchedulerConfig
     moe: {ll_max_tokens_per_rank: 64}
@@ -21,11 +22,12 @@ from typing import Any
 
 import torch
 
+from dist_engine.backends import BACKEND_CHOICES
+from dist_engine.distributed.shm_exchange import MOE_EXCHANGES
 from scheduler import SchedulerConfig
 
 LAUNCHERS = ("ray", "torchrun", "local")
 BACKENDS = ("auto", "nccl", "gloo")
-MOE_EXCHANGES = ("auto", "shared_memory", "process_group")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DTYPES = {
     "float32": torch.float32,
@@ -46,11 +48,12 @@ class ParallelConfig:
     # (at least 1 each); under torchrun or local, the process's own setting.
     threads_per_rank: int | None = None
     # CPU ranks that share a host each pinned to their own cores, under Ray and torchrun
-    # (dist_engine/cpu_binding.py).
+    # (dist_engine/distributed/cpu_binding.py).
     cpu_binding: bool = True
     # How the MoE all-to-alls travel: `shared_memory` between CPU ranks on one host
-    # (dist_engine/shm_exchange.py), `process_group` through the MoE group's backend; `auto`
-    # takes shared memory where every rank is on one host and the backend is gloo.
+    # (dist_engine/distributed/shm_exchange.py), `process_group` through the MoE group's
+    # backend; `auto` takes shared memory where every rank is on one host and the backend is
+    # gloo.
     moe_exchange: str = "auto"
 
     def __post_init__(self) -> None:
@@ -102,11 +105,17 @@ class EngineConfig:
     # When set, each rank's KV pool gets as many blocks as fit in this many bytes, replacing
     # scheduler.num_blocks.
     kv_cache_bytes: int | None = None
+    # Which implementation runs each kind of op (dist_engine/backends.py): auto | native | torch.
+    attention_backend: str = "auto"
+    expert_backend: str = "auto"
+    norm_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
         _choice("dtype", self.dtype, tuple(DTYPES))
+        for key in ("attention_backend", "expert_backend", "norm_backend"):
+            _choice(key, getattr(self, key), BACKEND_CHOICES)
         if self.kv_cache_bytes is not None:
             _positive_int("kv_cache_bytes", self.kv_cache_bytes)
         if not isinstance(self.check_lockstep, bool):
@@ -127,6 +136,14 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def backend_settings(self) -> dict[str, str]:
+        return {
+            "attention_backend": self.attention_backend,
+            "expert_backend": self.expert_backend,
+            "norm_backend": self.norm_backend,
+        }
 
     # -- construction -----------------------------------------------------------------------
     @classmethod

@@ -19,21 +19,25 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dist_engine.attention.kv_cache import KVCache, num_blocks_for_budget
+from dist_engine.attention.kv_cache import bytes_per_block, num_blocks_for_budget
+from dist_engine.backends import Backends, resolve_backends
 from dist_engine.distributed.groups import DistContext
-from dist_engine.distributed.step_sync import (
-    TorchVote,
-    agree_settings,
-    check_lockstep,
-    find_failed_ranks,
-)
+from dist_engine.distributed.step_sync import TorchVote, agree_settings, find_failed_ranks
 from dist_engine.distributed.wake import LocalWake, StoreWake
 from dist_engine.engine.config import EngineConfig, model_identity
-from dist_engine.engine.errors import LockstepError, RankFailureError
+from dist_engine.engine.messages import (
+    INBOX_MESSAGES,
+    AbortRequest,
+    AddRequest,
+    InboxMessage,
+    SetSchedulable,
+    Shutdown,
+)
 from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.runner import ModelRunner
-from dist_engine.kernels import build as native
+from dist_engine.errors import LockstepError, RankFailureError
 from dist_engine.layers.moe import ExpertParallelContext
+from dist_engine.log import get_logger
 from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import load_model
@@ -45,17 +49,19 @@ from scheduler import (
     Scheduler,
     SchedulerOutputs,
     Sequence,
+    StepKind,
 )
 
 OutputCallback = Callable[[RequestOutput], None]
-_MODES = {"prefill": 0, "decode": 1, "empty": 2}
 _SLEEP_POLL_S = 60.0
+# The dispatch mode each step kind's MoE layers run, as the lock-step check compares it.
+_MODE_CODES = {StepKind.PREFILL: 0, StepKind.DECODE: 1, StepKind.EMPTY: 2}
 
 
 @dataclass(frozen=True, slots=True)
 class StepTrace:
     step: int
-    kind: str  # prefill | decode | empty (known-empty: no forward anywhere)
+    kind: StepKind
     point: AttemptPoint
     group: GroupView | None  # vote 1, when taken
     any_scheduled: bool | None  # vote 2, when taken
@@ -86,53 +92,40 @@ class DPEngine:
                 f"parallel.dp_size is {config.parallel.dp_size} but the group has "
                 f"{self.world_size} rank(s)"
             )
+        self.log = get_logger(self.rank)
         self.model_config = ModelConfig.from_pretrained(config.model)
         sched_config = dataclasses.replace(
             config.scheduler, vocab_size=self.model_config.vocab_size
         )
-        if config.kv_cache_bytes is not None:
-            sched_config = dataclasses.replace(
-                sched_config,
-                num_blocks=num_blocks_for_budget(
-                    self.model_config,
-                    sched_config.block_size,
-                    config.torch_dtype,
-                    config.kv_cache_bytes,
-                ),
-            )
         if sched_config.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
                 f"scheduler.max_model_len ({sched_config.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})"
             )
         device = dist_ctx.device if dist_ctx else None
-        if device is None or device.type == "cpu":
-            # Before the first collective: building the CPU kernels (dist_engine.native) takes
-            # tens of seconds the first time on a machine, and peers waiting inside a collective
-            # for a rank that compiles would run into the collective timeout.
-            native.prepare()
+        # Before the first collective: resolving the backends builds the CPU kernels where
+        # they may be used, which takes tens of seconds the first time on a machine, and peers
+        # waiting inside a collective for a rank that compiles would run into its timeout.
+        self.backends: Backends = resolve_backends(
+            config.backend_settings, config.torch_dtype, device, self.rank
+        )
         self.vote: TorchVote | None = None
         if dist_ctx is not None:
             # Before anything expensive: a rank with other settings would desynchronise the
             # group's attempt points and hang in a collective later.
             agree_settings(dist_ctx.vote_group, config.group_agreed(model_identity(config.model)))
             self.vote = TorchVote(dist_ctx.vote_group, dist_ctx.shared_memory)
-        self.model = model if model is not None else self._load_model(device)
+        self.model = model if model is not None else self._load_model(device, sched_config)
+        sched_config = self._size_kv_pool(sched_config)
         self.model.attach_kv_cache(
-            KVCache.for_model(
-                self.model_config,
-                sched_config.num_blocks,
-                sched_config.block_size,
-                self.model.dtype,
-                device,
-            )
+            self.model.new_kv_cache(sched_config.num_blocks, sched_config.block_size, device)
         )
         self.runner = ModelRunner(self.model, sched_config.block_size, device or "cpu")
         self.scheduler = Scheduler(sched_config, vote=self.vote)
         self.wake = StoreWake(dist_ctx.store, self._new_namespace()) if dist_ctx else LocalWake()
         self.on_output = on_output
         self.trace: collections.deque[StepTrace] = collections.deque(maxlen=trace_limit)
-        self._inbox: collections.deque[tuple[str, object]] = collections.deque()
+        self._inbox: collections.deque[InboxMessage] = collections.deque()
         self._inbox_lock = threading.Lock()
         self._streamed: dict[str, int] = {}  # request id -> output tokens already sent
         self._shutdown_requested = False
@@ -141,6 +134,26 @@ class DPEngine:
         self._stop_reason = ""
         self.sleeping = False
         self.error: BaseException | None = None
+
+    def _size_kv_pool(self, sched_config):
+        """The pool's block count (from `kv_cache_bytes` when set), logged with its size."""
+        spec, dtype, block_size = self.model.kv_spec, self.model.dtype, sched_config.block_size
+        if self.config.kv_cache_bytes is not None:
+            sched_config = dataclasses.replace(
+                sched_config,
+                num_blocks=num_blocks_for_budget(
+                    spec, block_size, dtype, self.config.kv_cache_bytes
+                ),
+            )
+        per_block = bytes_per_block(spec, block_size, dtype)
+        self.log.info(
+            "KV cache: %d blocks of %d tokens, %.1f MiB (%d bytes per token)",
+            sched_config.num_blocks,
+            block_size,
+            sched_config.num_blocks * per_block / 2**20,
+            per_block // block_size,
+        )
+        return sched_config
 
     def _new_namespace(self) -> str:
         """A store namespace that is new for this engine and the same on every rank: a group
@@ -152,7 +165,7 @@ class DPEngine:
         dist.broadcast_object_list(generation, src=0, group=self.dist.vote_group)
         return f"lockstep/engine{generation[0]}"
 
-    def _load_model(self, device: object) -> MoECausalLM:
+    def _load_model(self, device: object, sched_config) -> MoECausalLM:
         num_experts = self.model_config.num_experts
         context = ExpertParallelContext(
             placement=ExpertPlacement.even(num_experts, self.world_size),
@@ -161,7 +174,12 @@ class DPEngine:
             ll_max_tokens_per_rank=self.config.ll_capacity,
         )
         return load_model(
-            self.config.model, dtype=self.config.torch_dtype, device=device, ep_context=context
+            self.config.model,
+            dtype=self.config.torch_dtype,
+            device=device,
+            ep_context=context,
+            backends=self.backends,
+            max_decode_tokens=sched_config.max_num_seqs,
         )
 
     # -- called from any thread -------------------------------------------------------------
@@ -184,19 +202,21 @@ class DPEngine:
             eos_token_id=self.model_config.eos_token_ids,
             schedulable=schedulable,
         )
-        self._post(("add", (seq, stream)))
+        self._post(AddRequest(seq, stream))
 
     def set_schedulable(self, request_id: str, schedulable: bool = True) -> None:
-        self._post(("schedulable", (request_id, schedulable)))
+        self._post(SetSchedulable(request_id, schedulable))
 
     def abort(self, request_id: str, reason: str | None = None) -> None:
-        self._post(("abort", (request_id, reason)))
+        self._post(AbortRequest(request_id, reason))
 
     def shutdown(self) -> None:
         """Ask the group to stop; every rank leaves its loop at the same step."""
-        self._post(("shutdown", None))
+        self._post(Shutdown())
 
-    def _post(self, item: tuple[str, object]) -> None:
+    def _post(self, item: InboxMessage) -> None:
+        if not isinstance(item, INBOX_MESSAGES):
+            raise TypeError(f"not an inbox message: {item!r}; expected one of {INBOX_MESSAGES}")
         # Inbox first, epoch second: the order the wake protocol's argument relies on.
         with self._inbox_lock:
             self._inbox.append(item)
@@ -225,22 +245,17 @@ class DPEngine:
 
     def step(self) -> StepTrace:
         start = time.perf_counter()
-        seen_epoch = self.wake.seen_epoch  # read before draining: see dist_engine/wake.py
+        seen_epoch = self.wake.seen_epoch  # read before draining: see distributed/wake.py
         self._intake()
         sched = self.scheduler
         sched.wake_epoch = seen_epoch
         sched.shutdown_requested = self._shutdown_requested
-        if self.vote is not None:
-            self.vote.seconds = 0.0
         outputs = sched.schedule()
         self._emit_all(outputs.ignored_seqs)
         view = outputs.group
-        kind = "empty" if outputs.known_empty else ("prefill" if outputs.prompt_run else "decode")
-        if self.config.check_lockstep and self.dist is not None:
-            vote_start = time.perf_counter()
-            check_lockstep(self.dist.vote_group, outputs.step_index, kind, _MODES[kind])
-            if self.vote is not None:
-                self.vote.seconds += time.perf_counter() - vote_start
+        kind = outputs.kind
+        if self.config.check_lockstep and self.vote is not None:
+            self.vote.check_lockstep(outputs.step_index, kind, _MODE_CODES[kind])
         if view is not None and view.shutdown:
             self._stop("engine shut down")
             return self._record(outputs, kind, start, 0.0, 0.0)
@@ -259,27 +274,27 @@ class DPEngine:
         with self._inbox_lock:
             items = list(self._inbox)
             self._inbox.clear()
-        for action, payload in items:
-            if action == "add":
-                seq, stream = payload
-                try:
-                    self.scheduler.add_sequence(seq)
-                except ValueError as error:  # e.g. a request id already in use
-                    self._reject(seq, str(error))
-                    continue
-                if stream:
-                    self._streamed[seq.request_id] = 0
-            elif action == "schedulable":
-                request_id, schedulable = payload
-                if self.scheduler.get_sequence(request_id) is not None:
-                    self.scheduler.set_schedulable(request_id, schedulable)
-            elif action == "abort":
-                request_id, reason = payload
-                ended = self.scheduler.abort(request_id, reason)
-                if ended is not None:
-                    self._emit(ended)
-            else:
-                self._shutdown_requested = True
+        for item in items:
+            match item:
+                case AddRequest(seq, stream):
+                    try:
+                        self.scheduler.add_sequence(seq)
+                    except ValueError as error:  # e.g. a request id already in use
+                        self._reject(seq, str(error))
+                        continue
+                    if stream:
+                        self._streamed[seq.request_id] = 0
+                case SetSchedulable(request_id, schedulable):
+                    if self.scheduler.get_sequence(request_id) is not None:
+                        self.scheduler.set_schedulable(request_id, schedulable)
+                case AbortRequest(request_id, reason):
+                    ended = self.scheduler.abort(request_id, reason)
+                    if ended is not None:
+                        self._emit(ended)
+                case Shutdown():
+                    self._shutdown_requested = True
+                case _:  # _post refuses anything else; this guards the loop's own state
+                    raise TypeError(f"unknown inbox message {item!r}")
 
     def _maybe_sleep(self, view: GroupView) -> float:
         """The group agreed nobody has work. Sleep if no rank saw a newer wake epoch than the
@@ -301,7 +316,7 @@ class DPEngine:
     def _record(
         self,
         outputs: SchedulerOutputs,
-        kind: str,
+        kind: StepKind,
         start: float,
         forward_s: float,
         slept_s: float,
@@ -315,7 +330,7 @@ class DPEngine:
             num_seqs=outputs.num_seqs,
             num_tokens=outputs.num_batched_tokens,
             forward_s=forward_s,
-            sync_s=self.vote.seconds if self.vote is not None else 0.0,
+            sync_s=self.vote.take_seconds() if self.vote is not None else 0.0,
             step_s=time.perf_counter() - start - slept_s,
             slept_s=slept_s,
         )
@@ -378,15 +393,16 @@ class DPEngine:
         with self._inbox_lock:
             items = list(self._inbox)
             self._inbox.clear()
-        for action, payload in items:
-            if action == "add":
-                self._reject(payload[0], f"engine stopped: {self._stop_reason}")
+        for item in items:
+            if isinstance(item, AddRequest):
+                self._reject(item.seq, f"engine stopped: {self._stop_reason}")
 
     def _fail_outstanding(self, error: BaseException) -> None:
         if isinstance(error, (LockstepError, KeyboardInterrupt, SystemExit)):
             self.error = error
         else:
             self.error = self._describe_failure(error)
+        self.log.error("stopping: %s", self.error)
         self._stop(str(self.error))
 
     def _describe_failure(self, error: BaseException) -> RankFailureError:

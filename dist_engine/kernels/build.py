@@ -1,199 +1,169 @@
-"""Lockstep's CPU kernels (csrc/), built on first use as one extension module.
+"""Building Lockstep's native code on the machine that runs it, once, into a cache.
 
-- `decode_kernel()`: decode attention straight from the paged KV cache
-  (csrc/paged_decode_attention.cpp; used by `dist_engine.attention.torch_backend`).
-- `prefill_kernel()`: float32 causal prefill attention straight from the paged KV cache, no
-  padding (csrc/paged_prefill_attention.cpp; used by `dist_engine.attention.torch_backend`).
-- `swiglu_kernel()`: the float32 expert side of an MoE layer, routed rows to their weighted
-  sum of SwiGLU experts, without padding (csrc/grouped_swiglu.cpp; `MoEBlock` hands it to its
-  `LocalExperts`).
-- `rms_norm_kernel()`: float32 RMSNorm in one pass (csrc/rms_norm.cpp; used by `RMSNorm`).
-- `rope_kernel()`: float32 rotary q/k plus the paged KV cache write in one pass
-  (csrc/rope_cache.cpp; used by `Attention`).
-- `shm_exchange_type()`: the shared-memory all-to-all for ranks on one host
-  (csrc/shm_exchange.cpp; used by `dist_engine.distributed.shm_exchange`). Not a kernel switch: the
-  config's `parallel.moe_exchange` chooses it.
+Two independent builds, so a failure of one never costs the other:
 
-Each returns the compiled function, or None when it cannot be used: its switch is set to 0
-(`LOCKSTEP_FUSED_ATTENTION=0`, `LOCKSTEP_FUSED_EXPERTS=0`, `LOCKSTEP_FUSED_NORM=0`), or the
-build failed (no C++ compiler or ninja, say — then one warning names the cause). Callers fall
-back to the plain PyTorch path, which computes the same thing (tests/test_kv_cache.py,
-tests/test_moe_experts.py and tests/test_layers.py run both).
+- `torch_extension` builds a PyTorch C++ extension (the compute kernels, `kernels.compute`)
+  with `torch.utils.cpp_extension.load` and ninja: tens of seconds the first time.
+- `shared_library` builds a plain C++ library with the system compiler and loads it with
+  ctypes (the shared-memory transport, `distributed.shm_exchange`): about a second, no torch
+  headers, no ninja.
 
-The build goes through `torch.utils.cpp_extension.load` into torch's extension cache
-(`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), once per machine and source
-version; processes that start together wait on torch's build lock and then load the cached
-library. A first build takes tens of seconds, so `DPEngine` calls `prepare()` before its
-first collective (a rank compiling inside a collective would hold up its peers); a later
-lookup is a dictionary access.
+Both land under `cache_root()/kernels/<name>`, where `<name>` carries a hash of everything
+that changes the binary: the sources and headers, the flags, the compiler, this CPU's
+instruction-set flags (the code is built with -march=native), the torch build the extension
+links against (its version and where it is installed, so two virtual environments on one host
+do not keep rebuilding each other's module) and the Python ABI. A first build says so on the
+log and reports its progress; a later start loads the cached file.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
+import shutil
+import subprocess
+import sys
 import threading
-import warnings
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from dist_engine.log import get_logger
+
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(
-    CSRC / name
-    for name in (
-        "paged_decode_attention.cpp",  # also the module definition of all of them
-        "paged_prefill_attention.cpp",
-        "grouped_swiglu.cpp",
-        "rms_norm.cpp",
-        "rope_cache.cpp",
-        "shm_exchange.cpp",
-    )
-)
-ENV_SWITCH = "LOCKSTEP_FUSED_ATTENTION"  # the decode and prefill attention kernels
-EXPERTS_ENV_SWITCH = "LOCKSTEP_FUSED_EXPERTS"  # the SwiGLU expert kernel
-NORM_ENV_SWITCH = "LOCKSTEP_FUSED_NORM"  # the RMSNorm and rotary/KV-write kernels
-
-_lock = threading.Lock()
-_state: dict[str, Any] = {}
-
-
-def enabled(switch: str = ENV_SWITCH) -> bool:
-    return os.environ.get(switch, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def decode_kernel() -> Callable[..., torch.Tensor] | None:
-    """`paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
-    scale)`, or None (see the module docstring). Builds on the first call in a process."""
-    return _kernel(ENV_SWITCH, "paged_decode_attention")
-
-
-def prefill_kernel() -> Callable[..., torch.Tensor] | None:
-    """`paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-    num_cached, scale)`, or None (see the module docstring); float32 on the CPU, under the
-    attention kernel's switch."""
-    return _kernel(ENV_SWITCH, "paged_prefill_attention")
-
-
-def swiglu_kernel() -> Callable[..., torch.Tensor] | None:
-    """`routed_swiglu(hidden, local_slots, weights, w13, w2)`, or None (see the module
-    docstring); the contract of `moe.experts.LocalExperts.weighted_sum` for float32 on the
-    CPU."""
-    return _kernel(EXPERTS_ENV_SWITCH, "routed_swiglu")
-
-
-def rms_norm_kernel() -> Callable[..., torch.Tensor] | None:
-    """`rms_norm(x, weight, eps)`, or None (see the module docstring); float32 on the CPU,
-    `dist_engine.layers.RMSNorm`'s result to float32 rounding."""
-    return _kernel(NORM_ENV_SWITCH, "rms_norm")
-
-
-def rope_kernel() -> Callable[..., torch.Tensor] | None:
-    """`rope_write_kv(query, key, value, cos, sin, slot_mapping, key_cache, value_cache)` →
-    rotated query, or None (see the module docstring); float32 on the CPU, the result of
-    `apply_rotary` + `write_kv` to float32 rounding. Shares the RMSNorm kernel's switch."""
-    return _kernel(NORM_ENV_SWITCH, "rope_write_kv")
-
-
-def shm_exchange_type() -> Any:
-    """The `ShmExchange` class (csrc/shm_exchange.cpp), or None if the module failed to build."""
-    module = _module()
-    return None if module is None else module.ShmExchange
-
-
-def prepare() -> None:
-    """Build (or load) the module now. The launchers and `DPEngine` call this before their
-    first collective; otherwise the first lookup builds."""
-    _module()
-
-
-def _kernel(switch: str, name: str) -> Callable[..., torch.Tensor] | None:
-    if not enabled(switch):
-        return None
-    module = _module()
-    return None if module is None else getattr(module, name)
-
-
-def _module() -> Any:
-    """The extension module, built on the first call in a process; None if it failed."""
-    with _lock:
-        if "module" not in _state:
-            _state["module"] = _build()
-        return _state["module"]
-
-
-# -march=native: the build runs on the machine that uses it (see _module_name). -fopenmp makes
-# at::parallel_for use torch's own OpenMP pool: the library's libgomp.so.1 resolves to the copy
-# torch already loaded (same soname), so there is one pool and torch.set_num_threads governs it.
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
-LDFLAGS = ("-fopenmp",)
-
-
-# A build normally takes ~25 s. torch's build lock waits forever for a lock file left behind by
-# a process killed mid-build; past this limit the engine starts on the PyTorch path instead.
+# A ninja build normally takes ~25-60 s. torch's build lock waits forever for a lock file left
+# behind by a process killed mid-build; past this limit the caller gets None (and falls back).
 BUILD_TIMEOUT_S = 600.0
+_PROGRESS_EVERY_S = 15.0
 
 
-def _build() -> Any:
-    result: dict[str, object] = {}
-
-    def build() -> None:
-        try:
-            from torch.utils import cpp_extension
-
-            result["module"] = cpp_extension.load(
-                name=_module_name(),
-                sources=[str(source) for source in SOURCES],
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                verbose=False,
-            )
-        except Exception as exc:  # any build problem means "use the PyTorch path"
-            result["error"] = exc
-
-    builder = threading.Thread(target=build, name="lockstep-kernel-build", daemon=True)
-    builder.start()
-    builder.join(BUILD_TIMEOUT_S)
-    if "module" in result:
-        return result["module"]
-    if builder.is_alive():
-        cause = (
-            f"no result after {BUILD_TIMEOUT_S:.0f} s; the usual cause is a stale `lock` file "
-            f"left by a killed build in torch's extension directory (TORCH_EXTENSIONS_DIR, "
-            f"default ~/.cache/torch_extensions)"
-        )
-    else:
-        cause = repr(result.get("error"))[:300]
-    warnings.warn(
-        f"lockstep: the CPU kernels (dist_engine/csrc) could not be built ({cause}); using "
-        f"the PyTorch paths, and the process group for the MoE all-to-alls",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-    return None
+def cache_root() -> Path:
+    """Lockstep's cache: `$LOCKSTEP_CACHE/lockstep`, else `$XDG_CACHE_HOME/lockstep`, else
+    `~/.cache/lockstep` (built kernels, the built-in model)."""
+    base = os.environ.get("LOCKSTEP_CACHE") or os.environ.get("XDG_CACHE_HOME")
+    return Path(base) / "lockstep" if base else Path.home() / ".cache" / "lockstep"
 
 
-def _module_name() -> str:
-    """Distinct per source version and per CPU, because the build targets the CPU it runs on
-    (-march=native) and the cache directory may be shared between machines."""
+def binary_name(prefix: str, sources: Sequence[Path], flags: Sequence[str]) -> str:
+    """`prefix_<hash>`: the hash covers everything that changes the built file."""
     digest = hashlib.sha256()
-    for source in (*SOURCES, *sorted(CSRC.glob("*.h"))):  # headers too: they change the build
+    for source in (*sources, *sorted(CSRC.glob("*.h"))):
         digest.update(source.read_bytes())
-    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
-    digest.update(platform.machine().encode())
-    digest.update(_cpu_flags().encode())
-    digest.update(torch.__version__.encode())
-    return f"lockstep_kernels_{digest.hexdigest()[:16]}"
+    for part in (
+        " ".join(flags),
+        _compiler_version(),
+        platform.machine(),
+        cpu_flags(),
+        torch.__version__,
+        str(Path(torch.__file__).parent),
+        sys.implementation.cache_tag or "",
+    ):
+        digest.update(part.encode())
+    return f"{prefix}_{digest.hexdigest()[:16]}"
 
 
-def _cpu_flags() -> str:
+def torch_extension(
+    prefix: str, sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[str]
+) -> tuple[Any, str]:
+    """Build (or load) a torch extension module. Returns (module, "") or (None, why not)."""
+    name = binary_name(prefix, sources, (*cflags, *ldflags))
+    directory = cache_root() / "kernels" / name
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def build() -> Any:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in sources],
+            extra_cflags=list(cflags),
+            extra_ldflags=list(ldflags),
+            build_directory=str(directory),
+            verbose=False,
+        )
+
+    first = not (directory / f"{name}.so").is_file()
+    return _timed_build(f"CPU kernels ({prefix})", build, first, directory)
+
+
+def shared_library(prefix: str, source: Path, cflags: Sequence[str]) -> tuple[Any, str]:
+    """Build (or load) a plain C++ shared library with a C interface, loaded through ctypes.
+    Returns (ctypes.CDLL, "") or (None, why not)."""
+    name = binary_name(prefix, [source], cflags)
+    directory = cache_root() / "kernels" / name
+    target = directory / f"{name}.so"
+
+    def build() -> Any:
+        if not target.is_file():
+            compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+            if compiler is None:
+                raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
+            directory.mkdir(parents=True, exist_ok=True)
+            partial = directory / f"{name}.{os.getpid()}.partial.so"
+            command = [compiler, *cflags, "-shared", "-fPIC", str(source), "-o", str(partial)]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-800:]}")
+            partial.replace(target)  # atomic: a concurrent build keeps one complete file
+        return ctypes.CDLL(str(target))
+
+    return _timed_build(f"{prefix} library", build, not target.is_file(), directory)
+
+
+def _timed_build(what: str, build: Callable[[], Any], first: bool, where: Path) -> tuple[Any, str]:
+    """Run `build` on a thread with a time limit; log a first build and its progress."""
+    log = get_logger()
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = build()
+        except Exception as error:  # any build problem means "not available"
+            result["error"] = error
+
+    if first:
+        log.info("building %s (first start on this machine only) in %s", what, where)
+    start = time.monotonic()
+    builder = threading.Thread(target=run, name="lockstep-build", daemon=True)
+    builder.start()
+    while builder.is_alive() and (left := start + BUILD_TIMEOUT_S - time.monotonic()) > 0:
+        builder.join(min(_PROGRESS_EVERY_S, left))
+        if first and builder.is_alive() and time.monotonic() - start < BUILD_TIMEOUT_S:
+            log.info("still building %s: %.0f s so far", what, time.monotonic() - start)
+    if "value" in result:
+        if first:
+            log.info("built %s in %.1f s", what, time.monotonic() - start)
+        return result["value"], ""
+    if builder.is_alive():
+        return None, (
+            f"no result after {BUILD_TIMEOUT_S:.0f} s; the usual cause is a stale `lock` file "
+            f"left by a killed build in {where}"
+        )
+    return None, repr(result.get("error"))[:500]
+
+
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags (/proc/cpuinfo), for cache keys and benchmark tables."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor()
+
+
+def _compiler_version() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return "none"
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+    return done.stdout.splitlines()[0] if done.stdout else compiler

@@ -1,6 +1,7 @@
 """The sparse MLP of an MoE decoder layer: router, then the `moe.MoELayer` experts.
 
-Shape legend: T = tokens in the flat batch, D = hidden, E = logical experts, K = top-k.
+Shape legend: T = tokens in the flat batch, D = hidden, E = logical experts, K = top-k,
+N = rows on the expert side, I = expert intermediate size.
 
 The model code stays single-device: expert parallelism enters only through the
 `ExpertParallelContext` handed to the model (placement, this rank, the EP process group), which
@@ -9,15 +10,15 @@ the `MoELayer` uses to dispatch tokens to the ranks hosting their experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dist_engine.kernels import build as native
-from dist_engine.layers.basic import Linear
-from dist_engine.models.config import ModelConfig
-from moe import DispatchMode, ExpertPlacement, MoELayer, softmax_topk
+from dist_engine.layers.linear import Linear
+from moe import DispatchMode, ExpertImpl, ExpertPlacement, LocalExperts, MoELayer, softmax_topk
+from moe.experts import torch_weighted_sum
 
 
 @dataclass(frozen=True)
@@ -42,33 +43,72 @@ class ExpertParallelContext:
         return self.placement
 
 
+class NativeExperts:
+    """The `native` expert backend: `kernels.compute.routed_swiglu` (an `moe.ExpertImpl`).
+
+    The whole expert side in one call: a counting sort of the (row, choice) pairs by slot,
+    per slot its rows gathered in chunks, two register-blocked GEMMs with silu between, every
+    row's pairs summed in k order; no padding. float32 on the CPU; anything else goes through
+    PyTorch's path (`moe.torch_weighted_sum`).
+    """
+
+    name = "native"
+
+    def __init__(self, kernel: Callable[..., torch.Tensor]) -> None:
+        self.kernel = kernel
+
+    def __call__(
+        self,
+        experts: LocalExperts,
+        hidden: torch.Tensor,
+        local_slots: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden: [N, D]; local_slots, weights: [N, K] → [N, D]."""
+        if (
+            hidden.device.type != "cpu"
+            or hidden.dtype != torch.float32
+            or experts.w13.dtype != torch.float32
+        ):
+            return torch_weighted_sum(experts, hidden, local_slots, weights)
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
+        return self.kernel(
+            hidden, local_slots.contiguous(), weights.float().contiguous(), experts.w13, experts.w2
+        )
+
+
 class MoEBlock(nn.Module):
     """Router Linear → softmax top-k → `MoELayer`. HF names: `gate.weight`, `experts`."""
 
     def __init__(
         self,
-        config: ModelConfig,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
         context: ExpertParallelContext,
         dtype: torch.dtype,
         device: torch.device | None = None,
+        expert_impls: dict[DispatchMode, ExpertImpl | None] | None = None,
     ) -> None:
         super().__init__()
-        self.top_k = config.top_k
-        self.renormalize = config.norm_topk_prob
-        self.gate = Linear(config.hidden_size, config.num_experts, False, dtype, device)
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Linear(hidden_size, num_experts, False, dtype, device)
         self.experts = MoELayer(
-            config.num_experts,
-            config.hidden_size,
-            config.moe_intermediate_size,
-            context.resolve_placement(config.num_experts),
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            context.resolve_placement(num_experts),
             rank=context.rank,
             group=context.group,
             dtype=dtype,
             ll_max_tokens_per_rank=context.ll_max_tokens_per_rank,
         )
-        if dtype == torch.float32 and (device is None or torch.device(device).type == "cpu"):
-            # The compiled SwiGLU expert kernel, where it builds (else the PyTorch paths).
-            self.experts.experts.native_swiglu = native.swiglu_kernel()
+        for mode, impl in (expert_impls or {}).items():
+            self.experts.set_expert_impl(impl, mode)
 
     def forward(self, hidden: torch.Tensor, mode: DispatchMode) -> torch.Tensor:
         """hidden: [T, D] → [T, D]. Always enters the MoE layer, even with T = 0, because in

@@ -1,0 +1,25 @@
+"""Model architectures: one module per `model_type`, found through the registry.
+
+- `registry.py`: `model_type` → architecture module (imported on first use).
+- `base.py`: what an architecture module provides (`Architecture`).
+- `config.py`: `ModelConfig` and the helpers that read config.json.
+- `decoder.py`: the decoder every architecture shares; `gqa_moe.py`: the GQA + softmax-MoE
+  layers Qwen3-MoE and Mixtral build it from.
+- `qwen3_moe.py`, `mixtral.py`: the architectures.
+- `weights.py`: tensor names and shapes (`CheckpointLayout`); `loader.py`: reading a
+  checkpoint into a model; `make_model.py`: tiny random checkpoints.
+"""
+
+from dist_engine.models.config import ModelConfig
+from dist_engine.models.loader import CheckpointReader, build_model, load_model, load_weights
+from dist_engine.models.registry import get_architecture, supported_model_types
+
+__all__ = [
+    "CheckpointReader",
+    "ModelConfig",
+    "build_model",
+    "get_architecture",
+    "load_model",
+    "load_weights",
+    "supported_model_types",
+]

@@ -1,8 +1,10 @@
-"""Model architecture settings parsed from a Hugging Face `config.json`.
+"""Model architecture settings in the names this project uses, and the helpers that read
+them from a Hugging Face `config.json`.
 
-Supported `model_type`s: `qwen3_moe` and `mixtral`. Both spellings that exist in the wild are
+Each architecture's module (models/qwen3_moe.py, ...) parses its own `model_type` into a
+`ModelConfig`; the model registry picks the module. Both spellings that exist in the wild are
 accepted where they differ: `num_experts` (Qwen hub checkpoints) or `num_local_experts` (what
-transformers 5.x writes for both), and a top-level `rope_theta` (transformers 4.x) or
+transformers 5.x writes), and a top-level `rope_theta` (transformers 4.x) or
 `rope_parameters: {"rope_theta": ...}` (5.x).
 """
 
@@ -13,10 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
-
 # Keys every supported architecture must state; the others have HF defaults.
-_REQUIRED_KEYS = (
+REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",
     "num_hidden_layers",
@@ -111,70 +111,81 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Parse the contents of an HF config.json; raises ValueError naming the bad key."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
-            )
-        for key in _REQUIRED_KEYS:
-            if key not in hf:
-                raise ValueError(f"config.json for {model_type} is missing the key {key!r}")
-        _check_unsupported_features(hf)
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or _int(hf, "hidden_size") // _int(hf, "num_attention_heads")
-        num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-        if num_experts is None:
-            raise ValueError(
-                f"config.json for {model_type} names neither 'num_experts' nor 'num_local_experts'"
-            )
-        is_qwen = model_type == "qwen3_moe"
-        intermediate_size = hf.get("intermediate_size", 0)
-        mlp_only_layers = hf.get("mlp_only_layers") or []
-        if not isinstance(mlp_only_layers, list):
-            raise ValueError(
-                f"config key 'mlp_only_layers' must be a list, got {mlp_only_layers!r}"
-            )
-        return cls(
-            model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads", num_heads),
-            head_dim=head_dim,
-            rope_theta=float(_rope_theta(hf, default=1e6 if not is_qwen else 1e4)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6 if is_qwen else 1e-5)),
-            num_experts=num_experts,
-            top_k=hf["num_experts_per_tok"],
-            moe_intermediate_size=(
-                hf.get("moe_intermediate_size", 0) if is_qwen else intermediate_size
-            ),
-            intermediate_size=intermediate_size if is_qwen else 0,
-            # Mixtral always renormalises the top-k probabilities.
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if is_qwen else True,
-            decoder_sparse_step=hf.get("decoder_sparse_step", 1) if is_qwen else 1,
-            mlp_only_layers=tuple(mlp_only_layers) if is_qwen else (),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            use_qk_norm=is_qwen,
-            attention_bias=bool(hf.get("attention_bias", False)) if is_qwen else False,
-        )
+        """Parse the contents of an HF config.json through its architecture's module (the
+        model registry); raises ValueError naming the bad key."""
+        from dist_engine.models.registry import parse_config
+
+        return parse_config(hf)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        """Read `<model_dir>/config.json`."""
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from error
-        if not isinstance(hf, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
-        return cls.from_hf_dict(hf)
+        """Read and parse `<model_dir>/config.json`."""
+        return cls.from_hf_dict(read_hf_config(model_dir))
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The JSON object in `<model_dir>/config.json`; errors name the file and the problem."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def require_keys(hf: dict[str, Any], keys: tuple[str, ...]) -> None:
+    model_type = hf.get("model_type")
+    for key in keys:
+        if key not in hf:
+            raise ValueError(f"config.json for {model_type} is missing the key {key!r}")
+
+
+def num_experts_of(hf: dict[str, Any]) -> int:
+    """`num_experts` (Qwen hub checkpoints) or `num_local_experts` (transformers 5.x)."""
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError(
+            f"config.json for {hf.get('model_type')} names neither 'num_experts' nor "
+            "'num_local_experts'"
+        )
+    return num_experts
+
+
+def head_dim_of(hf: dict[str, Any]) -> int:
+    return hf.get("head_dim") or _int(hf, "hidden_size") // _int(hf, "num_attention_heads")
+
+
+def rope_theta_of(hf: dict[str, Any], default: float) -> float:
+    """A top-level `rope_theta` (transformers 4.x) or `rope_parameters.rope_theta` (5.x)."""
+    return float(_rope_theta(hf, default))
+
+
+def eos_token_ids_of(hf: dict[str, Any]) -> tuple[int, ...]:
+    return _eos_ids(hf.get("eos_token_id"))
+
+
+def check_default_rope_and_silu(hf: dict[str, Any]) -> None:
+    """Refuse settings that would silently change the math if ignored."""
+    params = hf.get("rope_parameters") or {}
+    rope_type = params.get("rope_type", "default")
+    scaling = hf.get("rope_scaling")
+    if rope_type != "default" or scaling:
+        raise ValueError(
+            f"only default RoPE is supported; got rope_parameters={params!r}, "
+            f"rope_scaling={scaling!r}"
+        )
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config key 'hidden_act' must be 'silu', got {act!r}")
+
+
+def refuse_sliding_window(window: object) -> None:
+    if window is not None:
+        raise ValueError(f"sliding-window attention is not supported; got sliding_window={window}")
 
 
 def _int(hf: dict[str, Any], key: str) -> int:
@@ -190,27 +201,6 @@ def _rope_theta(hf: dict[str, Any], default: float) -> float:
     if not isinstance(theta, (int, float)) or isinstance(theta, bool):
         raise ValueError(f"config key 'rope_theta' must be a number, got {theta!r}")
     return theta
-
-
-def _check_unsupported_features(hf: dict[str, Any]) -> None:
-    """Refuse settings that would silently change the math if ignored."""
-    params = hf.get("rope_parameters") or {}
-    rope_type = params.get("rope_type", "default")
-    scaling = hf.get("rope_scaling")
-    if rope_type != "default" or scaling:
-        raise ValueError(
-            f"only default RoPE is supported; got rope_parameters={params!r}, "
-            f"rope_scaling={scaling!r}"
-        )
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config key 'hidden_act' must be 'silu', got {act!r}")
-    if hf.get("model_type") == "qwen3_moe":
-        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-    else:
-        window = hf.get("sliding_window")
-    if window is not None:
-        raise ValueError(f"sliding-window attention is not supported; got sliding_window={window}")
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:

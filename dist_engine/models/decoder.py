@@ -1,25 +1,32 @@
-"""The MoE causal LM (Qwen3-MoE, Mixtral) for one device, over a flat batch and a paged cache.
+"""The decoder every supported architecture shares, over a flat batch and a paged cache.
 
 Shape legend: T = tokens in the flat batch (sequences concatenated, no padding), N = rows that
 need logits, D = hidden, V = vocab, Dh = head dim.
 
+Embeddings → pre-norm decoder layers (`x + attn(norm(x))`, then `h + mlp(norm(h))`) → final
+norm → LM head. What differs between architectures is what goes inside a layer (which
+attention, which MLP per layer, which norms) and how tensors are named; each architecture's
+module (models/qwen3_moe.py, ...) builds its layers from the pieces in dist_engine/layers and
+states its checkpoint layout (models/weights.py).
+
 Module and parameter names mirror Hugging Face's (`model.layers.{i}.self_attn.o_proj.weight`,
-...) so the loader maps checkpoint names with few exceptions (the fused `qkv_proj`, Mixtral's
-`block_sparse_moe`). Expert weights live inside each
-layer's `moe.MoELayer` and are filled through `MoELayer.load_expert`.
+...) so checkpoints map with few exceptions, which the layout states. Expert weights live
+inside each MoE layer's `moe.MoELayer` and are filled through `MoELayer.load_expert`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_engine.attention.kv_cache import KVCache
+from dist_engine.attention.kv_cache import KVCache, PagedKVSpec
 from dist_engine.attention.metadata import AttentionMetadata
-from dist_engine.layers.attention import Attention
-from dist_engine.layers.basic import DenseMLP, Linear, RMSNorm, RotaryEmbedding, empty_parameter
-from dist_engine.layers.moe import ExpertParallelContext, MoEBlock
+from dist_engine.layers.linear import Linear, empty_parameter
+from dist_engine.layers.norm import NormKernel, RMSNorm
+from dist_engine.layers.rotary import RotaryEmbedding
 from dist_engine.models.config import ModelConfig
 from moe import DispatchMode
 
@@ -27,26 +34,29 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)).
+
+    `mlp` is a dense MLP (`mlp(x)`) or an MoE block (`mlp(x, mode)`, `takes_mode = True`):
+    the MoE block must know the step's dispatch mode.
+    """
 
     def __init__(
         self,
-        config: ModelConfig,
-        layer_idx: int,
-        context: ExpertParallelContext,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        hidden_size: int,
+        eps: float,
         dtype: torch.dtype,
         device: torch.device | None,
+        norm_kernel: NormKernel | None,
+        mlp_takes_mode: bool,
     ) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Attention(config, dtype, device)
-        self.mlp: MoEBlock | DenseMLP
-        if config.is_moe_layer(layer_idx):
-            self.mlp = MoEBlock(config, context, dtype, device)
-        else:
-            self.mlp = DenseMLP(hidden, config.intermediate_size, dtype, device)
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.mlp_takes_mode = mlp_takes_mode
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype, device, norm_kernel)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype, device, norm_kernel)
 
     def forward(
         self,
@@ -54,13 +64,12 @@ class DecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, ...],
         mode: DispatchMode,
     ) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, attn, *kv)
-        hidden = hidden + attn_out
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn, kv_cache)
         normed = self.post_attention_layernorm(hidden)
-        if isinstance(self.mlp, MoEBlock):
+        if self.mlp_takes_mode:
             return hidden + self.mlp(normed, mode)
         return hidden + self.mlp(normed)
 
@@ -71,35 +80,37 @@ class DecoderStack(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        context: ExpertParallelContext,
+        layers: list[DecoderLayer],
         dtype: torch.dtype,
         device: torch.device | None,
+        norm_kernel: NormKernel | None,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = empty_parameter(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device
         )
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, context, dtype, device) for i in range(config.num_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, norm_kernel)
 
 
 class MoECausalLM(nn.Module):
-    """One rank's copy of the model. Expert parallelism comes in through `ep_context`; with the
-    default, all experts are local and the model runs in a single process.
+    """One rank's copy of a model. Expert parallelism comes in through the MoE layers'
+    `ExpertParallelContext`; the model code itself is single-device.
 
-    Use `load_model` (dist_engine.models.loader) to build one from a checkpoint; a fresh instance
-    holds uninitialised weights. Attach a `KVCache` before the first forward.
+    Build one with `models.load_model` (from a checkpoint) or `models.build_model` (empty
+    weights); attach a KV cache (`new_kv_cache`, `attach_kv_cache`) before the first forward.
     """
 
     def __init__(
         self,
         config: ModelConfig,
+        make_layer: Callable[[int], DecoderLayer],
+        rotary: RotaryEmbedding,
+        kv_spec: PagedKVSpec,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        ep_context: ExpertParallelContext | None = None,
+        norm_kernel: NormKernel | None = None,
     ) -> None:
         super().__init__()
         if dtype not in SUPPORTED_DTYPES:
@@ -107,9 +118,10 @@ class MoECausalLM(nn.Module):
         device = torch.device(device) if device is not None else None
         self.config = config
         self.dtype = dtype
-        self.ep_context = ep_context or ExpertParallelContext()
-        self.model = DecoderStack(config, self.ep_context, dtype, device)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, device)
+        self.kv_spec = kv_spec
+        layers = [make_layer(i) for i in range(config.num_layers)]
+        self.model = DecoderStack(config, layers, dtype, device, norm_kernel)
+        self.rotary = rotary
         if config.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -120,16 +132,15 @@ class MoECausalLM(nn.Module):
             # MoELayer takes no device argument; its expert weights are created on the CPU.
             self.to(device)
 
+    def new_kv_cache(
+        self, num_blocks: int, block_size: int, device: torch.device | str | None = None
+    ) -> KVCache:
+        """A paged cache in this model's layout and dtype."""
+        return self.kv_spec.allocate(num_blocks, block_size, self.dtype, device)
+
     def attach_kv_cache(self, kv_cache: KVCache) -> None:
-        """Use `kv_cache` for every following forward (it must match the model's shape)."""
-        expected = (self.config.num_layers, self.config.num_kv_heads, self.config.head_dim)
-        storage = kv_cache.storage
-        actual = (storage.shape[0], storage.shape[4], storage.shape[5])
-        if actual != expected or storage.dtype != self.dtype:
-            raise ValueError(
-                f"KV cache (layers, kv_heads, head_dim)={actual} dtype={storage.dtype} does not "
-                f"match the model's {expected} dtype={self.dtype}"
-            )
+        """Use `kv_cache` for every following forward (it must match the model's layout)."""
+        self.kv_spec.check(kv_cache, self.dtype)
         self.kv_cache = kv_cache
 
     @torch.no_grad()
@@ -146,7 +157,7 @@ class MoECausalLM(nn.Module):
         placeholder forward: it still enters every MoE layer (an EP collective).
         """
         if self.kv_cache is None:
-            raise RuntimeError("attach a KVCache (attach_kv_cache) before calling forward")
+            raise RuntimeError("attach a KV cache (attach_kv_cache) before calling forward")
         if input_ids.shape != positions.shape or input_ids.dim() != 1:
             raise ValueError(
                 f"input_ids and positions must both be [T]; got {tuple(input_ids.shape)} and "

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory into `MoECausalLM`, reading only hosted experts.
+"""Build a model from its config and load a Hugging Face checkpoint directory into it,
+reading only the experts this rank hosts.
 
 A directory holds `config.json` and either `model.safetensors`, or shards listed by
 `model.safetensors.index.json`, or (no index) any number of `*.safetensors` files. Tensors are
@@ -15,7 +16,6 @@ model would produce wrong tokens with no warning. Only tensors HF itself ignores
 from __future__ import annotations
 
 import json
-import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dist_engine.layers.moe import ExpertParallelContext, MoEBlock
+from dist_engine.backends import Backends, LayerOps, resolve_backends
+from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
-from dist_engine.models.weight_names import dense_tensor_shapes, expert_names, expert_shapes
+from dist_engine.models.registry import get_architecture
+from dist_engine.models.weights import CheckpointLayout
+from moe import MoELayer
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_IN_ERROR = 10
@@ -128,35 +131,61 @@ class CheckpointReader:
             )
 
 
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    ep_context: ExpertParallelContext | None = None,
+    backends: Backends | None = None,
+    max_decode_tokens: int = 256,
+) -> MoECausalLM:
+    """The model `config` describes, with empty weights, built by its architecture's module.
+
+    backends: which implementation runs each op (None: `auto`'s choice for this dtype and
+    device). max_decode_tokens: the most tokens a decode step holds (see `LayerOps.build`).
+    """
+    device = torch.device(device) if device is not None else None
+    if backends is None:
+        backends = resolve_backends({}, dtype, device)
+    ops = LayerOps.build(backends, max_decode_tokens)
+    architecture = get_architecture(config.model_type)
+    return architecture.build(config, dtype, device, ep_context or ExpertParallelContext(), ops)
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     ep_context: ExpertParallelContext | None = None,
+    backends: Backends | None = None,
+    max_decode_tokens: int = 256,
 ) -> MoECausalLM:
     """Build the model described by `model_dir/config.json` and load this rank's weights."""
     config = ModelConfig.from_pretrained(model_dir)
-    model = MoECausalLM(config, dtype=dtype, device=device, ep_context=ep_context)
+    model = build_model(config, dtype, device, ep_context, backends, max_decode_tokens)
     with CheckpointReader(model_dir) as reader:
-        load_weights(model, reader)
+        load_weights(model, reader, ep_context or ExpertParallelContext())
     return model
 
 
-def load_weights(model: MoECausalLM, reader: CheckpointReader) -> None:
+def load_weights(
+    model: MoECausalLM, reader: CheckpointReader, ep_context: ExpertParallelContext
+) -> None:
     """Copy every dense tensor and this rank's hosted experts from `reader` into `model`."""
     config = model.config
+    layout = get_architecture(config.model_type).layout(config)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected: set[str] = set()
     filled: set[str] = set()
-    for name, shape in dense_tensor_shapes(config).items():
-        source = _resolve_router_name(config, reader, name)
+    for name, shape in layout.dense_tensor_shapes().items():
+        source = next((n for n in (name, *layout.aliases(name)) if reader.has(n)), name)
         expected.add(source)
-        target, rows = _parameter_rows(model, name.replace(".block_sparse_moe.", ".mlp."))
+        target, rows = layout.parameter_for(name)
         with torch.no_grad():
             params[target][rows].copy_(reader.read(source, shape))
         filled.add(target)
     for layer_idx in config.moe_layer_indices:
-        expected |= _load_layer_experts(model, reader, layer_idx)
+        expected |= _load_layer_experts(model, layout, reader, layer_idx, ep_context)
     _check_no_extra_tensors(config, reader, expected)
     if config.tie_word_embeddings:
         filled.add("lm_head.weight")
@@ -166,51 +195,33 @@ def load_weights(model: MoECausalLM, reader: CheckpointReader) -> None:
     assert not unfilled, f"parameters with no checkpoint mapping: {unfilled}"
 
 
-_QKV_PART = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
-
-
-def _parameter_rows(model: MoECausalLM, name: str) -> tuple[str, slice]:
-    """The model parameter a checkpoint tensor fills, and which of its rows: HF's separate
-    q/k/v projections go into rows of the fused `qkv_proj`; everything else fills a whole
-    parameter of the same name."""
-    match = _QKV_PART.match(name)
-    if match is None:
-        return name, slice(None)
-    layer, part, kind = match.groups()
-    attention = model.model.layers[int(layer)].self_attn
-    return f"model.layers.{layer}.self_attn.qkv_proj.{kind}", attention.qkv_rows(part)
-
-
-def _resolve_router_name(config: ModelConfig, reader: CheckpointReader, name: str) -> str:
-    """Mixtral's router is `block_sparse_moe.gate` in hub checkpoints, `mlp.gate` when fused."""
-    if config.model_type != "mixtral" or ".block_sparse_moe.gate." not in name or reader.has(name):
-        return name
-    fused_name = name.replace(".block_sparse_moe.", ".mlp.")
-    return fused_name if reader.has(fused_name) else name
-
-
-def _load_layer_experts(model: MoECausalLM, reader: CheckpointReader, layer_idx: int) -> set[str]:
+def _load_layer_experts(
+    model: MoECausalLM,
+    layout: CheckpointLayout,
+    reader: CheckpointReader,
+    layer_idx: int,
+    context: ExpertParallelContext,
+) -> set[str]:
     """Load the hosted experts of one layer; return every expert tensor name of the layer."""
     config = model.config
-    block = model.model.layers[layer_idx].mlp
-    assert isinstance(block, MoEBlock)
-    names = expert_names(config, layer_idx)
-    context = model.ep_context
+    experts = model.model.layers[layer_idx].mlp.experts
+    assert isinstance(experts, MoELayer)
+    names = layout.expert_names(layer_idx)
     hosted = context.resolve_placement(config.num_experts).hosted_logical(context.rank)
-    gate_shape, up_shape, down_shape = expert_shapes(config)
-    size, num_experts = config.moe_intermediate_size, config.num_experts
+    gate_shape, up_shape, down_shape = layout.expert_shapes()
+    size, num_experts = gate_shape[0], config.num_experts
     if reader.has(names.fused_gate_up) or reader.has(names.fused_down):
         # Fused layout: one [E, ...] tensor per projection; read only the hosted rows.
-        reader.check_shape(names.fused_gate_up, (num_experts, 2 * size, config.hidden_size))
+        reader.check_shape(names.fused_gate_up, (num_experts, 2 * size, gate_shape[1]))
         reader.check_shape(names.fused_down, (num_experts, *down_shape))
         for expert in hosted:
             gate_up = reader.read_row(names.fused_gate_up, expert)
             down = reader.read_row(names.fused_down, expert)
-            block.experts.load_expert(expert, gate_up[:size], gate_up[size:], down)
+            experts.load_expert(expert, gate_up[:size], gate_up[size:], down)
         return {names.fused_gate_up, names.fused_down}
     for expert in hosted:
         gate_name, up_name, down_name = names.per_expert(expert)
-        block.experts.load_expert(
+        experts.load_expert(
             expert,
             reader.read(gate_name, gate_shape),
             reader.read(up_name, up_shape),

@@ -4,7 +4,8 @@ The directory holds `config.json` with the keys transformers 5.x writes, the wei
 per-expert layout hub checkpoints use (one `model.safetensors`, or shards plus
 `model.safetensors.index.json`), and a byte-level BPE `tokenizer.json`.
 
-CLI: `lockstep make-model --arch qwen3_moe|mixtral --out DIR [--seed N] [--hidden-size ...]`.
+CLI: `lockstep make-model --arch ARCH --out DIR [--seed N] [--hidden-size ...]`, ARCH any
+registered model_type (models/registry.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from dist_engine.models.config import ModelConfig
-from dist_engine.models.weight_names import dense_tensor_shapes, expert_names, expert_shapes
+from dist_engine.models.registry import get_architecture, supported_model_types
 
 DTYPES = {
     "float32": torch.float32,
@@ -64,14 +65,15 @@ def make_tiny_checkpoint(
     dtype: str = "float32",
     num_shards: int = 1,
     write_tokenizer: bool = True,
+    **arch_options: Any,
 ) -> Path:
-    """Write a random checkpoint of `arch` ("qwen3_moe" or "mixtral") to `out_dir`.
+    """Write a random checkpoint of `arch` (any registered model_type) to `out_dir`.
 
     `initializer_range` defaults well above HF's 0.02 so that greedy logits are not near-tied
     (near ties make parity tests flaky). Norm weights are 1 + noise so tests see them applied.
-    For Mixtral, `moe_intermediate_size` is the expert size and `intermediate_size`,
-    `mlp_only_layers` and `norm_topk_prob` are ignored (Mixtral has no dense layers and always
-    renormalises). Returns the directory.
+    Options an architecture does not have are ignored (Mixtral: `intermediate_size`,
+    `mlp_only_layers`, `norm_topk_prob`); `arch_options` are passed to the architecture's
+    `tiny_hf_config`. Returns the directory.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -79,27 +81,40 @@ def make_tiny_checkpoint(
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if initializer_range <= 0:
         raise ValueError(f"initializer_range must be positive, got {initializer_range}")
-    hf_config = _hf_config(
-        arch,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_experts=num_experts,
-        top_k=top_k,
-        moe_intermediate_size=moe_intermediate_size,
-        intermediate_size=intermediate_size,
-        mlp_only_layers=list(mlp_only_layers),
-        norm_topk_prob=norm_topk_prob,
-        tie_word_embeddings=tie_word_embeddings,
-        initializer_range=initializer_range,
-        rope_theta=rope_theta,
-        max_position_embeddings=max_position_embeddings,
-        dtype=dtype,
-        eos_token_id=0 if write_tokenizer else None,
-    )
+    architecture = get_architecture(arch)
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "initializer_range": initializer_range,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"},
+        "num_experts_per_tok": top_k,
+        "num_local_experts": num_experts,
+        "tie_word_embeddings": tie_word_embeddings,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": 0 if write_tokenizer else None,
+        "pad_token_id": None,
+        "dtype": dtype,
+        "use_cache": True,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "transformers_version": "5.24.0",
+    }
+    options = {
+        "moe_intermediate_size": moe_intermediate_size,
+        "intermediate_size": intermediate_size,
+        "mlp_only_layers": list(mlp_only_layers),
+        "norm_topk_prob": norm_topk_prob,
+        **arch_options,
+    }
+    hf_config = architecture.tiny_hf_config(common, options)
     config = ModelConfig.from_hf_dict(hf_config)  # validates the sizes before any work
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,63 +126,12 @@ def make_tiny_checkpoint(
     return out
 
 
-def _hf_config(arch: str, **opts: Any) -> dict[str, Any]:
-    common = {
-        "vocab_size": opts["vocab_size"],
-        "hidden_size": opts["hidden_size"],
-        "num_hidden_layers": opts["num_layers"],
-        "num_attention_heads": opts["num_heads"],
-        "num_key_value_heads": opts["num_kv_heads"],
-        "head_dim": opts["head_dim"],
-        "hidden_act": "silu",
-        "initializer_range": opts["initializer_range"],
-        "max_position_embeddings": opts["max_position_embeddings"],
-        "rope_parameters": {"rope_theta": opts["rope_theta"], "rope_type": "default"},
-        "num_experts_per_tok": opts["top_k"],
-        "num_local_experts": opts["num_experts"],
-        "tie_word_embeddings": opts["tie_word_embeddings"],
-        "attention_dropout": 0.0,
-        "bos_token_id": None,
-        "eos_token_id": opts["eos_token_id"],
-        "pad_token_id": None,
-        "dtype": opts["dtype"],
-        "use_cache": True,
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-        "sliding_window": None,
-        "transformers_version": "5.24.0",
-    }
-    if arch == "qwen3_moe":
-        return {
-            **common,
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "rms_norm_eps": 1e-6,
-            "attention_bias": False,
-            "use_sliding_window": False,
-            "decoder_sparse_step": 1,
-            "moe_intermediate_size": opts["moe_intermediate_size"],
-            "intermediate_size": opts["intermediate_size"],
-            "mlp_only_layers": opts["mlp_only_layers"],
-            "norm_topk_prob": opts["norm_topk_prob"],
-        }
-    if arch == "mixtral":
-        return {
-            **common,
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
-            "rms_norm_eps": 1e-5,
-            "intermediate_size": opts["moe_intermediate_size"],
-            "router_jitter_noise": 0.0,
-        }
-    raise ValueError(f"arch must be 'qwen3_moe' or 'mixtral', got {arch!r}")
-
-
 def random_weights(
     config: ModelConfig, seed: int, std: float, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint, drawn from one seeded generator in a fixed order."""
     generator = torch.Generator().manual_seed(seed)
+    layout = get_architecture(config.model_type).layout(config)
 
     def draw(shape: tuple[int, ...], is_norm: bool) -> torch.Tensor:
         values = torch.randn(shape, generator=generator, dtype=torch.float64)
@@ -175,12 +139,12 @@ def random_weights(
 
     tensors = {
         name: draw(shape, is_norm=len(shape) == 1 and "proj" not in name)
-        for name, shape in dense_tensor_shapes(config).items()
+        for name, shape in layout.dense_tensor_shapes().items()
     }
     for layer in config.moe_layer_indices:
-        names = expert_names(config, layer)
+        names = layout.expert_names(layer)
         for expert in range(config.num_experts):
-            for name, shape in zip(names.per_expert(expert), expert_shapes(config), strict=True):
+            for name, shape in zip(names.per_expert(expert), layout.expert_shapes(), strict=True):
                 tensors[name] = draw(shape, is_norm=False)
     return tensors
 
@@ -240,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lockstep make-model", description="Write a tiny random HF-format MoE checkpoint."
     )
-    parser.add_argument("--arch", required=True, choices=["qwen3_moe", "mixtral"])
+    parser.add_argument("--arch", required=True, choices=list(supported_model_types()))
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=64)

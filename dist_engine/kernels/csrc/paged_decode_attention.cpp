@@ -200,9 +200,10 @@ torch::Tensor paged_decode_attention(
   return out;
 }
 
-// The extension module of all of Lockstep's CPU kernels (dist_engine/native.py builds it). It
-// lives here rather than in a file of its own: every translation unit that includes
-// torch/extension.h costs ~20 s of compile time.
+// The extension module of Lockstep's CPU compute kernels (dist_engine/kernels/compute.py builds
+// it). It lives here rather than in a file of its own: every translation unit that includes
+// torch/extension.h costs ~20 s of compile time. The shared-memory transport is a library of
+// its own (shm_exchange.cpp), so a failed kernel build never costs the transport.
 torch::Tensor routed_swiglu(const torch::Tensor& hidden, const torch::Tensor& local_slots,
                             const torch::Tensor& weights, const torch::Tensor& w13,
                             const torch::Tensor& w2);
@@ -217,8 +218,6 @@ torch::Tensor rope_write_kv(const torch::Tensor& query, const torch::Tensor& key
                             const torch::Tensor& sin, const torch::Tensor& slot_mapping,
                             torch::Tensor key_cache, torch::Tensor value_cache);
 
-void register_shm_exchange(pybind11::module& m);  // shm_exchange.cpp
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
@@ -229,5 +228,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Causal prefill attention over a paged KV cache, float32 (paged_prefill_attention.cpp)");
   m.def("rope_write_kv", &rope_write_kv,
         "Rotary q/k and the paged KV cache write in one pass, float32 (rope_cache.cpp)");
-  register_shm_exchange(m);
 }

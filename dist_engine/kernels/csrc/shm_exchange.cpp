@@ -1,4 +1,8 @@
-// All-to-all through shared memory, for EP ranks that share one host (CPU tensors).
+// All-to-all through shared memory, for EP ranks that share one host (CPU buffers).
+//
+// A plain C++ library with a C interface (no torch headers: it builds in about a second and
+// does not depend on the compute kernels' build); dist_engine/distributed/shm_exchange.py
+// loads it with ctypes.
 //
 // Why: on one host gloo moves every all-to-all over loopback TCP through its own worker
 // thread; for the few hundred KB of an MoE dispatch the cost is latency (syscalls, thread
@@ -19,8 +23,7 @@
 // naming the ranks still owed when the collective timeout passes, a peer's process has exited,
 // or a peer gave up (aborted_by). Calls on one object must come from one thread at a time.
 
-#include <torch/extension.h>
-
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -30,6 +33,8 @@
 #include <cstring>
 #include <fcntl.h>
 #include <sched.h>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -45,6 +50,20 @@
 #endif
 
 namespace {
+
+// Builds the message from its parts and throws; the C entry points below turn it into an
+// error string for Python.
+template <typename... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+  std::ostringstream message;
+  (message << ... << parts);
+  throw std::runtime_error(message.str());
+}
+
+#define LOCKSTEP_CHECK(cond, ...) \
+  do {                            \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
 
 constexpr uint64_t kMagic = 0x31504b5453434f4cULL;  // "LOCKSTP1"
 constexpr int64_t kBuffers = 2;
@@ -79,10 +98,10 @@ class ShmExchange {
   ShmExchange(const std::string& path, bool create, int64_t rank, int64_t num_ranks,
               int64_t slot_bytes, double timeout_s)
       : path_(path), rank_(rank), num_ranks_(num_ranks), timeout_s_(timeout_s) {
-    TORCH_CHECK(num_ranks >= 1 && rank >= 0 && rank < num_ranks, "bad rank ", rank, " of ",
+    LOCKSTEP_CHECK(num_ranks >= 1 && rank >= 0 && rank < num_ranks, "bad rank ", rank, " of ",
                 num_ranks);
-    TORCH_CHECK(slot_bytes >= 4096, "slot_bytes must be >= 4096, got ", slot_bytes);
-    TORCH_CHECK(timeout_s > 0, "timeout_s must be > 0");
+    LOCKSTEP_CHECK(slot_bytes >= 4096, "slot_bytes must be >= 4096, got ", slot_bytes);
+    LOCKSTEP_CHECK(timeout_s > 0, "timeout_s must be > 0");
     slot_bytes_ = round_up(static_cast<size_t>(slot_bytes), kLine);
     const size_t pairs = static_cast<size_t>(num_ranks * num_ranks);
     pid_offset_ = round_up(sizeof(Header), kLine);
@@ -94,7 +113,7 @@ class ShmExchange {
 
     int fd = create ? ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600)
                     : ::open(path.c_str(), O_RDWR);
-    TORCH_CHECK(fd >= 0, "cannot open shared-memory segment ", path, ": ", std::strerror(errno));
+    LOCKSTEP_CHECK(fd >= 0, "cannot open shared-memory segment ", path, ": ", std::strerror(errno));
     if (create) {
       // posix_fallocate reserves the pages now: a full /dev/shm fails here with ENOSPC, not
       // later with SIGBUS inside a collective.
@@ -102,19 +121,19 @@ class ShmExchange {
       if (err != 0) {
         ::close(fd);
         ::unlink(path.c_str());
-        TORCH_CHECK(false, "cannot allocate ", size_, " bytes for ", path, ": ",
+        fail("cannot allocate ", size_, " bytes for ", path, ": ",
                     std::strerror(err));
       }
     } else {
       struct stat st;
-      TORCH_CHECK(::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == size_,
+      LOCKSTEP_CHECK(::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == size_,
                   "shared-memory segment ", path, " has the wrong size (ranks disagree on "
                   "num_ranks or slot_bytes)");
     }
     void* base = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     int map_errno = errno;
     ::close(fd);
-    TORCH_CHECK(base != MAP_FAILED, "cannot map ", path, ": ", std::strerror(map_errno));
+    LOCKSTEP_CHECK(base != MAP_FAILED, "cannot map ", path, ": ", std::strerror(map_errno));
     base_ = static_cast<char*>(base);
     if (create) {
       header()->num_ranks = num_ranks;
@@ -122,7 +141,7 @@ class ShmExchange {
       header()->aborted_by.store(0, std::memory_order_relaxed);
       header()->magic.store(kMagic, std::memory_order_release);
     } else {
-      TORCH_CHECK(header()->magic.load(std::memory_order_acquire) == kMagic &&
+      LOCKSTEP_CHECK(header()->magic.load(std::memory_order_acquire) == kMagic &&
                       header()->num_ranks == static_cast<uint64_t>(num_ranks) &&
                       header()->slot_bytes == slot_bytes_,
                   "shared-memory segment ", path, " was made for another group");
@@ -156,17 +175,23 @@ class ShmExchange {
     return out;
   }
 
-  // output/input: contiguous CPU tensors of one dtype, rows along dim 0; splits in rows (empty:
-  // equal splits), as torch.distributed.all_to_all_single.
-  void all_to_all(const torch::Tensor& output, const torch::Tensor& input,
+  // A buffer of rows: `rows` rows of `row_bytes` bytes each, back to back.
+  struct Rows {
+    void* data;
+    int64_t rows;
+  };
+
+  // output/input: contiguous rows of one element type and width (`row_bytes`, checked by the
+  // caller); splits in rows, empty for equal splits, as torch.distributed.all_to_all_single.
+  void all_to_all(Rows output, Rows input, uint64_t row_bytes,
                   const std::vector<int64_t>& output_splits,
                   const std::vector<int64_t>& input_splits) {
-    TORCH_CHECK(base_ != nullptr, "the shared-memory exchange is closed");
+    LOCKSTEP_CHECK(base_ != nullptr, "the shared-memory exchange is closed");
     const int64_t who = header()->aborted_by.load(std::memory_order_acquire);
-    TORCH_CHECK(who == 0, "shared-memory all-to-all: rank ", who - 1,
-                " gave up on the group earlier (see its error)");
+    LOCKSTEP_CHECK(who == 0, "shared-memory all-to-all: rank ", who - 1,
+                   " gave up on the group earlier (see its error)");
     try {
-      exchange(output, input, output_splits, input_splits);
+      exchange(output, input, row_bytes, output_splits, input_splits);
     } catch (...) {
       give_up();  // this rank leaves the call: its peers must not wait for their timeout
       throw;
@@ -174,23 +199,20 @@ class ShmExchange {
   }
 
  private:
-  void exchange(const torch::Tensor& output, const torch::Tensor& input,
+  void exchange(Rows output, Rows input, uint64_t row_bytes,
                 const std::vector<int64_t>& output_splits,
                 const std::vector<int64_t>& input_splits) {
-    TORCH_CHECK(output.device().is_cpu() && input.device().is_cpu(), "CPU tensors only");
-    TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), "tensors must be contiguous");
-    TORCH_CHECK(output.scalar_type() == input.scalar_type(), "output and input dtypes differ");
-    TORCH_CHECK(output.dim() >= 1 && input.dim() >= 1, "tensors need a row dimension");
-    const std::vector<uint64_t> send = byte_splits(input, input_splits, "input");
-    const std::vector<uint64_t> recv = byte_splits(output, output_splits, "output");
-    const char* src_base = static_cast<const char*>(input.data_ptr());
-    char* dst_base = static_cast<char*>(output.data_ptr());
+    const std::vector<uint64_t> send = byte_splits(input.rows, row_bytes, input_splits, "input");
+    const std::vector<uint64_t> recv =
+        byte_splits(output.rows, row_bytes, output_splits, "output");
+    const char* src_base = static_cast<const char*>(input.data);
+    char* dst_base = static_cast<char*>(output.data);
     const std::vector<uint64_t> send_at = starts(send);
     const std::vector<uint64_t> recv_at = starts(recv);
     const uint64_t call = ++calls_;
     const int64_t R = num_ranks_;
 
-    TORCH_CHECK(send[rank_] == recv[rank_], "rank ", rank_, " sends itself ", send[rank_],
+    LOCKSTEP_CHECK(send[rank_] == recv[rank_], "rank ", rank_, " sends itself ", send[rank_],
                 " bytes but expects ", recv[rank_]);
     if (send[rank_] > 0) {
       std::memcpy(dst_base + recv_at[rank_], src_base + send_at[rank_], send[rank_]);
@@ -251,7 +273,7 @@ class ShmExchange {
               " bytes from rank " + std::to_string(src) + ", which sent a chunk of call " +
               std::to_string(head->call) + " carrying " + std::to_string(head->total) +
               " bytes (the ranks' collectives diverged)";
-          TORCH_CHECK(false, what);
+          fail(what);
         }
         if (head->bytes > 0) {
           std::memcpy(dst_base + recv_at[src] + got[src], slot + sizeof(ChunkHeader),
@@ -323,7 +345,7 @@ class ShmExchange {
                    const Waiter& waiter) {
     const int64_t who = header()->aborted_by.load(std::memory_order_acquire);
     if (who != 0) {
-      TORCH_CHECK(false, "shared-memory all-to-all: rank ", who - 1,
+      fail("shared-memory all-to-all: rank ", who - 1,
                   " gave up on the group (see its error)");
     }
     std::string owed;
@@ -332,12 +354,12 @@ class ShmExchange {
       owed += (owed.empty() ? "" : ", ") + std::to_string(r);
       const int64_t peer = pid(r).value.load(std::memory_order_acquire);
       if (peer > 0 && process_gone(static_cast<pid_t>(peer))) {
-        TORCH_CHECK(false, "shared-memory all-to-all: rank ", r, " (pid ", peer,
+        fail("shared-memory all-to-all: rank ", r, " (pid ", peer,
                     ") has exited");
       }
     }
     if (waiter.expired()) {
-      TORCH_CHECK(false, "shared-memory all-to-all timed out after ", waiter.elapsed_s(),
+      fail("shared-memory all-to-all timed out after ", waiter.elapsed_s(),
                   " s on rank ", rank_, " waiting for rank(s) ", owed);
     }
   }
@@ -361,27 +383,24 @@ class ShmExchange {
     header()->aborted_by.compare_exchange_strong(none, rank_ + 1, std::memory_order_acq_rel);
   }
 
-  std::vector<uint64_t> byte_splits(const torch::Tensor& t, const std::vector<int64_t>& splits,
-                                    const char* name) const {
-    const int64_t rows = t.size(0);
-    uint64_t row_bytes = static_cast<uint64_t>(t.element_size());
-    for (int64_t d = 1; d < t.dim(); ++d) row_bytes *= static_cast<uint64_t>(t.size(d));
+  std::vector<uint64_t> byte_splits(int64_t rows, uint64_t row_bytes,
+                                    const std::vector<int64_t>& splits, const char* name) const {
     std::vector<uint64_t> out(num_ranks_);
     if (splits.empty()) {
-      TORCH_CHECK(rows % num_ranks_ == 0, name, " has ", rows, " rows, not a multiple of ",
+      LOCKSTEP_CHECK(rows % num_ranks_ == 0, name, " has ", rows, " rows, not a multiple of ",
                   num_ranks_, " ranks");
       for (auto& b : out) b = row_bytes * static_cast<uint64_t>(rows / num_ranks_);
       return out;
     }
-    TORCH_CHECK(static_cast<int64_t>(splits.size()) == num_ranks_, name, " splits has ",
+    LOCKSTEP_CHECK(static_cast<int64_t>(splits.size()) == num_ranks_, name, " splits has ",
                 splits.size(), " entries for ", num_ranks_, " ranks");
     int64_t total = 0;
     for (int64_t r = 0; r < num_ranks_; ++r) {
-      TORCH_CHECK(splits[r] >= 0, name, " split ", r, " is negative");
+      LOCKSTEP_CHECK(splits[r] >= 0, name, " split ", r, " is negative");
       total += splits[r];
       out[r] = row_bytes * static_cast<uint64_t>(splits[r]);
     }
-    TORCH_CHECK(total == rows, name, " splits sum to ", total, " but it has ", rows, " rows");
+    LOCKSTEP_CHECK(total == rows, name, " splits sum to ", total, " but it has ", rows, " rows");
     return out;
   }
 
@@ -412,18 +431,69 @@ class ShmExchange {
 
 }  // namespace
 
-void register_shm_exchange(pybind11::module& m) {
-  namespace py = pybind11;
-  py::class_<ShmExchange>(m, "ShmExchange")
-      .def(py::init<const std::string&, bool, int64_t, int64_t, int64_t, double>(),
-           py::arg("path"), py::arg("create"), py::arg("rank"), py::arg("num_ranks"),
-           py::arg("slot_bytes"), py::arg("timeout_s"))
-      .def("all_to_all", &ShmExchange::all_to_all, py::arg("output"), py::arg("input"),
-           py::arg("output_splits"), py::arg("input_splits"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("close", &ShmExchange::close)
-      .def("unlink", &ShmExchange::unlink)
-      .def("abort", &ShmExchange::abort)
-      .def("aborted_by", &ShmExchange::aborted_by)
-      .def("pids", &ShmExchange::pids);
+// The C entry points Python calls through ctypes (dist_engine/distributed/shm_exchange.py);
+// ctypes releases the GIL for the length of each call. Every function that can fail returns
+// 0 on success, or -1 with the reason in `error` (truncated to `error_len`).
+namespace {
+
+int report(const std::exception& e, char* error, size_t error_len) {
+  if (error != nullptr && error_len > 0) {
+    std::strncpy(error, e.what(), error_len - 1);
+    error[error_len - 1] = '\0';
+  }
+  return -1;
 }
+
+}  // namespace
+
+extern "C" {
+
+int lockstep_shm_open(const char* path, int create, int64_t rank, int64_t num_ranks,
+                      int64_t slot_bytes, double timeout_s, void** handle, char* error,
+                      size_t error_len) {
+  try {
+    *handle = new ShmExchange(path, create != 0, rank, num_ranks, slot_bytes, timeout_s);
+    return 0;
+  } catch (const std::exception& e) {
+    *handle = nullptr;
+    return report(e, error, error_len);
+  }
+}
+
+int lockstep_shm_all_to_all(void* handle, void* output, int64_t output_rows, const void* input,
+                            int64_t input_rows, int64_t row_bytes, const int64_t* output_splits,
+                            int64_t num_output_splits, const int64_t* input_splits,
+                            int64_t num_input_splits, char* error, size_t error_len) {
+  try {
+    LOCKSTEP_CHECK(row_bytes >= 0 && output_rows >= 0 && input_rows >= 0,
+                   "negative row count or width");
+    std::vector<int64_t> out_splits(output_splits, output_splits + num_output_splits);
+    std::vector<int64_t> in_splits(input_splits, input_splits + num_input_splits);
+    static_cast<ShmExchange*>(handle)->all_to_all(
+        {output, output_rows}, {const_cast<void*>(input), input_rows},
+        static_cast<uint64_t>(row_bytes), out_splits, in_splits);
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_len);
+  }
+}
+
+void lockstep_shm_close(void* handle) { static_cast<ShmExchange*>(handle)->close(); }
+
+void lockstep_shm_free(void* handle) { delete static_cast<ShmExchange*>(handle); }
+
+void lockstep_shm_unlink(void* handle) { static_cast<ShmExchange*>(handle)->unlink(); }
+
+void lockstep_shm_abort(void* handle) { static_cast<ShmExchange*>(handle)->abort(); }
+
+int64_t lockstep_shm_aborted_by(void* handle) {
+  return static_cast<ShmExchange*>(handle)->aborted_by();
+}
+
+// Writes the process id each rank registered (0 where none yet) into pids[num_ranks].
+void lockstep_shm_pids(void* handle, int64_t* pids) {
+  const std::vector<int64_t> all = static_cast<ShmExchange*>(handle)->pids();
+  std::copy(all.begin(), all.end(), pids);
+}
+
+}  // extern "C"

@@ -1,0 +1,147 @@
+"""Which implementation runs each kind of op: config keys, resolved once at start-up.
+
+    attention_backend: auto | native | torch     paged attention, rotary + KV write
+    expert_backend:    auto | native | torch     the expert side of an MoE layer
+    norm_backend:      auto | native | torch     RMSNorm
+
+`torch` is PyTorch's own ops: every device and dtype, and the reference the others are tested
+against. `native` is Lockstep's compiled CPU kernels (kernels/compute.py), which apply to
+float32 on the CPU (decode attention to every float dtype); elsewhere a `native` layer falls
+back to `torch` call by call. `auto` takes `native` where it applies and the kernels built,
+`torch` otherwise.
+
+The choice is made per regime (decode steps and prefill steps), so a kernel that is faster
+for a handful of rows and slower for thousands can serve only the regime where it wins;
+`Backends.describe()` is what the run summary prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dist_engine.attention import AttentionBackend, PerRegime, attention_backend
+from dist_engine.layers.norm import NormKernel
+from dist_engine.log import get_logger
+from moe import DispatchMode, ExpertImpl
+
+BACKEND_CHOICES = ("auto", "native", "torch")
+BACKEND_KEYS = ("attention_backend", "expert_backend", "norm_backend")
+
+
+@dataclass(frozen=True)
+class RegimeChoice:
+    """The implementation used for decode steps and for prefill steps."""
+
+    decode: str
+    prefill: str
+
+    def __str__(self) -> str:
+        if self.decode == self.prefill:
+            return self.decode
+        return f"decode {self.decode}, prefill {self.prefill}"
+
+
+@dataclass(frozen=True)
+class Backends:
+    attention: RegimeChoice
+    experts: RegimeChoice
+    norm: RegimeChoice
+
+    @classmethod
+    def all(cls, name: str) -> Backends:
+        """The same implementation everywhere (tests and references)."""
+        choice = RegimeChoice(name, name)
+        return cls(choice, choice, choice)
+
+    def describe(self) -> str:
+        return f"attention {self.attention}; experts {self.experts}; norm {self.norm}"
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """The implementations the layers call, built once from a `Backends`."""
+
+    attention: AttentionBackend
+    experts: dict[DispatchMode, ExpertImpl | None]  # None: PyTorch's path
+    norm: NormKernel | None  # None: PyTorch's F.rms_norm
+
+    @classmethod
+    def build(cls, backends: Backends, max_decode_tokens: int) -> LayerOps:
+        """`max_decode_tokens`: the most tokens a decode step holds (max_num_seqs): the norm,
+        which has no step kind to look at, tells decode steps from prefill steps by size."""
+        from dist_engine.kernels import compute
+        from dist_engine.layers.moe import NativeExperts
+
+        attention = backends.attention
+        decode, prefill = attention_backend(attention.decode), attention_backend(attention.prefill)
+        experts = {
+            DispatchMode.LOW_LATENCY: backends.experts.decode,
+            DispatchMode.NORMAL: backends.experts.prefill,
+        }
+        impls: dict[DispatchMode, ExpertImpl | None] = {
+            mode: NativeExperts(compute.routed_swiglu()) if name == "native" else None
+            for mode, name in experts.items()
+        }
+        norm = None
+        if "native" in (backends.norm.decode, backends.norm.prefill):
+            kernel = compute.rms_norm()
+            if backends.norm.decode == backends.norm.prefill:
+                norm = NormKernel(kernel)
+            elif backends.norm.decode == "native":
+                norm = NormKernel(kernel, max_tokens=max_decode_tokens)
+            else:
+                norm = NormKernel(kernel, min_tokens=max_decode_tokens + 1)
+        return cls(
+            PerRegime(decode, prefill) if decode.name != prefill.name else decode, impls, norm
+        )
+
+
+def may_use_native(settings: dict[str, str]) -> bool:
+    """Whether any backend setting could pick the native kernels (so they are worth building
+    before a rank pins itself or joins a collective)."""
+    return any(settings.get(key, "auto") != "torch" for key in BACKEND_KEYS)
+
+
+def native_applies(key: str, dtype: torch.dtype, device: torch.device | str | None) -> bool:
+    """Whether the compiled CPU kernels serve `key`'s ops for this model: on the CPU, float32
+    (decode attention: any float dtype, hence any for attention_backend)."""
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    return on_cpu and (dtype == torch.float32 or key == "attention_backend")
+
+
+def resolve_backends(
+    settings: dict[str, str],
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    rank: int | None = None,
+) -> Backends:
+    """`settings`: each of BACKEND_KEYS → one of BACKEND_CHOICES. Raises ValueError naming
+    the key when `native` is asked for where it cannot run."""
+    from dist_engine.kernels import compute
+
+    chosen: dict[str, RegimeChoice] = {}
+    for key in BACKEND_KEYS:
+        applies = native_applies(key, dtype, device)
+        built = applies and compute.prepare()
+        value = settings.get(key, "auto")
+        if value not in BACKEND_CHOICES:
+            raise ValueError(f"{key} must be one of {list(BACKEND_CHOICES)}, got {value!r}")
+        if value == "native" and not applies:
+            raise ValueError(
+                f"{key} is 'native', but the native kernels serve float32 on the CPU and this "
+                f"model is {dtype} on {device or 'cpu'}; use auto or torch"
+            )
+        if value == "native" and not built:
+            raise ValueError(
+                f"{key} is 'native', but the CPU kernels did not build (see the warning "
+                f"above); use auto or torch"
+            )
+        name = value if value != "auto" else ("native" if built else "torch")
+        chosen[key] = RegimeChoice(name, name)
+    backends = Backends(
+        chosen["attention_backend"], chosen["expert_backend"], chosen["norm_backend"]
+    )
+    get_logger(rank).info("backends: %s", backends.describe())
+    return backends

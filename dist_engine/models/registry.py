@@ -1,0 +1,37 @@
+"""The model registry: config.json's `model_type` → the module that implements it.
+
+Modules are imported on first use, so a process imports only the architecture it serves.
+Adding an architecture: write its module (see models/base.py) and add its line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dist_engine.models.base import Architecture
+from dist_engine.models.config import REQUIRED_KEYS, ModelConfig, require_keys
+
+# model_type -> module holding `ARCHITECTURE`
+ARCHITECTURES: dict[str, str] = {
+    "qwen3_moe": "dist_engine.models.qwen3_moe",
+    "mixtral": "dist_engine.models.mixtral",
+}
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(ARCHITECTURES)
+
+
+def get_architecture(model_type: object) -> Architecture:
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {list(ARCHITECTURES)}")
+    module = importlib.import_module(ARCHITECTURES[model_type])
+    return module.ARCHITECTURE
+
+
+def parse_config(hf: dict[str, Any]) -> ModelConfig:
+    """Parse config.json's contents with the module of its `model_type`."""
+    architecture = get_architecture(hf.get("model_type"))
+    require_keys(hf, REQUIRED_KEYS)
+    return architecture.parse_config(hf)
