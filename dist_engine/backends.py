@@ -17,6 +17,7 @@ for a handful of rows and slower for thousands can serve only the regime where i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,12 @@ from moe import DispatchMode, ExpertImpl
 
 BACKEND_CHOICES = ("auto", "native", "torch")
 BACKEND_KEYS = ("attention_backend", "expert_backend", "norm_backend")
+# Environment switches of earlier versions, no longer read: say so rather than ignore them.
+_RETIRED_SWITCHES = {
+    "LOCKSTEP_FUSED_ATTENTION": "attention_backend",
+    "LOCKSTEP_FUSED_EXPERTS": "expert_backend",
+    "LOCKSTEP_FUSED_NORM": "attention_backend and norm_backend",
+}
 
 
 @dataclass(frozen=True)
@@ -104,11 +111,14 @@ def may_use_native(settings: dict[str, str]) -> bool:
     return any(settings.get(key, "auto") != "torch" for key in BACKEND_KEYS)
 
 
-def native_applies(key: str, dtype: torch.dtype, device: torch.device | str | None) -> bool:
-    """Whether the compiled CPU kernels serve `key`'s ops for this model: on the CPU, float32
-    (decode attention: any float dtype, hence any for attention_backend)."""
+def native_applies(
+    key: str, regime: str, dtype: torch.dtype, device: torch.device | str | None
+) -> bool:
+    """Whether the compiled CPU kernels serve `key`'s ops in `regime` (decode | prefill) for
+    this model: on the CPU, float32 (decode attention: any float dtype)."""
     on_cpu = device is None or torch.device(device).type == "cpu"
-    return on_cpu and (dtype == torch.float32 or key == "attention_backend")
+    every_dtype = key == "attention_backend" and regime == "decode"
+    return on_cpu and (dtype == torch.float32 or every_dtype)
 
 
 def resolve_backends(
@@ -121,27 +131,36 @@ def resolve_backends(
     the key when `native` is asked for where it cannot run."""
     from dist_engine.kernels import compute
 
+    log = get_logger(rank)
+    for switch, keys in _RETIRED_SWITCHES.items():
+        if switch in os.environ:
+            log.warning("%s is no longer read; set %s (auto | native | torch)", switch, keys)
     chosen: dict[str, RegimeChoice] = {}
     for key in BACKEND_KEYS:
-        applies = native_applies(key, dtype, device)
-        built = applies and compute.prepare()
         value = settings.get(key, "auto")
         if value not in BACKEND_CHOICES:
             raise ValueError(f"{key} must be one of {list(BACKEND_CHOICES)}, got {value!r}")
-        if value == "native" and not applies:
-            raise ValueError(
-                f"{key} is 'native', but the native kernels serve float32 on the CPU and this "
-                f"model is {dtype} on {device or 'cpu'}; use auto or torch"
-            )
-        if value == "native" and not built:
-            raise ValueError(
-                f"{key} is 'native', but the CPU kernels did not build (see the warning "
-                f"above); use auto or torch"
-            )
-        name = value if value != "auto" else ("native" if built else "torch")
-        chosen[key] = RegimeChoice(name, name)
+        names = []
+        for regime in ("decode", "prefill"):
+            applies = native_applies(key, regime, dtype, device)
+            built = applies and compute.prepare()
+            if value == "native" and not any(
+                native_applies(key, r, dtype, device) for r in ("decode", "prefill")
+            ):
+                raise ValueError(
+                    f"{key} is 'native', but the native kernels serve float32 on the CPU and "
+                    f"this model is {dtype} on {device or 'cpu'}; use auto or torch"
+                )
+            if value == "native" and applies and not built:
+                raise ValueError(
+                    f"{key} is 'native', but the CPU kernels did not build (see the warning "
+                    f"above); use auto or torch"
+                )
+            # `native` where a kernel does not apply runs PyTorch's ops: say so.
+            names.append("native" if value != "torch" and built else "torch")
+        chosen[key] = RegimeChoice(*names)
     backends = Backends(
         chosen["attention_backend"], chosen["expert_backend"], chosen["norm_backend"]
     )
-    get_logger(rank).info("backends: %s", backends.describe())
+    log.info("backends: %s", backends.describe())
     return backends

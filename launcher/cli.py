@@ -75,14 +75,14 @@ def run_job(args: argparse.Namespace) -> int:
         ready = time.perf_counter()
         outputs = llm.generate(prompts, sampling, dp_rank=pins, use_tqdm=not args.quiet)
         done = time.perf_counter()
-        exchange = llm.moe_exchange
+        exchange, backends = llm.moe_exchange, llm.backends
     if config.parallel.launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
         return 0
     if not args.quiet:
         for index, output in enumerate(outputs):
             shown = output.text if output.text is not None else output.output_token_ids
             print(f"[{index}] rank {output.dp_rank} {output.finish_reason}: {shown!r}")
-    _print_summary(config, outputs, ready - start, done - ready, exchange)
+    _print_summary(config, outputs, ready - start, done - ready, exchange, backends)
     if args.output:
         _write_outputs(Path(args.output), outputs)
     failed = [o for o in outputs if (o.finish_reason or "").startswith("error")]
@@ -180,7 +180,9 @@ def _write_outputs(path: Path, outputs) -> None:
             out.write(json.dumps(record) + "\n")
 
 
-def _print_summary(config, outputs, startup_s: float, generate_s: float, exchange: str) -> None:
+def _print_summary(
+    config, outputs, startup_s: float, generate_s: float, exchange: str, backends: str
+) -> None:
     num_out = sum(len(o.output_token_ids) for o in outputs)
     num_in = sum(len(o.prompt_token_ids) for o in outputs)
     ttft = sorted(o.ttft_s * 1e3 for o in outputs if o.ttft_s is not None)
@@ -192,6 +194,7 @@ def _print_summary(config, outputs, startup_s: float, generate_s: float, exchang
     rows = [
         ("launcher / DP", f"{config.parallel.launcher} / {config.parallel.dp_size}"),
         ("MoE exchange", exchange),
+        ("backends", backends),
         ("requests", f"{len(outputs)}"),
         ("prompt tokens", f"{num_in}"),
         ("output tokens", f"{num_out}"),

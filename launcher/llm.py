@@ -122,6 +122,13 @@ class LLM:
         return self.client.moe_exchange
 
     @property
+    def backends(self) -> str:
+        """Which implementation runs attention, the experts and the norms (per regime where
+        they differ), as the ranks resolved `attention_backend`, `expert_backend` and
+        `norm_backend` at start-up."""
+        return self.client.backends
+
+    @property
     def _torchrun(self) -> bool:
         return self.config.parallel.launcher == "torchrun"
 

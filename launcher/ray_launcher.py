@@ -42,9 +42,11 @@ class RankActor:
         self.store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
         return host, self.store.port
 
-    def start(self, host: str, port: int, cpu_slot: tuple[int, int] | None) -> tuple[int, str, str]:
-        """Join the group; returns this rank's process id, its Ray node id and how the
-        group's MoE rows travel (`describe_exchange`).
+    def start(
+        self, host: str, port: int, cpu_slot: tuple[int, int] | None
+    ) -> tuple[int, str, str, str]:
+        """Join the group; returns this rank's process id, its Ray node id, how the group's
+        MoE rows travel (`describe_exchange`) and the backends this rank resolved.
 
         cpu_slot: (this rank's index among the ranks on its host, their number), to pin the
         rank to its own cores (dist_engine/distributed/cpu_binding.py); None leaves the OS to
@@ -81,7 +83,12 @@ class RankActor:
             moe_exchange=self.config.parallel.moe_exchange,
         )
         self.host = EngineHost(self.config, ctx)
-        return os.getpid(), ray.get_runtime_context().get_node_id(), describe_exchange(ctx)
+        return (
+            os.getpid(),
+            ray.get_runtime_context().get_node_id(),
+            describe_exchange(ctx),
+            self.host.engine.backends.describe(),
+        )
 
     def submit(self, batch: list[Submission]) -> None:
         self.host.submit(batch)
@@ -170,9 +177,10 @@ class RayClient:
                 ],
                 timeout=_STARTUP_TIMEOUT_S,
             )
-            self.pids = {rank: pid for rank, (pid, _, _) in enumerate(started)}
-            self.node_ids = {rank: node for rank, (_, node, _) in enumerate(started)}
+            self.pids = {rank: pid for rank, (pid, *_) in enumerate(started)}
+            self.node_ids = {rank: node for rank, (_, node, *_) in enumerate(started)}
             self.moe_exchange = started[0][2]  # a group decision: the same on every rank
+            self.backends = describe_per_rank([backends for *_, backends in started])
         except BaseException:
             self.shutdown()
             raise
@@ -222,6 +230,13 @@ class RayClient:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+
+
+def describe_per_rank(values: list[str]) -> str:
+    """One value when every rank agrees; else each rank's (the backends may differ by host)."""
+    if len(set(values)) == 1:
+        return values[0]
+    return "; ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
 
 
 def _prepare_native(config: EngineConfig) -> None:

@@ -84,6 +84,7 @@ class TorchrunClient:
         )
         self.host = EngineHost(config, ctx)
         self.moe_exchange = describe_exchange(ctx)
+        self.backends = self.host.engine.backends.describe()
         self._num_exchanges = 0
 
     def submit(self, rank: int, batch: list[Submission]) -> None:

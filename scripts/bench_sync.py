@@ -39,17 +39,14 @@ Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outpu
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
-import queue
 import random
 import statistics
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -57,10 +54,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from dist_engine.distributed.cpu_binding import bind_process
 from dist_engine.distributed.groups import DistContext, init_distributed
+from dist_engine.distributed.spawn import current_store, run_multirank
 from dist_engine.distributed.step_sync import TorchVote
 from dist_engine.engine.config import EngineConfig, ParallelConfig
 from dist_engine.engine.engine import DPEngine
@@ -266,89 +262,31 @@ def _rank_result(engine: DPEngine, collector: Collector, arrivals: list[Arrival]
     return {"trace": trace, "vote_calls": engine.vote.num_calls, "requests": requests}
 
 
-def _rank_main(
-    rank: int,
-    world: int,
-    port: int,
-    model_dir: str,
-    policy: str,
-    spec: Spec,
-    cpu_binding: bool,
-    results: Any,
-) -> None:
-    ctx = None
-    try:
-        threads = max(1, (os.cpu_count() or 2) // world)
-        torch.set_num_threads(threads)
-        if cpu_binding:  # as the Ray launcher does by default (parallel.cpu_binding)
-            bind_process(rank, world, threads)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-        ctx = init_distributed(rank, world, store, backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S)
-        result = _serve(ctx, model_dir, policy, spec)
-        result["bare_allreduce_s"] = _bare_allreduce(ctx)
-        results.put((rank, "ok", result))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        # Free the groups now (ctx and the engine hold them; engine and collector form a
-        # cycle): at interpreter exit a gloo thread that needs the GIL aborts the process (see
-        # launcher/torchrun_launcher.py, TorchrunClient.shutdown).
-        del ctx
-        gc.collect()
+def _rank_main(rank: int, world: int, model_dir: str, policy: str, spec: Spec) -> dict[str, Any]:
+    """One rank, inside `run_multirank`'s spawned process (default group already joined)."""
+    ctx = init_distributed(
+        rank, world, current_store(), backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S
+    )
+    result = _serve(ctx, model_dir, policy, spec)
+    result["bare_allreduce_s"] = _bare_allreduce(ctx)
+    return result
 
 
 # -- the parent --------------------------------------------------------------------------------
 def run_config(
     model_dir: str, policy: str, world: int, spec: Spec, cpu_binding: bool = True
 ) -> list[dict[str, Any]]:
-    """Spawn ``world`` ranks on one configuration; return their results by rank."""
-    # The parent owns the store, so the port is free by construction (port 0 = pick one).
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, world, store.port, model_dir, policy, spec, cpu_binding, results),
-            daemon=True,
-        )
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    try:
-        return _collect(procs, results, spec.duration_s * 10 + 300)
-    finally:
-        # Let every rank leave the group on its own first: killing one mid-teardown makes
-        # its peers' gloo threads fail (std::terminate) while they are still exiting.
-        deadline = time.monotonic() + 15
-        for proc in procs:
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-
-
-def _collect(procs: list[Any], results: Any, timeout_s: float) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    by_rank: dict[int, dict[str, Any]] = {}
-    while len(by_rank) < len(procs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"ranks {sorted(set(range(len(procs))) - set(by_rank))} hung")
-        try:
-            rank, status, payload = results.get(timeout=1.0)
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"ranks {dead} died without reporting") from None
-            continue
-        if status != "ok":
-            raise RuntimeError(f"rank {rank} failed:\n{payload}")
-        by_rank[rank] = payload
-    return [by_rank[rank] for rank in range(len(procs))]
+    """Spawn ``world`` ranks on one configuration; return their results by rank. Each rank
+    gets the host's cores split over the ranks, pinned as the launchers pin them."""
+    return run_multirank(
+        world,
+        _rank_main,
+        (model_dir, policy, spec),
+        timeout_s=spec.duration_s * 10 + 300,
+        group_timeout_s=COLLECTIVE_TIMEOUT_S,
+        num_threads=max(1, (os.cpu_count() or 2) // world),
+        cpu_binding=cpu_binding,
+    )
 
 
 # -- analysis ----------------------------------------------------------------------------------

@@ -1,5 +1,10 @@
+"""Shared by every test area (scheduler/, moe/, models/, engine/, launcher/): the helpers'
+place on sys.path, the native build done once up front, and the one tiny model."""
+
 import sys
 from pathlib import Path
+
+import pytest
 
 # Test helpers live beside the tests; the packages themselves are installed (pip install -e).
 sys.path.insert(0, str(Path(__file__).parent))
@@ -14,3 +19,15 @@ def pytest_sessionstart(session) -> None:
 
     compute.prepare()
     transport_library()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Qwen3-MoE (model_fixtures.TINY_SIZES, 2 layers) every test that needs "a
+    model" shares; tests of a particular architecture or size write their own."""
+    from model_fixtures import TINY_SIZES
+
+    from dist_engine.models.make_model import make_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    return str(make_tiny_checkpoint("qwen3_moe", out, seed=5, num_layers=2, **TINY_SIZES))

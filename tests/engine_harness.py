@@ -16,24 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
-from multirank_utils import current_store
+from model_fixtures import TINY_SIZES
 
 from dist_engine.distributed.groups import init_distributed
+from dist_engine.distributed.spawn import current_store
 from dist_engine.engine.config import EngineConfig, ParallelConfig
 from dist_engine.engine.engine import DPEngine
 from scheduler import SamplingParams, SchedulerConfig
 
-MODEL_SIZES = dict(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    num_experts=8,
-    top_k=2,
-    moe_intermediate_size=32,
-    vocab_size=384,
-)
+MODEL_SIZES = {**TINY_SIZES, "num_layers": 2}  # the shared `model_dir` fixture's model
 BASE_SCHEDULER = dict(
     max_num_seqs=16,
     max_num_batched_tokens=128,

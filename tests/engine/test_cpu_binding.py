@@ -38,6 +38,7 @@ def _bind_and_report(local_rank: int, local_world: int, queue) -> None:
     queue.put((pinned, sorted(os.sched_getaffinity(0)), seen[0]))
 
 
+@pytest.mark.multirank
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no sched_setaffinity here")
 def test_bind_process_pins_every_thread_of_the_process() -> None:
     """In a child process (pinning the test runner would slow every later test)."""

@@ -11,15 +11,13 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_harness import MODEL_SIZES
 
 from dist_engine.engine.config import EngineConfig
-from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 from launcher import cli as cli_module
 from launcher.cli import main
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 RECORD_FIELDS = [
     "index",
     "prompt_token_ids",
@@ -28,12 +26,6 @@ RECORD_FIELDS = [
     "finish_reason",
     "dp_rank",
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("cli_model")
-    return str(make_tiny_checkpoint("qwen3_moe", out, seed=5, **MODEL_SIZES))
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +266,9 @@ def test_a_local_job_writes_one_record_per_prompt_in_order(capsys, tmp_path, con
     # The summary table is printed, and one line per request unless --quiet.
     assert "launcher / DP          local / 1" in out
     assert "MoE exchange           none" in out
+    # The backends each op kind got (the fixture's config leaves them at auto; float64 on the
+    # CPU: the decode attention kernel serves every float dtype, the rest is PyTorch's).
+    assert "backends               attention decode native, prefill torch; experts torch" in out
     assert "[4] rank 0" in out
 
 

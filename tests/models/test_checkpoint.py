@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from model_fixtures import TINY_SIZES, hf_model, random_prompts
-from multirank_utils import run_multirank
 from safetensors.torch import load_file, save_file
 
 from dist_engine.attention.kv_cache import KVCache
 from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.distributed.spawn import run_multirank
 from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM

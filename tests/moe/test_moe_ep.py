@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from multirank_utils import run_multirank
 
 from dist_engine.distributed.shm_exchange import open_shared_memory_exchange
+from dist_engine.distributed.spawn import run_multirank
 from dist_engine.kernels import compute
 from dist_engine.layers.moe import NativeExperts
 from moe import (

@@ -15,22 +15,17 @@ import random
 import pytest
 import torch
 from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
-from multirank_utils import run_multirank
 
 from dist_engine.attention.kv_cache import KVCache
+from dist_engine.distributed.spawn import run_multirank
 from dist_engine.engine.runner import ModelRunner
 from dist_engine.models.loader import load_model
-from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
+
+pytestmark = pytest.mark.multirank
 
 VOCAB = MODEL_SIZES["vocab_size"]
 ENDED_NORMALLY = ("length", "stop")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("engine_model")
-    return str(make_tiny_checkpoint("qwen3_moe", out, seed=21, **MODEL_SIZES))
 
 
 class Reference:

@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_harness import MODEL_SIZES
 
-from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
+
+pytestmark = pytest.mark.multirank
 
 BIN = Path(sys.executable).parent
 TORCHRUN = str(BIN / "torchrun")
@@ -41,9 +41,9 @@ for _line in PROMPTS:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory) -> dict[str, Path]:
+def job(tmp_path_factory, model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("torchrun_job")
-    model = make_tiny_checkpoint("qwen3_moe", root / "model", seed=21, **MODEL_SIZES)
+    model = model_dir
     config = root / "job.yaml"
     config.write_text(
         f"model: {model}\n"

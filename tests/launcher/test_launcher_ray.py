@@ -7,21 +7,15 @@ import time
 
 import pytest
 import ray
-from engine_harness import MODEL_SIZES
 
 from dist_engine.errors import LockstepError
-from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
+
+pytestmark = pytest.mark.multirank
 
 PROMPTS = [[(7 * i + 3 * j) % 383 + 1 for j in range(3 + 2 * i)] for i in range(8)]
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 SETTINGS = dict(dtype="float64", max_num_seqs=8, max_model_len=128, num_blocks=128, block_size=4)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("launcher_model")
-    return str(make_tiny_checkpoint("qwen3_moe", out, seed=13, **MODEL_SIZES))
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler import SchedulerConfig
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "simulate_vote.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "simulate_vote.py"
 
 
 def _load_script():

@@ -10,16 +10,9 @@ from engine_harness import MODEL_SIZES
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import DPEngine
-from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("engine_single_model")
-    return str(make_tiny_checkpoint("qwen3_moe", out, seed=8, **MODEL_SIZES))
 
 
 class Running:

@@ -7,16 +7,11 @@ import re
 import time
 
 import pytest
-from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
-from multirank_utils import run_multirank
+from engine_harness import Event, Scenario, run_scenarios
 
-from dist_engine.models.make_model import make_tiny_checkpoint
+from dist_engine.distributed.spawn import run_multirank
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("engine_failure_model")
-    return str(make_tiny_checkpoint("qwen3_moe", out, seed=5, **MODEL_SIZES))
+pytestmark = pytest.mark.multirank
 
 
 def _adds(world: int, rng: random.Random) -> tuple[Event, ...]:

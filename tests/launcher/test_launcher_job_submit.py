@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import ray
-from engine_harness import MODEL_SIZES
 
 import launcher.ray_launcher as ray_launcher
-from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
+
+pytestmark = pytest.mark.multirank
 
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT_S = 240
@@ -81,9 +81,9 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def job_files(tmp_path_factory) -> dict[str, Path]:
+def job_files(tmp_path_factory, model_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("job_submit")
-    model = make_tiny_checkpoint("qwen3_moe", root / "model", seed=31, **MODEL_SIZES)
+    model = model_dir
     config = root / "job.yaml"
     config.write_text(
         f"model: {model}\n"

@@ -6,20 +6,12 @@ import threading
 
 import pytest
 import torch
-from engine_harness import MODEL_SIZES
 
 import launcher.clients as clients
 from dist_engine.engine.engine import DPEngine
-from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
 
 SETTINGS = dict(dtype="float64", max_num_seqs=4, max_model_len=64, num_blocks=64, block_size=4)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("host_model")
-    return str(make_tiny_checkpoint("qwen3_moe", out, seed=5, **MODEL_SIZES))
 
 
 def test_the_engine_is_built_and_stepped_on_the_host_thread(model_dir, monkeypatch):

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from multirank_utils import run_multirank
+
+from dist_engine.distributed.spawn import run_multirank
 
 
 def failing_worker(rank: int, world_size: int) -> int:

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from multirank_utils import run_multirank
 
 from dist_engine.distributed import shm_exchange
 from dist_engine.distributed.shm_exchange import SharedMemoryExchange, open_shared_memory_exchange
+from dist_engine.distributed.spawn import run_multirank
 from dist_engine.engine.config import ParallelConfig
 
 pytestmark = pytest.mark.multirank
@@ -219,9 +219,8 @@ def test_setup_agrees_on_every_rank() -> None:
 
 
 def init_worker(rank: int, world: int) -> list[str]:
-    from multirank_utils import current_store
-
     from dist_engine.distributed.groups import init_distributed
+    from dist_engine.distributed.spawn import current_store
 
     names = []
     for mode in ("auto", "process_group", "shared_memory"):
