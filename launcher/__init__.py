@@ -1,7 +1,32 @@
-"""Starting and feeding Lockstep's DP ranks: Ray, torchrun, the offline LLM API and the CLI."""
+"""Starting and feeding Lockstep's DP ranks: Ray, torchrun, the offline LLM API and the CLI.
 
-from dist_engine.errors import LockstepError
-from launcher.llm import LLM, Completion
-from scheduler import SamplingParams
+The names below are imported on first use, so `lockstep --help` (which imports this package)
+does not pay for torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dist_engine.errors import LockstepError
+    from launcher.llm import LLM, Completion
+    from scheduler import SamplingParams
 
 __all__ = ["LLM", "Completion", "LockstepError", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "Completion"):
+        from launcher import llm
+
+        return getattr(llm, name)
+    if name == "LockstepError":
+        from dist_engine.errors import LockstepError
+
+        return LockstepError
+    if name == "SamplingParams":
+        from scheduler import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'launcher' has no attribute {name!r}")

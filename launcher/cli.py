@@ -2,12 +2,12 @@
 
     lockstep run [--config YAML] [--launcher ray|torchrun|local] [--dp-size N]
                  [--prompts FILE.jsonl] [--output FILE.jsonl] [--max-tokens N] [--set k=v ...]
-    lockstep make-model --arch qwen3_moe|mixtral --out DIR [...]
+    lockstep make-model --arch ARCH --out DIR [...]
 
-With no config, `run` serves the built-in tiny Qwen3-MoE with DP=2 on a local Ray. Prompts
-files hold one JSON object per line: {"prompt": "text"} or {"prompt_token_ids": [...]}, with
-optional "max_tokens", "temperature", "top_p", "top_k", "seed", "dp_rank". Under torchrun every
-process runs the same command; rank 0 prints and writes the output.
+With no config, `run` serves the built-in tiny Qwen3-MoE with DP=2 on a local Ray. Under
+torchrun every process runs the same command; rank 0 prints and writes the output.
+
+This module imports nothing heavy at the top (no torch): `lockstep --help` answers at once.
 """
 
 from __future__ import annotations
@@ -21,22 +21,48 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+PROMPTS_HELP = """prompts file (JSONL): one JSON object per line, with exactly one of
+  "prompt": "text"                 (needs the model's tokenizer.json)
+  "prompt_token_ids": [1, 2, 3]
+and optionally
+  "max_tokens": int >= 1           (default: --max-tokens)
+  "temperature": float >= 0        (default 0: greedy; below 1e-5 counts as greedy)
+  "top_p": float in (0, 1]         (default 1: off)
+  "top_k": int >= 0                (default 0: off)
+  "seed": int in [0, 2**64 - 1]    (default: none, a random seed per request)
+  "ignore_eos": bool               (default false)
+  "dp_rank": int in [0, dp_size)   (pin the request to a rank; default: round robin)
+
+output file (JSONL): one record per request, written and flushed as each finishes, with
+"index" (its line among the prompts), "prompt_token_ids", "output_token_ids", "text",
+"finish_reason", "detail" and "dp_rank"; once every request has finished the file is
+rewritten in input order. Exit status: 0 if every request finished by stop or length, 1 if
+any failed or was refused (the group failing included, naming the rank), 2 for bad input,
+130 when interrupted (the file keeps every result finished so far).
+"""
+# Finish reasons of a request that got what it asked for; anything else makes the exit code 1.
+SUCCESSFUL = ("stop", "length")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="lockstep", description="Lockstep MoE serving runtime")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser("run", help="run a generation job")
+    run = commands.add_parser(
+        "run",
+        help="run a generation job",
+        epilog=PROMPTS_HELP,
+        formatter_class=_Formatter,
+    )
     run.add_argument("--config", help="YAML engine config (default: the built-in job)")
-    run.add_argument("--launcher", choices=["ray", "torchrun", "local"])
-    run.add_argument("--dp-size", type=int)
+    run.add_argument(
+        "--launcher", choices=["ray", "torchrun", "local"], help="override parallel.launcher"
+    )
+    run.add_argument("--dp-size", type=int, help="override parallel.dp_size")
     run.add_argument("--prompts", help="JSONL file of prompts (default: built-in prompts)")
-    run.add_argument("--output", help="write results here as JSONL, in input order")
-    run.add_argument("--max-tokens", type=int, default=32)
+    run.add_argument("--output", help="write results here as JSONL (see below)")
+    run.add_argument("--max-tokens", type=int, default=32, help="per request, unless it says")
     run.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting"
     )
@@ -53,43 +79,128 @@ def main(argv: list[str] | None = None) -> int:
         return make_model_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    from dist_engine.errors import LockstepError
+
     try:
         return run_job(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:  # bad input: config, model, prompts
         print(f"lockstep: error: {error}", file=sys.stderr)
         return 2
+    except LockstepError as error:  # the group could not start or failed
+        print(f"lockstep: error: {error}", file=sys.stderr)
+        return 1
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown after each option; the epilog (the file formats) kept as written."""
 
 
 def run_job(args: argparse.Namespace) -> int:
-    from launcher.llm import LLM
+    from dist_engine.errors import LockstepError
+    from launcher.llm import LLM, started_by_torchrun
     from scheduler import SamplingParams
 
     config = _job_config(args)
+    if config.parallel.launcher != "torchrun" and started_by_torchrun():
+        raise ValueError(
+            f"torchrun started this process, but the config's parallel.launcher is "
+            f"{config.parallel.launcher!r}: every torchrun process would run the whole job; "
+            "use a torchrun config (configs/torchrun.yaml) or run without torchrun"
+        )
     try:
         SamplingParams(max_tokens=args.max_tokens)
     except ValueError as error:
         raise ValueError(f"--max-tokens: {error}") from None
     prompts, sampling, pins = _load_prompts(args.prompts, args.max_tokens, config.parallel.dp_size)
-    start = time.perf_counter()
-    with LLM(config=config) as llm:
-        ready = time.perf_counter()
-        outputs = llm.generate(prompts, sampling, dp_rank=pins, use_tqdm=not args.quiet)
-        done = time.perf_counter()
-        exchange, backends = llm.moe_exchange, llm.backends
-    if config.parallel.launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
-        return 0
-    if not args.quiet:
-        for index, output in enumerate(outputs):
-            shown = output.text if output.text is not None else output.output_token_ids
-            print(f"[{index}] rank {output.dp_rank} {output.finish_reason}: {shown!r}")
-    _print_summary(config, outputs, ready - start, done - ready, exchange, backends)
     if args.output:
-        _write_outputs(Path(args.output), outputs)
-    failed = [o for o in outputs if (o.finish_reason or "").startswith("error")]
-    return 1 if failed else 0
+        check_output_path(Path(args.output))  # before any rank starts
+    writes = config.parallel.launcher != "torchrun" or int(os.environ.get("RANK", "0")) == 0
+    writer = ResultWriter(Path(args.output)) if args.output and writes else None
+    outputs: dict[int, Any] = {}
+    group_error: LockstepError | None = None
+    start = time.perf_counter()
+    try:
+        with LLM(config=config) as llm:
+            ready = time.perf_counter()
+            exchange, backends = llm.moe_exchange, llm.backends
+            try:
+                for index, completion in llm.generate_as_completed(
+                    prompts, sampling, dp_rank=pins, use_tqdm=not args.quiet
+                ):
+                    outputs[index] = completion
+                    if writer is not None:
+                        writer.write(index, completion)
+            except LockstepError as error:
+                group_error = error
+            done = time.perf_counter()
+    except KeyboardInterrupt:
+        if writer is not None:
+            writer.close()
+            print(
+                f"lockstep: interrupted; {len(outputs)} of {len(prompts)} results are in "
+                f"{args.output}",
+                file=sys.stderr,
+            )
+        return 130
+    if not writes:
+        return 0 if group_error is None else 1
+    ordered = [outputs[i] for i in sorted(outputs)]
+    if not args.quiet:
+        for index, output in zip(sorted(outputs), ordered, strict=True):
+            shown = output.text if output.text is not None else output.output_token_ids
+            detail = f" ({output.detail})" if output.detail else ""
+            print(f"[{index}] rank {output.dp_rank} {output.finish_reason}{detail}: {shown!r}")
+    _print_summary(config, ordered, ready - start, done - ready, exchange, backends)
+    if writer is not None:
+        writer.close(in_input_order=len(outputs) == len(prompts))
+    if group_error is not None:
+        print(f"lockstep: error: {group_error}", file=sys.stderr)
+        return 1
+    return 0 if all(o.finish_reason in SUCCESSFUL for o in ordered) else 1
+
+
+def check_output_path(path: Path) -> None:
+    """Refuse an --output the job could not write, before it starts: a directory, a missing
+    parent directory, or no permission to write it."""
+    if path.is_dir():
+        raise ValueError(f"--output {path}: is a directory")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"--output {path}: directory {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise ValueError(f"--output {path}: not writable")
+
+
+class ResultWriter:
+    """--output as JSONL: each result appended and flushed as it finishes (a crash or Ctrl-C
+    keeps everything finished so far), then rewritten in input order once all are in."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: Any = None
+        self._records: dict[int, str] = {}
+
+    def write(self, index: int, output: Any) -> None:
+        if self._file is None:
+            self._file = self.path.open("w")
+        line = json.dumps(_record(index, output))
+        self._records[index] = line
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    def close(self, in_input_order: bool = False) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if in_input_order:
+            partial = self.path.with_name(self.path.name + ".partial")
+            partial.write_text("".join(self._records[i] + "\n" for i in sorted(self._records)))
+            partial.replace(self.path)
 
 
 def _job_config(args: argparse.Namespace):
+    import yaml
+
     from dist_engine.engine.config import EngineConfig
 
     if args.config:
@@ -166,18 +277,16 @@ def _load_prompts(path: str | None, max_tokens: int, dp_size: int):
     return prompts, params, pins
 
 
-def _write_outputs(path: Path, outputs) -> None:
-    with path.open("w") as out:
-        for index, o in enumerate(outputs):
-            record = {
-                "index": index,
-                "prompt_token_ids": o.prompt_token_ids,
-                "output_token_ids": o.output_token_ids,
-                "text": o.text,
-                "finish_reason": o.finish_reason,
-                "dp_rank": o.dp_rank,
-            }
-            out.write(json.dumps(record) + "\n")
+def _record(index: int, o: Any) -> dict[str, Any]:
+    return {
+        "index": index,
+        "prompt_token_ids": o.prompt_token_ids,
+        "output_token_ids": o.output_token_ids,
+        "text": o.text,
+        "finish_reason": o.finish_reason,
+        "detail": o.detail,
+        "dp_rank": o.dp_rank,
+    }
 
 
 def _print_summary(

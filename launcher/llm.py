@@ -12,6 +12,8 @@ it; the error's ``outputs`` hold every request's result, the unfinished ones fai
 from __future__ import annotations
 
 import itertools
+import os
+import time
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
@@ -22,8 +24,10 @@ from typing import Any
 from tqdm import tqdm
 
 from dist_engine.engine.config import EngineConfig
+from dist_engine.engine.engine import check_max_model_len
 from dist_engine.engine.outputs import RequestOutput
 from dist_engine.errors import LockstepError
+from dist_engine.models.loader import check_checkpoint
 from launcher.clients import LocalClient, RankFailure, Submission
 from launcher.routing import Router
 from scheduler import SamplingParams
@@ -36,6 +40,21 @@ class Completion(RequestOutput):
     """A rank's ``RequestOutput`` plus the output decoded to text (when there is a tokenizer)."""
 
     text: str | None = None
+
+
+class _GroupFailure(Exception):
+    """Raised by `LLM._run` after every request ended, when ranks failed: rank -> reason
+    (rank -1: a failure not tied to one rank)."""
+
+    def __init__(self, failed: dict[int, str]) -> None:
+        super().__init__(_describe(failed))
+        self.ranks = {rank for rank in failed if rank >= 0}
+        self.first_rank = min(self.ranks) if self.ranks else None
+        self.reason = _describe(failed)
+
+
+def _describe(failed: dict[int, str]) -> str:
+    return "; ".join(reason for _, reason in sorted(failed.items()))
 
 
 class LLM:
@@ -51,8 +70,18 @@ class LLM:
         **overrides: Any,
     ) -> None:
         self.config = _build_config(model, config, dp_size, launcher, dtype, overrides)
-        self.tokenizer = _load_tokenizer(self.config.model)
         launcher_name = self.config.parallel.launcher
+        if launcher_name != "torchrun" and started_by_torchrun():
+            raise ValueError(
+                f"this process was started by torchrun, but parallel.launcher is "
+                f"{launcher_name!r}: every torchrun process would start a whole group of its "
+                f"own; set launcher: torchrun (one rank per process), or run without torchrun"
+            )
+        # Before any rank starts: a bad model directory is one clear line here, not a remote
+        # traceback from every rank after the launcher came up.
+        model_config = check_checkpoint(self.config.model)
+        check_max_model_len(self.config.scheduler.max_model_len, model_config)
+        self.tokenizer = _load_tokenizer(self.config.model)
         if launcher_name == "ray":
             from launcher.ray_launcher import RayClient
 
@@ -81,20 +110,68 @@ class LLM:
         dp_rank: int | Sequence[int | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[Completion]:
-        """Run every prompt to its end; results in input order."""
+        """Run every prompt to its end; results in input order.
+
+        If a rank fails, raises `LockstepError` naming it once every request has its one
+        terminal result: the error's `outputs` hold all of them in input order, the finished
+        ones as they finished and the others failed with the reason.
+        """
+        finals = dict(self.generate_as_completed(prompts, sampling_params, dp_rank, use_tqdm))
+        return [finals[i] for i in range(len(finals))]
+
+    def generate_as_completed(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        dp_rank: int | Sequence[int | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> Iterator[tuple[int, Completion]]:
+        """Yield `(prompt index, result)` for every prompt as it finishes (each exactly once).
+
+        If a rank fails, the requests it held are yielded failed (reason naming the rank), the
+        other ranks' requests still end on their own (or fail within the collective timeout
+        plus a margin), and then `LockstepError` is raised as `generate` describes. Under
+        torchrun this process's share comes first, the other ranks' results after the
+        exchange.
+        """
         requests = self._prepare(prompts, sampling_params, dp_rank)
-        finals: dict[int, RequestOutput] = {}
+        finals: dict[int, Completion] = {}
         total = len(requests)
         if self._torchrun:  # each process serves its share; only rank 0 shows progress
             use_tqdm = use_tqdm and self.client.rank == 0
             total = sum(1 for index, request in enumerate(requests) if self._serves(index, request))
+        failure: _GroupFailure | None = None
         with tqdm(total=total, disable=not use_tqdm, desc="generate") as progress:
-            for index, output in self._run(requests, stream=False):
-                finals[index] = output
-                progress.update(1)
+            try:
+                for index, output in self._run(requests, stream=False):
+                    finals[index] = self._completion(output)
+                    progress.update(1)
+                    yield index, finals[index]
+            except _GroupFailure as raised:
+                failure = raised
         if self._torchrun:
-            finals = self.client.exchange(finals)
-        return [self._completion(finals[i]) for i in range(len(requests))]
+            mine = set(finals)
+            try:
+                merged = self.client.exchange({i: finals[i] for i in mine})
+            except LockstepError as error:
+                failure = failure or _GroupFailure({-1: str(error)})
+                merged = {}
+            for index in range(len(requests)):
+                if index in mine:
+                    continue
+                output = merged.get(index)
+                if output is None:  # a rank that never delivered its share
+                    reason = failure.reason if failure else "no result"
+                    output = self._failed_output(requests[index], reason)
+                finals[index] = self._completion(output)
+                yield index, finals[index]
+        if failure is not None:
+            self.shutdown()
+            error = LockstepError(f"the DP group failed: {failure.reason}")
+            error.failed_rank = failure.first_rank  # type: ignore[attr-defined]
+            error.failed_ranks = sorted(failure.ranks)  # type: ignore[attr-defined]
+            error.outputs = [finals[i] for i in range(len(requests))]  # type: ignore[attr-defined]
+            raise error
 
     def generate_stream(
         self,
@@ -102,12 +179,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         dp_rank: int | Sequence[int | None] | None = None,
     ) -> Iterator[Completion]:
-        """Yield each request's new tokens as they come; its last item has ``finished``."""
+        """Yield each request's new tokens as they come; its last item has ``finished``.
+        A rank failure ends its requests with a failed last item, then raises LockstepError."""
         if self._torchrun:
             raise ValueError("generate_stream is not available under torchrun; use generate")
         requests = self._prepare(prompts, sampling_params, dp_rank)
-        for _, output in self._run(requests, stream=True):
-            yield self._completion(output)
+        try:
+            for _, output in self._run(requests, stream=True):
+                yield self._completion(output)
+        except _GroupFailure as failure:
+            self.shutdown()
+            error = LockstepError(f"the DP group failed: {failure.reason}")
+            error.failed_rank = failure.first_rank  # type: ignore[attr-defined]
+            raise error from None
 
     def _serves(self, index: int, request: tuple) -> bool:
         """Under torchrun: whether this process's rank serves prompt ``index``."""
@@ -155,6 +239,10 @@ class LLM:
         ]
 
     def _run(self, requests, *, stream: bool) -> Iterator[tuple[int, RequestOutput]]:
+        """Submit, then yield (index, output) until every request has its terminal output.
+        A failed rank's requests are yielded failed at once; the others get the collective
+        timeout plus a margin to end on their own. Raises _GroupFailure at the end if any rank
+        failed."""
         index_of = {}
         batches: dict[int, list[Submission]] = {}
         for index, (request_id, tokens, params, pin) in enumerate(requests):
@@ -167,41 +255,66 @@ class LLM:
             index_of[request_id] = index
             batches.setdefault(rank, []).append((request_id, tokens, params, stream))
         pending = set(index_of)
-        try:
-            for rank, batch in batches.items():
+        failed: dict[int, str] = {}  # rank -> why
+        deadline = None  # once a rank failed: when the others' requests are failed too
+        for rank, batch in batches.items():
+            try:
                 self.client.submit(rank, batch)
-            while pending:
-                for output in self.client.poll(_POLL_S):
-                    if output.request_id not in pending:
-                        continue
-                    if output.finished:
-                        pending.discard(output.request_id)
-                        self.router.finished(output.request_id)
-                    if output.finished or stream:
-                        yield index_of[output.request_id], output
-        except RankFailure as failure:
-            self._fail(failure, requests, pending, index_of)
+            except RankFailure as failure:
+                failed[failure.rank] = str(failure)
+        while pending:
+            doomed = [r for r in pending if self.router.rank_of(r) in failed]
+            if deadline is not None and time.monotonic() > deadline:
+                doomed = list(pending)  # the healthy ranks did not end them in time either
+            for request_id in sorted(doomed, key=index_of.__getitem__):
+                rank = self.router.rank_of(request_id)
+                reason = failed.get(rank) or _describe(failed)
+                pending.discard(request_id)
+                self.router.finished(request_id)
+                yield (
+                    index_of[request_id],
+                    self._failed_output(requests[index_of[request_id]], reason, rank),
+                )
+            if not pending:
+                break
+            if failed and deadline is None:
+                deadline = time.monotonic() + self._failure_grace_s
+            try:
+                outputs = self.client.poll(_POLL_S)
+            except RankFailure as failure:
+                failed[failure.rank] = str(failure)
+                continue
+            for output in outputs:
+                if output.request_id not in pending:
+                    continue
+                if output.finished:
+                    pending.discard(output.request_id)
+                    self.router.finished(output.request_id)
+                if output.finished or stream:
+                    yield index_of[output.request_id], output
+        if failed:
+            raise _GroupFailure(failed)
 
-    def _fail(self, failure: RankFailure, requests, pending, index_of) -> None:
-        reason = f"error: {failure}"
-        failed = [
-            RequestOutput(
-                request_id=request_id,
-                prompt_token_ids=requests[index_of[request_id]][1],
-                output_token_ids=[],
-                new_token_ids=[],
-                finished=True,
-                finish_reason=reason,
-                dp_rank=self.router.rank_of(request_id) or 0,
-                arrival_time=0.0,
-            )
-            for request_id in pending
-        ]
-        self.shutdown()
-        error = LockstepError(f"the DP group failed: {failure}")
-        error.failed_rank = failure.rank  # type: ignore[attr-defined]
-        error.outputs = [self._completion(o) for o in failed]  # type: ignore[attr-defined]
-        raise error from failure
+    @property
+    def _failure_grace_s(self) -> float:
+        """How long the healthy ranks get, after one failed, to end their own requests: their
+        engines fail at the collective timeout at the latest (plus the survivors' 2 s look
+        around the store)."""
+        return self.config.parallel.collective_timeout_s + 10.0
+
+    @staticmethod
+    def _failed_output(request: tuple, reason: str, rank: int | None = None) -> RequestOutput:
+        request_id, tokens, _, pin = request
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=list(tokens),
+            output_token_ids=[],
+            new_token_ids=[],
+            finished=True,
+            finish_reason=f"error: {reason}",
+            dp_rank=rank if rank is not None else (pin or 0),
+            arrival_time=0.0,
+        )
 
     def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -233,6 +346,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def started_by_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.run) started this process."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "LOCAL_RANK"} <= set(os.environ)
 
 
 def _build_config(model, config, dp_size, launcher, dtype, overrides) -> EngineConfig:

@@ -4,11 +4,26 @@ Each actor runs its rank's engine loop on a background thread. Rank 0's actor cr
 group's TCPStore on port 0 (so no port can be taken from under it) and hands the port to the
 others. Works on an embedded Ray that we start (``ray.init`` with local resources) and inside an
 existing cluster (``RAY_ADDRESS``, e.g. under ``ray job submit``), where we only connect.
+
+What is reachable from outside the job: the store listens on loopback when every rank is on
+one host (its socket is bound before the store takes it), else on rank 0's node address; every
+key the group uses lives under a random per-job namespace that only the driver and the actors
+know (handed over by Ray, never through the store). gloo's own sockets listen on loopback too
+for a one-host group (GLOO_SOCKET_IFNAME=lo), else on the nodes' addresses.
+
+A rank whose actor dies raises `RankFailure` at once; one that stops answering (its process
+stopped, or hung) is declared failed after `collective_timeout_s + RANK_SILENCE_MARGIN_S`
+without a reply, and killed.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
 from typing import Any
 
 import ray
@@ -22,6 +37,9 @@ from launcher.clients import EngineHost, RankFailure, Submission
 
 _STARTUP_TIMEOUT_S = 300.0
 _TAKE_S = 0.5  # how long a rank's outstanding `take` waits for outputs before returning empty
+# A rank not heard from for the collective timeout plus this long is declared failed: by then
+# its peers' collectives have timed out too, so the group is lost either way.
+RANK_SILENCE_MARGIN_S = 10.0
 
 
 @ray.remote(max_concurrency=8)
@@ -34,20 +52,34 @@ class RankActor:
         self.store: Any = None
         self.host: EngineHost | None = None
 
-    def create_store(self) -> tuple[str, int]:
+    def create_store(self, loopback: bool) -> tuple[str, int]:
+        """Host the group's store, listening on loopback (every rank on this host) or on this
+        node's address only; returns its address."""
         import torch.distributed as dist
 
-        host = ray.util.get_node_ip_address()
+        host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        # TCPStore itself listens on every interface; a socket bound here first does not.
+        self._listener = socket.create_server((host, 0), backlog=128)
+        port = self._listener.getsockname()[1]
         world = self.config.parallel.dp_size
-        self.store = dist.TCPStore(host, 0, world, is_master=True, wait_for_workers=False)
-        return host, self.store.port
+        self.store = dist.TCPStore(
+            host,
+            port,
+            world,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=self._listener.fileno(),
+        )
+        return host, port
 
     def start(
-        self, host: str, port: int, cpu_slot: tuple[int, int] | None
+        self, host: str, port: int, namespace: str, cpu_slot: tuple[int, int] | None, loopback: bool
     ) -> tuple[int, str, str, str]:
         """Join the group; returns this rank's process id, its Ray node id, how the group's
         MoE rows travel (`describe_exchange`) and the backends this rank resolved.
 
+        namespace: the job's random key prefix in the store. loopback: every rank is on this
+        host, so gloo listens on loopback only.
         cpu_slot: (this rank's index among the ranks on its host, their number), to pin the
         rank to its own cores (dist_engine/distributed/cpu_binding.py); None leaves the OS to
         place it.
@@ -72,15 +104,22 @@ class RankActor:
             get_logger(self.rank).info("pinned to cores %s", cores or "none (they do not fit)")
 
         world = self.config.parallel.dp_size
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # read when the gloo groups are created
         if self.store is None:
             self.store = dist.TCPStore(host, port, world, is_master=False)
+
+        def connect_store() -> dist.Store:
+            return dist.PrefixStore(namespace, dist.TCPStore(host, port, is_master=False))
+
         ctx = init_distributed(
             self.rank,
             world,
-            self.store,
+            dist.PrefixStore(namespace, self.store),
             backend=self.config.parallel.backend,
             timeout_s=self.config.parallel.collective_timeout_s,
             moe_exchange=self.config.parallel.moe_exchange,
+            connect_store=connect_store,
         )
         self.host = EngineHost(self.config, ctx)
         return (
@@ -111,6 +150,16 @@ class RankActor:
         return self.host.num_threads
 
 
+def start_reaper() -> subprocess.Popen:
+    """A process of its own (own session: a signal to the driver's group does not reach it)
+    that stops this driver's embedded Ray if the driver dies without shutting it down."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "launcher.reaper", str(os.getpid())],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 def connect_ray(num_cpus: int | None = None) -> bool:
     """Connect to the cluster in RAY_ADDRESS, or start an embedded one. True if we started it."""
     if ray.is_initialized():
@@ -135,6 +184,7 @@ class RayClient:
         world = config.parallel.dp_size
         self.num_ranks = world
         self.started_ray = connect_ray(num_cpus=max(world, os.cpu_count() or 1))
+        self._reaper = start_reaper() if self.started_ray else None
         if self.started_ray:
             # Every rank runs on this host: build the native code here, where the first build's
             # progress reaches the user's terminal, and the ranks load the cached files.
@@ -144,6 +194,8 @@ class RayClient:
         self.pg = placement_group([bundle] * world, strategy=config.parallel.placement_strategy)
         self.actors: list[Any] = []
         self._takes: dict[int, Any] = {}
+        self.failed: dict[int, str] = {}  # rank -> why; such a rank is never asked again
+        self._silence_limit_s = config.parallel.collective_timeout_s + RANK_SILENCE_MARGIN_S
         try:
             try:
                 ray.get(self.pg.ready(), timeout=_STARTUP_TIMEOUT_S)
@@ -166,17 +218,22 @@ class RayClient:
                 ).remote(config, rank)
                 for rank in range(world)
             ]
-            host, port = ray.get(self.actors[0].create_store.remote(), timeout=_STARTUP_TIMEOUT_S)
-            slots = (
-                _cpu_slots(self.pg, world) if config.parallel.cpu_binding and not use_gpu else {}
+            hosts = _rank_hosts(self.pg, world)
+            loopback = len(set(hosts.values())) == 1
+            host, port = ray.get(
+                self.actors[0].create_store.remote(loopback), timeout=_STARTUP_TIMEOUT_S
             )
+            self.store_address = (host, port)
+            slots = _cpu_slots(hosts) if config.parallel.cpu_binding and not use_gpu else {}
+            namespace = f"lockstep/{secrets.token_hex(16)}/"
             started = ray.get(
                 [
-                    actor.start.remote(host, port, slots.get(rank))
+                    actor.start.remote(host, port, namespace, slots.get(rank), loopback)
                     for rank, actor in enumerate(self.actors)
                 ],
                 timeout=_STARTUP_TIMEOUT_S,
             )
+            self._heard = dict.fromkeys(range(world), time.monotonic())
             self.pids = {rank: pid for rank, (pid, *_) in enumerate(started)}
             self.node_ids = {rank: node for rank, (_, node, *_) in enumerate(started)}
             self.moe_exchange = started[0][2]  # a group decision: the same on every rank
@@ -186,39 +243,66 @@ class RayClient:
             raise
 
     def submit(self, rank: int, batch: list[Submission]) -> None:
-        self._get(rank, self.actors[rank].submit.remote(batch))
+        self._get(rank, self._actor(rank).submit.remote(batch))
 
     def abort(self, rank: int, request_id: str) -> None:
-        self._get(rank, self.actors[rank].abort.remote(request_id))
+        self._get(rank, self._actor(rank).abort.remote(request_id))
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         """Outputs from whichever ranks have some, waiting up to ``timeout_s``.
 
-        Each rank always has one ``take`` outstanding, which returns as soon as that rank has
-        outputs (or after ``_TAKE_S``); we wait on all of them together. Asking every rank again
-        every few milliseconds instead cost ~14% of DP=1 throughput on a 2-core machine.
+        Each live rank always has one ``take`` outstanding, which returns as soon as that rank
+        has outputs (or after ``_TAKE_S``); we wait on all of them together. Asking every rank
+        again every few milliseconds instead cost ~14% of DP=1 throughput on a 2-core machine.
+        The takes are also the ranks' heartbeat: a rank whose take has not come back for
+        `collective_timeout_s + RANK_SILENCE_MARGIN_S` has stopped answering and is failed.
         """
         for rank, actor in enumerate(self.actors):
-            if rank not in self._takes:
+            if rank not in self._takes and rank not in self.failed:
                 self._takes[rank] = actor.take.remote(_TAKE_S)
+        if not self._takes:
+            return []
         ready, _ = ray.wait(list(self._takes.values()), num_returns=1, timeout=timeout_s)
         outputs: list[RequestOutput] = []
         for rank, ref in list(self._takes.items()):
             if ref in ready:
                 del self._takes[rank]
                 outputs.extend(self._get(rank, ref))
+        now = time.monotonic()
+        for rank in list(self._takes):
+            silent_s = now - self._heard[rank]
+            if silent_s > self._silence_limit_s:
+                self._declare_failed(rank, f"it stopped answering for {silent_s:.0f} s")
+                ray.kill(self.actors[rank], no_restart=True)  # a stopped process too
+                raise RankFailure(rank, self.failed[rank])
         return outputs
+
+    def _actor(self, rank: int) -> Any:
+        if rank in self.failed:
+            raise RankFailure(rank, self.failed[rank])
+        return self.actors[rank]
 
     def _get(self, rank: int, ref: Any) -> Any:
         try:
-            return ray.get(ref)
+            value = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
-            raise RankFailure(rank, f"its Ray actor is gone ({type(error).__name__})") from error
+            self._declare_failed(rank, f"its Ray actor is gone ({type(error).__name__})")
+            raise RankFailure(rank, self.failed[rank]) from error
+        self._heard[rank] = time.monotonic()
+        return value
+
+    def _declare_failed(self, rank: int, why: str) -> None:
+        self.failed.setdefault(rank, why)
+        self._takes.pop(rank, None)
 
     def shutdown(self) -> None:
         """Stop every rank, then kill the actors and free the placement group: nothing stays."""
         if self.actors:
-            refs = [actor.shutdown.remote(30.0) for actor in self.actors]
+            refs = [
+                actor.shutdown.remote(30.0)
+                for rank, actor in enumerate(self.actors)
+                if rank not in self.failed
+            ]
             # A dead actor's ref counts as ready; killing below is enough for it.
             ray.wait(refs, num_returns=len(refs), timeout=40.0)
             for actor in self.actors:
@@ -230,6 +314,10 @@ class RayClient:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+        if self._reaper is not None:
+            self._reaper.terminate()
+            self._reaper.wait(timeout=10)
+            self._reaper = None
 
 
 def describe_per_rank(values: list[str]) -> str:
@@ -260,15 +348,17 @@ def _cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def _cpu_slots(pg: Any, world: int) -> dict[int, tuple[int, int]]:
-    """rank -> (its index among the ranks placed on the same host, how many there are).
-
-    Hosts by address, not Ray node: several raylets on one machine (a test cluster) share
-    its cores.
-    """
+def _rank_hosts(pg: Any, world: int) -> dict[int, str]:
+    """rank -> the address of the host its bundle was placed on. Hosts by address, not Ray
+    node: several raylets on one machine (a test cluster) share its cores and loopback."""
     nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
     address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    return {rank: address[nodes[rank]] for rank in range(world)}
+
+
+def _cpu_slots(hosts: dict[int, str]) -> dict[int, tuple[int, int]]:
+    """rank -> (its index among the ranks placed on the same host, how many there are)."""
     by_host: dict[str, list[int]] = {}
-    for rank in range(world):
-        by_host.setdefault(address[nodes[rank]], []).append(rank)
+    for rank in sorted(hosts):
+        by_host.setdefault(hosts[rank], []).append(rank)
     return {rank: (ranks.index(rank), len(ranks)) for ranks in by_host.values() for rank in ranks}

@@ -1,16 +1,17 @@
 """The torchrun launcher: this process is one DP rank (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
 Every process runs the same program with the same prompts; each rank serves its share
-(prompt i goes to rank i mod world, unless pinned), and the results are exchanged through the
-group's TCPStore so that every rank returns all of them in input order.
+(prompt i goes to rank i mod world, unless pinned), and the results are exchanged so that every
+rank returns all of them in input order: as JSON over a gloo group of their own, never through
+the store (torchrun's agent store answers anyone who connects) and never pickled.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import pickle
 import time
+from dataclasses import fields
 from datetime import timedelta
 
 import torch
@@ -19,8 +20,10 @@ import torch.distributed as dist
 from dist_engine.backends import may_use_native
 from dist_engine.distributed.cpu_binding import bind_process
 from dist_engine.distributed.groups import describe_exchange, init_distributed, resolve_backend
+from dist_engine.distributed.plain_data import all_gather_json
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import RequestOutput
+from dist_engine.errors import LockstepError
 from dist_engine.kernels import compute
 from dist_engine.log import get_logger
 from launcher.clients import EngineHost, Submission
@@ -36,6 +39,20 @@ def torchrun_rank() -> tuple[int, int, str, int]:
             f"launcher 'torchrun' needs {missing} in the environment: start the job with "
             "`torchrun --nproc-per-node N -m launcher.cli run ...`"
         ) from None
+
+
+_OUTPUT_FIELDS = [f.name for f in fields(RequestOutput)]
+
+
+def _plain(output: RequestOutput) -> dict:
+    return {name: getattr(output, name) for name in _OUTPUT_FIELDS}
+
+
+def _output(plain: dict) -> RequestOutput:
+    unknown = set(plain) - set(_OUTPUT_FIELDS)
+    if unknown:
+        raise LockstepError(f"a rank sent results with unknown fields {sorted(unknown)}")
+    return RequestOutput(**plain)
 
 
 def _bind_cpu_rank(config: EngineConfig, rank: int, world: int) -> list[int]:
@@ -82,6 +99,9 @@ class TorchrunClient:
             local_rank=int(os.environ.get("LOCAL_RANK", rank)),
             moe_exchange=config.parallel.moe_exchange,
         )
+        # The results exchange's own group: the engine loop uses the others concurrently.
+        self._results_group = dist.new_group(backend="gloo", timeout=timeout)
+        self._timeout_s = config.parallel.collective_timeout_s
         self.host = EngineHost(config, ctx)
         self.moe_exchange = describe_exchange(ctx)
         self.backends = self.host.engine.backends.describe()
@@ -98,19 +118,33 @@ class TorchrunClient:
         return self.host.take(timeout_s)
 
     def exchange(self, mine: dict[int, RequestOutput]) -> dict[int, RequestOutput]:
-        """Give every rank every rank's results (keyed by prompt index)."""
+        """Give every rank every rank's results (keyed by prompt index).
+
+        Ranks first say they are done through a store flag (its value is never read), waiting
+        in slices so a failed group or a rank that never comes is noticed; then the results
+        travel as JSON in one all-gather on the exchange's own gloo group.
+        """
         self._num_exchanges += 1
         prefix = f"lockstep/results/{self._num_exchanges}"
-        self._exchange.set(f"{prefix}/{self.rank}", pickle.dumps(mine))
+        self._exchange.set(f"{prefix}/{self.rank}", b"done")
         keys = [f"{prefix}/{rank}" for rank in range(self.num_ranks)]
-        # Other ranks may still be serving; wait in slices so a failed group is noticed.
+        idle_since = None
         while not self._exchange.check(keys):
             if self.host.error is not None:
-                raise RuntimeError(f"rank {self.rank}: the DP group failed: {self.host.error}")
+                raise LockstepError(f"rank {self.rank}: the DP group failed: {self.host.error}")
+            # A sleeping group has agreed that no rank has work left, so every rank should be
+            # here; one that is not within the collective timeout has stopped.
+            engine = self.host.engine
+            idle_since = (idle_since or time.monotonic()) if engine and engine.sleeping else None
+            if idle_since is not None and time.monotonic() - idle_since > self._timeout_s:
+                missing = [r for r, key in enumerate(keys) if not self._exchange.check([key])]
+                names = ", ".join(f"rank {r}" for r in missing)
+                raise LockstepError(f"{names} did not deliver results within {self._timeout_s} s")
             time.sleep(0.01)
+        mine_plain = {str(index): _plain(output) for index, output in mine.items()}
         merged: dict[int, RequestOutput] = {}
-        for key in keys:
-            merged.update(pickle.loads(self._exchange.get(key)))
+        for theirs in all_gather_json(mine_plain, self._results_group):
+            merged.update({int(index): _output(plain) for index, plain in theirs.items()})
         return merged
 
     def shutdown(self) -> None:

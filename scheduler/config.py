@@ -22,7 +22,9 @@ GROUP_AGREED_FIELDS = (
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    # None: the engine takes the model's max_position_embeddings, capped by what the KV pool
+    # holds (a Scheduler needs it resolved).
+    max_model_len: int | None = None
     block_size: int = 16
     num_blocks: int = 1024  # KV blocks in the pool, including the reserved block 0
     num_state_slots: int = 0  # per-sequence state slots incl. reserved slot 0; 0 = no state pool
@@ -44,7 +46,6 @@ class SchedulerConfig:
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
-            "max_model_len",
             "block_size",
             "prefill_attempt_interval",
             "prefill_any_attempt_interval",
@@ -56,7 +57,7 @@ class SchedulerConfig:
         _require_int("num_state_slots", self.num_state_slots, minimum=0)
         if self.num_state_slots == 1:
             raise ValueError("num_state_slots=1 leaves no usable slot (slot 0 is reserved)")
-        for name in ("prefill_max_sum_seqlen_k", "vocab_size"):
+        for name in ("max_model_len", "prefill_max_sum_seqlen_k", "vocab_size"):
             if getattr(self, name) is not None:
                 _require_int(name, getattr(self, name), minimum=1)
         for name in ("chunked_prefill", "stop_preempted_request", "enable_prefix_caching"):
@@ -68,13 +69,18 @@ class SchedulerConfig:
             raise ValueError(f"prefill_watermark must be in (0, 1], got {self.prefill_watermark!r}")
         _require_choice("sync_policy", self.sync_policy, SYNC_POLICIES)
         _require_choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
-        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            self.max_model_len is not None
+            and not self.chunked_prefill
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"without chunked_prefill a prompt must fit one step: max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
             )
         if (
             self.prefill_max_sum_seqlen_k is not None
+            and self.max_model_len is not None
             and self.prefill_max_sum_seqlen_k < self.max_model_len
         ):
             # A prompt longer than the limit could never be admitted and would block the queue.

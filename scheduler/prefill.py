@@ -93,6 +93,10 @@ def assemble_prefill(
             plan = kv.plan_admission(seq)
             if plan.status is AllocStatus.NEVER:
                 waiting.popleft()
+                seq.error_message = (
+                    f"prompt of {length} tokens needs {kv.num_blocks_for(length)} KV blocks of "
+                    f"{kv.block_size} tokens; the pool has {kv.blocks.num_usable}"
+                )
                 terminate(seq, SequenceStatus.IGNORED)
                 continue
             if plan.status is AllocStatus.LATER:

@@ -5,13 +5,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# Seeds go to torch.Generator.manual_seed, which takes an unsigned 64-bit value; anything
+# outside would raise inside a step, on the rank that serves the request.
+MAX_SEED = 2**64 - 1
+# Temperatures below this sample greedily: dividing logits by ~1e-38 overflows to inf and the
+# softmax of infs is NaN (vLLM uses the same cut-off).
+GREEDY_TEMPERATURE = 1e-5
+# Token ids are int64 on every path (and a vocabulary is far smaller).
+MAX_TOKEN_ID = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1.0`` disable those filters.
-    ``seed`` makes sampling reproducible per request, whatever else shares its batch.
+    ``temperature == 0`` (or below ``GREEDY_TEMPERATURE``) means greedy. ``top_k == 0`` and
+    ``top_p == 1.0`` disable those filters. ``seed`` (0 to 2**64 - 1) makes sampling
+    reproducible per request, whatever else shares its batch.
+
+    Everything a tensor op could later reject is checked here, at the door: a request must never
+    fail inside a step, where it would cost every other request of the group.
     """
 
     max_tokens: int = 16
@@ -34,14 +47,20 @@ class SamplingParams:
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not 0 <= self.seed <= MAX_SEED
         ):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            raise ValueError(f"seed must be an int in [0, 2**64 - 1] or None, got {self.seed!r}")
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
             raise ValueError(f"stop_token_ids must be a collection of ints, got {stop!r}")
         stop = frozenset(stop)
-        bad = [t for t in stop if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+        bad = [
+            t
+            for t in stop
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID
+        ]
         if bad:
             raise ValueError(f"stop_token_ids must be ints >= 0, got {sorted(map(repr, bad))}")
         object.__setattr__(self, "stop_token_ids", stop)
@@ -50,7 +69,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_real(value: object) -> bool:

@@ -37,6 +37,11 @@ _LENGTH_CAPPED = SequenceStatus.LENGTH_CAPPED
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, vote: Vote | None = None) -> None:
+        if config.max_model_len is None:
+            raise ValueError(
+                "SchedulerConfig.max_model_len is None: set it, or let the engine resolve it "
+                "from the model"
+            )
         self.config = config
         self.vote: Vote = vote if vote is not None else LocalVote()
         self.kv = KvManager(config)
@@ -100,7 +105,8 @@ class Scheduler:
             else self.config.max_num_batched_tokens
         )
         if len(tokens) > limit:
-            return SequenceStatus.IGNORED, f"prompt of {len(tokens)} tokens exceeds {limit}"
+            name = "max_model_len" if self.config.chunked_prefill else "max_num_batched_tokens"
+            return SequenceStatus.IGNORED, f"prompt of {len(tokens)} tokens exceeds {name} {limit}"
         return None
 
     def abort(self, request_id: str, reason: str | None = None) -> Sequence | None:

@@ -11,6 +11,7 @@ then go through that exchange too (distributed/step_sync.py, `TorchVote`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -35,6 +36,9 @@ class DistContext:
     # What the MoE layers use: moe_group's all-to-all, or shared memory. The segment is
     # unmapped when the last reference goes (its file name is gone once every rank mapped it).
     moe_exchange: Exchange
+    # A new connection to the group's store, with the same key namespace as `store` (a store
+    # client serves one request at a time; a thread that blocks on a key needs its own).
+    connect_store: Callable[[], dist.Store]
 
     @property
     def shared_memory(self) -> SharedMemoryExchange | None:
@@ -70,12 +74,23 @@ def init_distributed(
     timeout_s: float = 60.0,
     local_rank: int | None = None,
     moe_exchange: str = "auto",
+    connect_store: Callable[[], dist.Store] | None = None,
 ) -> DistContext:
     """Join the group (if this process has not yet), create the MoE group and choose how the
     MoE all-to-alls travel (`parallel.moe_exchange`; shared memory only on gloo).
 
     Every rank must call this in the same order: ``new_group`` is itself collective.
+    connect_store: opens another connection to `store` (same namespace); by default a new
+    client of `store`'s address, which needs `store` to be a TCPStore.
     """
+    if connect_store is None:
+        if not isinstance(store, dist.TCPStore):
+            raise ValueError(f"pass connect_store for a {type(store).__name__}")
+        host, port = store.host, store.port
+
+        def connect_store() -> dist.Store:
+            return dist.TCPStore(host, port, is_master=False)
+
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(
@@ -111,6 +126,7 @@ def init_distributed(
         device=device,
         timeout_s=timeout_s,
         moe_exchange=exchange,
+        connect_store=connect_store,
     )
     get_logger(rank).info(
         "joined a group of %d; MoE all-to-alls through %s, votes through %s",

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_engine.distributed.plain_data import all_gather_json, broadcast_json
 from dist_engine.kernels.build import CSRC, shared_library
 
 # `parallel.moe_exchange`: how the MoE all-to-alls travel (see open_shared_memory_exchange).
@@ -241,8 +242,7 @@ def open_shared_memory_exchange(
             problem = f"the shared-memory library did not build: {why}"
         elif not SHM_DIR.is_dir():
             problem = f"{SHM_DIR} does not exist"
-    facts: list[object] = [None] * size
-    dist.all_gather_object(facts, (mode, host_identity(), os.getpid(), problem), group=group)
+    facts = all_gather_json((mode, host_identity(), os.getpid(), problem), group)
     modes = [m for m, _, _, _ in facts]
     if len(set(modes)) != 1:
         raise ValueError(
@@ -260,19 +260,17 @@ def open_shared_memory_exchange(
         return _give_up(problems, required)
 
     # Rank 0 creates the segment; then every other rank maps it; then rank 0 removes the name.
-    path = [str(SHM_DIR / f"lockstep-{uuid.uuid4().hex}") if rank == 0 else None]
-    dist.broadcast_object_list(path, src=0, group=group)
+    path = broadcast_json(str(SHM_DIR / f"lockstep-{uuid.uuid4().hex}"), src=0, group=group)
     handle, error = None, ""
     if rank == 0:
         try:
-            handle = _Segment(path[0], True, rank, size, slot_bytes, timeout_s)
+            handle = _Segment(path, True, rank, size, slot_bytes, timeout_s)
         except Exception as exc:  # e.g. /dev/shm full
             error = str(exc)
-    created = [error]
-    dist.broadcast_object_list(created, src=0, group=group)
-    if not created[0] and rank != 0:
+    created = broadcast_json(error, src=0, group=group)
+    if not created and rank != 0:
         try:
-            handle = _Segment(path[0], False, rank, size, slot_bytes, timeout_s)
+            handle = _Segment(path, False, rank, size, slot_bytes, timeout_s)
         except Exception as exc:
             error = str(exc)
     # Each rank checks that it can see every peer's process: the exchange detects a dead peer
@@ -285,8 +283,7 @@ def open_shared_memory_exchange(
                 error = f"cannot see rank {peer_rank}'s process (pid {pid}; another pid namespace?)"
             except PermissionError:
                 pass  # it exists
-    errors: list[object] = [None] * size
-    dist.all_gather_object(errors, error or created[0], group=group)
+    errors = all_gather_json(error or created, group)
     if rank == 0 and handle is not None:
         handle.unlink()  # every rank has mapped it, or failed and will not try again
     problems = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
@@ -294,7 +291,7 @@ def open_shared_memory_exchange(
         if handle is not None:
             handle.close()
         return _give_up(problems, required)
-    return SharedMemoryExchange(handle, rank, size, path[0])
+    return SharedMemoryExchange(handle, rank, size, path)
 
 
 def _give_up(problems: list[str], required: bool, warn: bool = True) -> None:

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dist_engine.distributed.plain_data import all_gather_json
 from dist_engine.distributed.shm_exchange import SharedMemoryExchange
 from dist_engine.errors import LockstepError, SettingsMismatchError
 from scheduler import StepKind
@@ -78,9 +79,7 @@ def check_lockstep(group: dist.ProcessGroup, step_index: int, kind: StepKind, mo
 
 def agree_settings(group: dist.ProcessGroup, settings: dict[str, object]) -> None:
     """Refuse to start unless every rank has the same ``settings``; names each differing key."""
-    world = dist.get_world_size(group)
-    everyone: list[dict[str, object] | None] = [None] * world
-    dist.all_gather_object(everyone, settings, group=group)
+    everyone: list[dict[str, object] | None] = all_gather_json(settings, group)
     differing = []
     for key in sorted({k for view in everyone if view for k in view}):
         values = [view.get(key) if view else None for view in everyone]

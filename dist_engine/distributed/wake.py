@@ -14,6 +14,7 @@ at most one extra vote.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -26,15 +27,16 @@ class StoreWake:
     a time, so a bump from a submitting thread must not queue behind the sleeper's wait.
     """
 
-    def __init__(self, store: dist.Store, namespace: str) -> None:
+    def __init__(
+        self, store: dist.Store, namespace: str, connect: Callable[[], dist.Store]
+    ) -> None:
         """``namespace`` must be the same on every rank and new for every engine the group
-        starts: epochs count from 0 under it."""
-        if not isinstance(store, dist.TCPStore):
-            raise ValueError(f"waking a group needs its TCPStore, got {type(store).__name__}")
+        starts: epochs count from 0 under it. ``connect`` opens another connection to the
+        same store (and key namespace), for the sleeper."""
         self.store = store
         self._counter = f"{namespace}/wake_epoch"
         self._prefix = f"{namespace}/wake/"
-        self._sleeper = dist.TCPStore(store.host, store.port, is_master=False)
+        self._sleeper = connect()
         self._lock = threading.Lock()
         self._seen = 0
         self._deleted_upto = 0

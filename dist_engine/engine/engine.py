@@ -17,11 +17,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
-from dist_engine.attention.kv_cache import bytes_per_block, num_blocks_for_budget
+from dist_engine.attention.kv_cache import (
+    NUM_RESERVED_BLOCKS,
+    bytes_per_block,
+    num_blocks_for_budget,
+)
 from dist_engine.backends import Backends, resolve_backends
 from dist_engine.distributed.groups import DistContext
+from dist_engine.distributed.plain_data import broadcast_json
 from dist_engine.distributed.step_sync import TorchVote, agree_settings, find_failed_ranks
 from dist_engine.distributed.wake import LocalWake, StoreWake
 from dist_engine.engine.config import EngineConfig, model_identity
@@ -73,6 +76,16 @@ class StepTrace:
     slept_s: float
 
 
+def check_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> None:
+    """A set max_model_len beyond the model's positions is a config error."""
+    if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"scheduler.max_model_len ({max_model_len}) exceeds the model's "
+            f"max_position_embeddings ({model_config.max_position_embeddings}); leave it unset "
+            f"to use the model's"
+        )
+
+
 class DPEngine:
     def __init__(
         self,
@@ -97,11 +110,7 @@ class DPEngine:
         sched_config = dataclasses.replace(
             config.scheduler, vocab_size=self.model_config.vocab_size
         )
-        if sched_config.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"scheduler.max_model_len ({sched_config.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({self.model_config.max_position_embeddings})"
-            )
+        check_max_model_len(sched_config.max_model_len, self.model_config)
         device = dist_ctx.device if dist_ctx else None
         # Before the first collective: resolving the backends builds the CPU kernels where
         # they may be used, which takes tens of seconds the first time on a machine, and peers
@@ -117,12 +126,17 @@ class DPEngine:
             self.vote = TorchVote(dist_ctx.vote_group, dist_ctx.shared_memory)
         self.model = model if model is not None else self._load_model(device, sched_config)
         sched_config = self._size_kv_pool(sched_config)
+        sched_config = self._resolve_max_model_len(sched_config)
         self.model.attach_kv_cache(
             self.model.new_kv_cache(sched_config.num_blocks, sched_config.block_size, device)
         )
         self.runner = ModelRunner(self.model, sched_config.block_size, device or "cpu")
         self.scheduler = Scheduler(sched_config, vote=self.vote)
-        self.wake = StoreWake(dist_ctx.store, self._new_namespace()) if dist_ctx else LocalWake()
+        self.wake = (
+            StoreWake(dist_ctx.store, self._new_namespace(), dist_ctx.connect_store)
+            if dist_ctx
+            else LocalWake()
+        )
         self.on_output = on_output
         self.trace: collections.deque[StepTrace] = collections.deque(maxlen=trace_limit)
         self._inbox: collections.deque[InboxMessage] = collections.deque()
@@ -134,6 +148,31 @@ class DPEngine:
         self._stop_reason = ""
         self.sleeping = False
         self.error: BaseException | None = None
+
+    def _resolve_max_model_len(self, sched_config):
+        """An unset max_model_len is the model's max_position_embeddings, capped by what the
+        pool holds; a set one that the pool cannot hold is kept, with a warning (such prompts
+        end with prompt_length_exceeded, naming the pool). Every rank must end up with the same
+        value: agreed like the other settings."""
+        pool_tokens = (sched_config.num_blocks - NUM_RESERVED_BLOCKS) * sched_config.block_size
+        limit = sched_config.max_model_len
+        if limit is None:
+            limit = min(self.model_config.max_position_embeddings, pool_tokens)
+            sched_config = dataclasses.replace(sched_config, max_model_len=limit)
+            self.log.info("max_model_len %d (the model's %d, the pool's %d tokens)", limit,
+                          self.model_config.max_position_embeddings, pool_tokens)  # fmt: skip
+        elif limit > pool_tokens:
+            self.log.warning(
+                "scheduler.max_model_len %d exceeds what the KV pool holds (%d blocks of %d = "
+                "%d tokens): longer requests cannot run",
+                limit,
+                sched_config.num_blocks - NUM_RESERVED_BLOCKS,
+                sched_config.block_size,
+                pool_tokens,
+            )
+        if self.dist is not None:
+            agree_settings(self.dist.vote_group, {"scheduler.max_model_len (resolved)": limit})
+        return sched_config
 
     def _size_kv_pool(self, sched_config):
         """The pool's block count (from `kv_cache_bytes` when set), logged with its size."""
@@ -159,11 +198,11 @@ class DPEngine:
         """A store namespace that is new for this engine and the same on every rank: a group
         may start several engines in turn, and stale wake keys must not leak between them."""
         assert self.dist is not None
-        generation = [None]
+        generation = None
         if self.rank == 0:
-            generation[0] = self.dist.store.add("lockstep/engine_generation", 1)
-        dist.broadcast_object_list(generation, src=0, group=self.dist.vote_group)
-        return f"lockstep/engine{generation[0]}"
+            generation = self.dist.store.add("lockstep/engine_generation", 1)
+        generation = broadcast_json(generation, src=0, group=self.dist.vote_group)
+        return f"lockstep/engine{generation}"
 
     def _load_model(self, device: object, sched_config) -> MoECausalLM:
         num_experts = self.model_config.num_experts
@@ -260,8 +299,13 @@ class DPEngine:
             self._stop("engine shut down")
             return self._record(outputs, kind, start, 0.0, 0.0)
         forward_start = time.perf_counter()
-        tokens = self.runner.execute(outputs)
+        tokens, failures = self.runner.execute(outputs)
         forward_s = time.perf_counter() - forward_start
+        for seq, reason in failures:  # one request's fault ends that request, not the group
+            self.log.warning("request %s failed: %s", seq.request_id, reason)
+            ended = sched.abort(seq.request_id, reason)
+            if ended is not None:
+                self._emit(ended)
         finished = sched.process_outputs(outputs, tokens)
         self._emit_stream(outputs.scheduled_seqs)
         self._emit_all(finished)

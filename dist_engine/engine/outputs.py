@@ -20,6 +20,9 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # Why the request ended where the finish reason alone does not say (the limit a prompt
+    # exceeded, the pool it could not fit); None otherwise.
+    detail: str | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -44,4 +47,5 @@ class RequestOutput:
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
             token_times=list(seq.token_times) if finished else [],
+            detail=(seq.error_message or None) if finished else None,
         )

@@ -40,10 +40,16 @@ class ModelRunner:
         self._sampling: dict[str, SamplingState] = {}
 
     @torch.no_grad()
-    def execute(self, outputs: SchedulerOutputs) -> list[int]:
-        """Run one step; returns one token id per scheduled sequence, in order."""
+    def execute(self, outputs: SchedulerOutputs) -> tuple[list[int], list[tuple[Sequence, str]]]:
+        """Run one step; returns one token id per scheduled sequence, in order, and the
+        sequences whose sampling failed, each with the reason (their token is NO_TOKEN).
+
+        A failure that belongs to one request (its sampling settings, its row of the sample)
+        is contained here, after the forward, so every rank has taken the same collectives and
+        the caller can end that request alone while the group keeps stepping.
+        """
         if outputs.known_empty:
-            return []
+            return [], []
         seqs = outputs.scheduled_seqs
         mode = DispatchMode.NORMAL if outputs.prompt_run else DispatchMode.LOW_LATENCY
         # The scheduler advanced each ledger optimistically: the step's tokens start where the
@@ -70,13 +76,43 @@ class ModelRunner:
             if start + count == len(seq.token_ids)
         ]
         tokens = [NO_TOKEN] * len(seqs)
+        failures: list[tuple[Sequence, str]] = []
         if rows:
             last_token_rows = attn.query_start_loc[1:][rows] - 1
             logits = self.model.compute_logits(hidden[last_token_rows])
-            states = [self._state(seqs[b]) for b in rows]
-            for b, token in zip(rows, self.sampler(logits, states).tolist(), strict=True):
-                tokens[b] = token
-        return tokens
+            for b, token in self._sample(logits, [seqs[b] for b in rows], failures):
+                tokens[rows[b]] = token
+        return tokens, failures
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], failures: list[tuple[Sequence, str]]
+    ) -> list[tuple[int, int]]:
+        """logits: [R, V] for `seqs` → (row, token) for every row that sampled; rows that
+        could not are added to `failures`. One batched call normally; row by row only when the
+        batch fails, to find the row that fails it."""
+        states: dict[int, SamplingState] = {}
+        for row, seq in enumerate(seqs):
+            try:
+                states[row] = self._state(seq)
+            except Exception as error:
+                failures.append((seq, f"sampling settings rejected: {error}"))
+        usable = list(states)
+        if not usable:
+            return []
+        try:
+            picked = logits if len(usable) == len(seqs) else logits[usable]
+            tokens = self.sampler(picked, [states[row] for row in usable]).tolist()
+            return list(zip(usable, tokens, strict=True))
+        except Exception:
+            sampled = []
+            for row in usable:
+                try:
+                    token = self.sampler(logits[row : row + 1], [states[row]]).tolist()[0]
+                except Exception as error:
+                    failures.append((seqs[row], f"sampling failed: {error}"))
+                    continue
+                sampled.append((row, token))
+            return sampled
 
     def _state(self, seq: Sequence) -> SamplingState:
         state = self._sampling.get(seq.request_id)

@@ -19,12 +19,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler.sampling_params import GREEDY_TEMPERATURE
+
 
 @dataclass
 class SamplingState:
     """Per-request sampling settings plus the generator whose state persists across steps.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 (or below GREEDY_TEMPERATURE) means greedy (argmax); otherwise logits are
+        divided by it.
     top_k: keep the k most likely tokens; 0 or -1 disables.
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p; 1 disables.
     seed: seeds the generator; None draws a fresh random seed (still one generator per request).
@@ -50,7 +53,7 @@ class SamplingState:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 class Sampler:
@@ -93,11 +96,14 @@ def _filtered_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> to
     device = logits.device
     temperature = torch.tensor([s.temperature for s in states], device=device)
     logits = logits / temperature.unsqueeze(1)
-    top_k = torch.tensor([s.top_k if s.top_k > 0 else vocab for s in states], device=device)
+    # Clamped in Python: a top_k beyond int64 would not even become a tensor.
+    top_k = torch.tensor(
+        [min(s.top_k, vocab) if s.top_k > 0 else vocab for s in states], device=device
+    )
     top_p = torch.tensor([s.top_p for s in states], device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
-    keep = ranks < top_k.clamp(max=vocab).unsqueeze(1)
+    keep = ranks < top_k.unsqueeze(1)
     sorted_probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(dim=-1)
     # Keep a token while the mass of the tokens before it is still below top_p; the most
     # likely token is therefore always kept, whatever top_p.

@@ -125,6 +125,8 @@ class ModelConfig:
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     """The JSON object in `<model_dir>/config.json`; errors name the file and the problem."""
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in model directory {str(model_dir)!r}")

@@ -54,7 +54,10 @@ class CheckpointReader:
     def _index_tensors(self) -> dict[str, str]:
         index_path = self.model_dir / INDEX_FILE
         if index_path.is_file():
-            weight_map = json.loads(index_path.read_text()).get("weight_map")
+            try:
+                weight_map = json.loads(index_path.read_text()).get("weight_map")
+            except (json.JSONDecodeError, AttributeError) as error:
+                raise ValueError(f"{index_path} is not a JSON object: {error}") from None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ValueError(f"{index_path} has no 'weight_map' object")
             for file_name in sorted(set(weight_map.values())):
@@ -79,8 +82,17 @@ class CheckpointReader:
     def _open(self, file_name: str) -> Any:
         if file_name not in self._handles:
             path = self.model_dir / file_name
-            self._handles[file_name] = self._stack.enter_context(safe_open(str(path), "pt"))
+            try:
+                handle = safe_open(str(path), "pt")
+            except Exception as error:  # safetensors' own error types: a bad or cut-short file
+                raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+            self._handles[file_name] = self._stack.enter_context(handle)
         return self._handles[file_name]
+
+    def open_all(self) -> None:
+        """Open every file now: a truncated or corrupt one fails here, before any weight."""
+        for file_name in sorted(set(self._file_of.values())):
+            self._open(file_name)
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -251,3 +263,39 @@ def _check_no_extra_tensors(
             f"checkpoint {reader.model_dir} has {len(extra)} tensor(s) the {config.model_type} "
             f"model does not use: {shown}{more}"
         )
+
+
+def check_checkpoint(model_dir: str | Path) -> ModelConfig:
+    """What can be checked about a checkpoint without reading a weight, for the driver to do
+    before any rank starts: config.json parses for a supported architecture, every file opens
+    (not truncated or corrupt), every tensor the config implies is there with its shape, and
+    there is none it does not. Raises ValueError or FileNotFoundError naming the problem in
+    one line; returns the config."""
+    config = ModelConfig.from_pretrained(model_dir)
+    layout = get_architecture(config.model_type).layout(config)
+    with CheckpointReader(model_dir) as reader:
+        reader.open_all()
+        expected: set[str] = set()
+        for name, shape in layout.dense_tensor_shapes().items():
+            source = next((n for n in (name, *layout.aliases(name)) if reader.has(n)), name)
+            reader.check_shape(source, shape)
+            expected.add(source)
+        gate_shape, up_shape, down_shape = layout.expert_shapes()
+        num_experts = config.num_experts
+        for layer_idx in config.moe_layer_indices:
+            names = layout.expert_names(layer_idx)
+            if reader.has(names.fused_gate_up) or reader.has(names.fused_down):
+                reader.check_shape(
+                    names.fused_gate_up, (num_experts, 2 * gate_shape[0], gate_shape[1])
+                )
+                reader.check_shape(names.fused_down, (num_experts, *down_shape))
+                expected |= {names.fused_gate_up, names.fused_down}
+                continue
+            for expert in range(num_experts):
+                for name, shape in zip(
+                    names.per_expert(expert), (gate_shape, up_shape, down_shape), strict=True
+                ):
+                    reader.check_shape(name, shape)
+                    expected.add(name)
+        _check_no_extra_tensors(config, reader, expected)
+    return config

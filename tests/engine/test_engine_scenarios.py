@@ -62,7 +62,7 @@ class Reference:
             sched.add_sequence(seq)
         while sched.num_unfinished:
             outputs = sched.schedule()
-            sched.process_outputs(outputs, runner.execute(outputs))
+            sched.process_outputs(outputs, runner.execute(outputs)[0])
         for request, seq in zip(requests, seqs, strict=True):
             self.cache[request] = seq.output_token_ids
 

@@ -71,7 +71,7 @@ def generate(model, prompts, **overrides) -> tuple[list[list[int]], Scheduler]:
         if sched.num_unfinished == 0:
             break
         outputs = sched.schedule()
-        sched.process_outputs(outputs, runner.execute(outputs))
+        sched.process_outputs(outputs, runner.execute(outputs)[0])
         sched.check_integrity()
     assert all(seq.finish_reason == "length" for seq in seqs), [s.finish_reason for s in seqs]
     return [seq.output_token_ids for seq in seqs], sched
@@ -112,10 +112,10 @@ def test_placeholder_and_known_empty_steps(case):
     runner = ModelRunner(model, BLOCK_SIZE)
     sched = Scheduler(SchedulerConfig(max_model_len=64, block_size=BLOCK_SIZE, num_blocks=16))
     outputs = sched.schedule()
-    assert outputs.known_empty and runner.execute(outputs) == []
+    assert outputs.known_empty and runner.execute(outputs) == ([], [])
     # A rank with nothing scheduled in a group step still runs a zero-token forward.
     from scheduler import SchedulerOutputs
 
     for prompt_run in (True, False):
         placeholder = SchedulerOutputs(prompt_run, [], [], 0)
-        assert placeholder.is_placeholder and runner.execute(placeholder) == []
+        assert placeholder.is_placeholder and runner.execute(placeholder) == ([], [])

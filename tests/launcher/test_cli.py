@@ -24,6 +24,7 @@ RECORD_FIELDS = [
     "output_token_ids",
     "text",
     "finish_reason",
+    "detail",
     "dp_rank",
 ]
 
