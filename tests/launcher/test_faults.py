@@ -76,9 +76,7 @@ def test_items_1_4_6_a_dp2_group_contains_bad_requests_keeps_results_and_hides_i
         # are under a random namespace: an outside client finds none of them.
         host, port = llm.client.store_address
         assert host == "127.0.0.1" and _listening_address(port) == "127.0.0.1"
-        outsider = dist.TCPStore(
-            host, port, is_master=False, timeout=datetime.timedelta(seconds=5)
-        )
+        outsider = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=5))
         assert not outsider.check(["lockstep/engine_generation"])
         assert outsider.num_keys() > 1  # the group's own keys are there, under the namespace
 

@@ -104,7 +104,7 @@ def reference(job_files) -> list[dict]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return [
         {"index": i, "prompt_token_ids": o.prompt_token_ids, "output_token_ids": o.output_token_ids,
-         "text": o.text, "finish_reason": o.finish_reason}
+         "text": o.text, "finish_reason": o.finish_reason, "detail": o.detail}
         for i, o in enumerate(outputs)
     ]  # fmt: skip
 

@@ -22,7 +22,7 @@ def test_stop_ids_become_a_frozenset():
         ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k must be an int >= 0"),
-        ({"seed": "7"}, "seed must be an int or None"),
+        ({"seed": "7"}, "seed must be an int in [0, 2**64 - 1] or None"),
         ({"stop_token_ids": [1, -2]}, "stop_token_ids must be ints >= 0"),
         ({"stop_token_ids": "abc"}, "stop_token_ids must be a collection of ints"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool"),
