@@ -1,14 +1,20 @@
 """Which implementation runs each kind of op: config keys, resolved once at start-up.
 
-    attention_backend: auto | native | torch     paged attention, rotary + KV write
-    expert_backend:    auto | native | torch     the expert side of an MoE layer
-    norm_backend:      auto | native | torch     RMSNorm
+    attention_backend: auto | native | torch                paged attention, rotary + KV write
+    expert_backend:    auto | native | torch | grouped_mm   the expert side of an MoE layer
+    norm_backend:      auto | native | torch                RMSNorm
 
 `torch` is PyTorch's own ops: every device and dtype, and the reference the others are tested
 against. `native` is Lockstep's compiled CPU kernels (kernels/compute.py), which apply to
 float32 on the CPU (decode attention to every float dtype); elsewhere a `native` layer falls
-back to `torch` call by call. `auto` takes `native` where it applies and the kernels built,
-`torch` otherwise.
+back to `torch` call by call. `grouped_mm` runs the experts as one
+`torch.nn.functional.grouped_mm` per projection (float32 and half types, CPU and GPU).
+
+`auto` measures: each rank times the implementations that can serve its model, on its real
+shapes at its steps' sizes, and takes the fastest per regime (dist_engine/autotune.py; cached
+per host). Without those shapes (a model built outside an engine), on a GPU, or with
+`LOCKSTEP_AUTOTUNE=0` in the environment (short jobs, tests), `auto` is a rule: `native` where
+it applies and built, else `grouped_mm` for the experts on a GPU, else `torch`.
 
 The choice is made per regime (decode steps and prefill steps), so a kernel that is faster
 for a handful of rows and slower for thousands can serve only the regime where it wins;
@@ -19,16 +25,27 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dist_engine.attention import AttentionBackend, PerRegime, attention_backend
 from dist_engine.layers.norm import NormKernel
 from dist_engine.log import get_logger
-from moe import DispatchMode, ExpertImpl
+from moe import DispatchMode, ExpertImpl, grouped_mm_weighted_sum
 
-BACKEND_CHOICES = ("auto", "native", "torch")
-BACKEND_KEYS = ("attention_backend", "expert_backend", "norm_backend")
+if TYPE_CHECKING:
+    from dist_engine.autotune import TuneShapes
+
+BACKEND_CHOICES = {
+    "attention_backend": ("auto", "native", "torch"),
+    "expert_backend": ("auto", "native", "torch", "grouped_mm"),
+    "norm_backend": ("auto", "native", "torch"),
+}
+BACKEND_KEYS = tuple(BACKEND_CHOICES)
+_OPS = {"attention_backend": "attention", "expert_backend": "experts", "norm_backend": "norm"}
+_REGIMES = ("decode", "prefill")
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Environment switches of earlier versions, no longer read: say so rather than ignore them.
 _RETIRED_SWITCHES = {
     "LOCKSTEP_FUSED_ATTENTION": "attention_backend",
@@ -79,7 +96,6 @@ class LayerOps:
         """`max_decode_tokens`: the most tokens a decode step holds (max_num_seqs): the norm,
         which has no step kind to look at, tells decode steps from prefill steps by size."""
         from dist_engine.kernels import compute
-        from dist_engine.layers.moe import NativeExperts
 
         attention = backends.attention
         decode, prefill = attention_backend(attention.decode), attention_backend(attention.prefill)
@@ -87,10 +103,7 @@ class LayerOps:
             DispatchMode.LOW_LATENCY: backends.experts.decode,
             DispatchMode.NORMAL: backends.experts.prefill,
         }
-        impls: dict[DispatchMode, ExpertImpl | None] = {
-            mode: NativeExperts(compute.routed_swiglu()) if name == "native" else None
-            for mode, name in experts.items()
-        }
+        impls = {mode: expert_impl(name) for mode, name in experts.items()}
         norm = None
         if "native" in (backends.norm.decode, backends.norm.prefill):
             kernel = compute.rms_norm()
@@ -121,46 +134,92 @@ def native_applies(
     return on_cpu and (dtype == torch.float32 or every_dtype)
 
 
+def autotune_enabled() -> bool:
+    """`auto` backends are timed at start-up unless LOCKSTEP_AUTOTUNE is 0/false/off."""
+    return os.environ.get("LOCKSTEP_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off")
+
+
+def expert_impl(name: str) -> ExpertImpl | None:
+    """The `moe.ExpertImpl` of an expert backend (None: PyTorch's own path)."""
+    if name == "native":
+        from dist_engine.kernels import compute
+        from dist_engine.layers.moe import NativeExperts
+
+        return NativeExperts(compute.routed_swiglu())
+    if name == "grouped_mm":
+        return grouped_mm_weighted_sum
+    if name == "torch":
+        return None
+    raise ValueError(f"unknown expert backend {name!r}")
+
+
+def candidates(
+    key: str,
+    regime: str,
+    dtype: torch.dtype,
+    device: torch.device | str | None,
+    attention_kind: str = "gqa",
+) -> list[str]:
+    """The implementations that can serve `key`'s ops in `regime` for this model."""
+    from dist_engine.kernels import compute
+
+    names = ["torch"]
+    if key == "attention_backend" and attention_kind != "gqa":
+        return names  # the native kernels serve the paged per-head K/V only
+    if native_applies(key, regime, dtype, device) and compute.prepare():
+        names.insert(0, "native")
+    if key == "expert_backend" and dtype in GROUPED_MM_DTYPES:
+        names.append("grouped_mm")
+    return names
+
+
 def resolve_backends(
     settings: dict[str, str],
     dtype: torch.dtype,
     device: torch.device | str | None,
     rank: int | None = None,
+    shapes: TuneShapes | None = None,
 ) -> Backends:
-    """`settings`: each of BACKEND_KEYS → one of BACKEND_CHOICES. Raises ValueError naming
-    the key when `native` is asked for where it cannot run."""
-    from dist_engine.kernels import compute
-
+    """`settings`: each of BACKEND_KEYS → one of its BACKEND_CHOICES. `shapes`: the model's and
+    the steps' sizes, for `auto` to time the candidates on (None: `auto` is a rule). Raises
+    ValueError naming the key when an implementation is asked for where it cannot run."""
     log = get_logger(rank)
     for switch, keys in _RETIRED_SWITCHES.items():
         if switch in os.environ:
             log.warning("%s is no longer read; set %s (auto | native | torch)", switch, keys)
-    chosen: dict[str, RegimeChoice] = {}
+    on_cpu = device is None or torch.device(device).type == "cpu"
+    kind = shapes.attention_kind if shapes is not None else "gqa"
+    chosen: dict[str, dict[str, str]] = {}
+    to_time: dict[str, dict[str, list[str]]] = {}
     for key in BACKEND_KEYS:
         value = settings.get(key, "auto")
-        if value not in BACKEND_CHOICES:
-            raise ValueError(f"{key} must be one of {list(BACKEND_CHOICES)}, got {value!r}")
-        names = []
-        for regime in ("decode", "prefill"):
-            applies = native_applies(key, regime, dtype, device)
-            built = applies and compute.prepare()
-            if value == "native" and not any(
-                native_applies(key, r, dtype, device) for r in ("decode", "prefill")
-            ):
-                raise ValueError(
-                    f"{key} is 'native', but the native kernels serve float32 on the CPU and "
-                    f"this model is {dtype} on {device or 'cpu'}; use auto or torch"
-                )
-            if value == "native" and applies and not built:
-                raise ValueError(
-                    f"{key} is 'native', but the CPU kernels did not build (see the warning "
-                    f"above); use auto or torch"
-                )
-            # `native` where a kernel does not apply runs PyTorch's ops: say so.
-            names.append("native" if value != "torch" and built else "torch")
-        chosen[key] = RegimeChoice(*names)
+        if value not in BACKEND_CHOICES[key]:
+            raise ValueError(f"{key} must be one of {list(BACKEND_CHOICES[key])}, got {value!r}")
+        per_regime = {regime: candidates(key, regime, dtype, device, kind) for regime in _REGIMES}
+        if value not in ("auto", "torch") and not any(value in c for c in per_regime.values()):
+            raise ValueError(
+                f"{key} is {value!r}, which cannot run this model ({dtype} on "
+                f"{device or 'cpu'}; the native kernels serve float32 on the CPU and need a "
+                f"C++ compiler, grouped_mm float32 and half types); use auto or torch"
+            )
+        chosen[key] = {}
+        for regime, names in per_regime.items():
+            if value != "auto":  # where the named one cannot serve a regime, PyTorch's does
+                chosen[key][regime] = value if value in names else "torch"
+            elif shapes is not None and on_cpu and len(names) > 1 and autotune_enabled():
+                to_time.setdefault(_OPS[key], {})[regime] = names
+            else:  # the rule: the native kernels on a CPU, the grouped GEMM on a GPU
+                preferred = "native" if on_cpu else "grouped_mm"
+                chosen[key][regime] = preferred if preferred in names else "torch"
+    if to_time:
+        from dist_engine.autotune import tune
+
+        timed = tune(shapes, to_time, lambda message: log.info("%s", message))
+        for key, op in _OPS.items():
+            for regime, choice in timed.get(op, {}).items():
+                chosen[key][regime] = choice
     backends = Backends(
-        chosen["attention_backend"], chosen["expert_backend"], chosen["norm_backend"]
+        *(RegimeChoice(chosen[key]["decode"], chosen[key]["prefill"]) for key in BACKEND_KEYS)
     )
     log.info("backends: %s", backends.describe())
     return backends

@@ -8,7 +8,7 @@ from moe.dispatch_common import ReceivedRouting
 from moe.dispatch_low_latency import LowLatencyDispatchMeta
 from moe.dispatch_normal import NormalDispatchMeta
 from moe.exchange import Exchange, GroupExchange
-from moe.experts import ExpertImpl, LocalExperts, torch_weighted_sum
+from moe.experts import ExpertImpl, LocalExperts, grouped_mm_weighted_sum, torch_weighted_sum
 from moe.layer import MoELayer, dense_reference_moe
 from moe.placement import ExpertPlacement, choose_replicas
 from moe.routing import RoutingResult, sigmoid_grouped_topk, softmax_topk
@@ -30,6 +30,7 @@ __all__ = [
     "combine",
     "dense_reference_moe",
     "dispatch",
+    "grouped_mm_weighted_sum",
     "run_local_experts",
     "sigmoid_grouped_topk",
     "softmax_topk",

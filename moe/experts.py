@@ -241,6 +241,39 @@ def torch_weighted_sum(
     return experts.torch_weighted_sum(hidden, local_slots, weights)
 
 
+def grouped_mm_weighted_sum(
+    experts: LocalExperts, hidden: torch.Tensor, local_slots: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """`LocalExperts.weighted_sum` as one `torch.nn.functional.grouped_mm` per projection over
+    every local slot (an `ExpertImpl`): the op a GPU wants, and on the CPU another candidate
+    for `expert_backend: auto` to time.
+
+    The (row, choice) pairs are sorted by slot (choices served elsewhere, -1, go last and are
+    masked out), so no padding is computed and nothing syncs with the host: the group sizes
+    stay on the device as the `offs` of the grouped GEMMs.
+    hidden: [N, D]; local_slots, weights: [N, K] → [N, D] in hidden's dtype.
+    """
+    top_k = local_slots.shape[1]
+    num_slots = experts.num_slots
+    flat = local_slots.reshape(-1)
+    served = flat >= 0
+    keyed = torch.where(served, flat, num_slots)  # not served: after every slot
+    order = torch.argsort(keyed, stable=True)
+    counts = torch.bincount(keyed, minlength=num_slots + 1)[:num_slots]
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = torch.div(order, top_k, rounding_mode="floor")
+    sorted_hidden = hidden.index_select(0, rows)
+    gate_up = F.grouped_mm(sorted_hidden, experts.w13, offs=offs)  # [P, 2I]
+    down = F.grouped_mm(_swiglu(gate_up, experts.intermediate_size), experts.w2, offs=offs)
+    # Rows past the last group (choices not served here) are left undefined by grouped_mm:
+    # `where`, not a product with a zero weight, so a NaN there cannot leak into the sum.
+    keep = served[order].unsqueeze(1)
+    scaled = torch.where(keep, _scale_rows(down, weights.reshape(-1)[order]).float(), 0.0)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, rows, scaled)
+    return out.to(hidden.dtype)
+
+
 def _swiglu(gate_up: torch.Tensor, size_i: int) -> torch.Tensor:
     """[..., 2I] (gate | up) → silu(gate) * up, [..., I]."""
     return F.silu(gate_up[..., :size_i]).mul_(gate_up[..., size_i:])

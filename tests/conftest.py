@@ -1,10 +1,17 @@
 """Shared by every test area (scheduler/, moe/, models/, engine/, launcher/): the helpers'
 place on sys.path, the native build done once up front, and the one tiny model."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# `auto` backends follow the rule (native where it applies) instead of timing the candidates
+# at every engine start with a new shape: results are the same either way (the parity tests
+# run every backend), and the timing is tested on its own (tests/engine/test_autotune.py).
+# Inherited by every process the tests start (ranks, Ray actors, torchrun, the CLI).
+os.environ["LOCKSTEP_AUTOTUNE"] = "0"
 
 # Test helpers live beside the tests; the packages themselves are installed (pip install -e).
 sys.path.insert(0, str(Path(__file__).parent))

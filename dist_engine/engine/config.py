@@ -105,7 +105,8 @@ class EngineConfig:
     # When set, each rank's KV pool gets as many blocks as fit in this many bytes, replacing
     # scheduler.num_blocks.
     kv_cache_bytes: int | None = None
-    # Which implementation runs each kind of op (dist_engine/backends.py): auto | native | torch.
+    # Which implementation runs each kind of op (dist_engine/backends.py): auto (measured on
+    # this host), native, torch, and for the experts grouped_mm.
     attention_backend: str = "auto"
     expert_backend: str = "auto"
     norm_backend: str = "auto"
@@ -114,8 +115,8 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
         _choice("dtype", self.dtype, tuple(DTYPES))
-        for key in ("attention_backend", "expert_backend", "norm_backend"):
-            _choice(key, getattr(self, key), BACKEND_CHOICES)
+        for key, allowed in BACKEND_CHOICES.items():
+            _choice(key, getattr(self, key), allowed)
         if self.kv_cache_bytes is not None:
             _positive_int("kv_cache_bytes", self.kv_cache_bytes)
         if not isinstance(self.check_lockstep, bool):

@@ -22,6 +22,7 @@ from dist_engine.attention.kv_cache import (
     bytes_per_block,
     num_blocks_for_budget,
 )
+from dist_engine.autotune import TuneShapes
 from dist_engine.backends import Backends, resolve_backends
 from dist_engine.distributed.groups import DistContext
 from dist_engine.distributed.plain_data import broadcast_json
@@ -116,7 +117,11 @@ class DPEngine:
         # they may be used, which takes tens of seconds the first time on a machine, and peers
         # waiting inside a collective for a rank that compiles would run into its timeout.
         self.backends: Backends = resolve_backends(
-            config.backend_settings, config.torch_dtype, device, self.rank
+            config.backend_settings,
+            config.torch_dtype,
+            device,
+            self.rank,
+            shapes=self._tune_shapes(sched_config),
         )
         self.vote: TorchVote | None = None
         if dist_ctx is not None:
@@ -148,6 +153,27 @@ class DPEngine:
         self._stop_reason = ""
         self.sleeping = False
         self.error: BaseException | None = None
+
+    def _tune_shapes(self, sched_config) -> TuneShapes:
+        """What `auto` backends are timed on: this rank's model and steps (autotune.py)."""
+        model = self.model_config
+        return TuneShapes(
+            dtype=self.config.dtype,
+            hidden_size=model.hidden_size,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            num_local_experts=ExpertPlacement.even(
+                model.num_experts, self.world_size
+            ).slots_per_rank,
+            moe_intermediate_size=model.moe_intermediate_size,
+            top_k=model.top_k,
+            ep_size=self.world_size,
+            decode_tokens=sched_config.max_num_seqs,
+            prefill_tokens=sched_config.max_num_batched_tokens,
+            block_size=sched_config.block_size,
+            attention_kind=model.attention_kind,
+        )
 
     def _resolve_max_model_len(self, sched_config):
         """An unset max_model_len is the model's max_position_embeddings, capped by what the

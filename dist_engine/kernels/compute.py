@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dist_engine.kernels.build import CSRC, torch_extension
+from dist_engine.kernels.build import CSRC, binary_name, torch_extension
 
 SOURCES = tuple(
     CSRC / name
@@ -82,6 +82,11 @@ def rms_norm() -> Kernel | None:
     """`rms_norm(x, weight, eps)` for float32, `layers.norm.RMSNorm`'s result to float32
     rounding. Or None."""
     return _kernel("rms_norm")
+
+
+def kernels_name() -> str:
+    """The build's cache name: it changes whenever the kernels' binary would."""
+    return binary_name("lockstep_kernels", SOURCES, (*CFLAGS, *LDFLAGS))
 
 
 def prepare() -> bool:

@@ -13,6 +13,7 @@ import pytest
 from model_fixtures import TINY_SIZES, hf_greedy, hf_model, random_prompts
 
 from dist_engine.attention.kv_cache import KVCache
+from dist_engine.backends import Backends, RegimeChoice
 from dist_engine.engine.runner import ModelRunner
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
@@ -80,6 +81,26 @@ def generate(model, prompts, **overrides) -> tuple[list[list[int]], Scheduler]:
 def test_single_rank_generation_equals_transformers(case):
     _, model, prompts, expected = case
     tokens, _ = generate(model, prompts["random"])
+    assert tokens == expected["random"]
+
+
+@pytest.mark.parametrize(
+    "backends",
+    [
+        Backends.all("torch"),
+        Backends(RegimeChoice("torch", "torch"), RegimeChoice("grouped_mm", "grouped_mm"),
+                 RegimeChoice("torch", "torch")),
+        Backends(RegimeChoice("native", "torch"), RegimeChoice("grouped_mm", "native"),
+                 RegimeChoice("native", "torch")),
+    ],
+    ids=["torch", "grouped_mm", "per_regime_mix"],
+)  # fmt: skip
+def test_every_backend_gives_transformers_tokens(case, backends):
+    """The implementations `auto` chooses between are interchangeable: each, and a mix per
+    regime, gives transformers' greedy tokens, chunked prompts included."""
+    model_dir, _, prompts, expected = case
+    model = load_model(model_dir, backends=backends, max_decode_tokens=16)
+    tokens, _ = generate(model, prompts["random"], max_num_batched_tokens=24)
     assert tokens == expected["random"]
 
 
