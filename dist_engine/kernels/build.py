@@ -12,8 +12,11 @@ Both land under `cache_root()/kernels/<name>`, where `<name>` carries a hash of 
 that changes the binary: the sources and headers, the flags, the compiler, this CPU's
 instruction-set flags (the code is built with -march=native), the torch build the extension
 links against (its version and where it is installed, so two virtual environments on one host
-do not keep rebuilding each other's module) and the Python ABI. A first build says so on the
-log and reports its progress; a later start loads the cached file.
+do not keep rebuilding each other's module) and the Python ABI. The build compiles a copy of
+the sources kept in that directory, not the checkout's files: the build rules name the
+sources' paths, so two checkouts of the same code building from their own paths would each
+see the other's rules as stale and rebuild. A first build says so on the log and reports its
+progress; a later start loads the cached file.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ CSRC = Path(__file__).parent / "csrc"
 # A ninja build normally takes ~25-60 s. torch's build lock waits forever for a lock file left
 # behind by a process killed mid-build; past this limit the caller gets None (and falls back).
 BUILD_TIMEOUT_S = 600.0
+# Part of every cache key: bumped when the way things are built changes (not their sources).
+BUILD_LAYOUT = "copied-sources-1"
 _PROGRESS_EVERY_S = 15.0
 
 
@@ -55,6 +60,7 @@ def binary_name(prefix: str, sources: Sequence[Path], flags: Sequence[str]) -> s
     for source in (*sources, *sorted(CSRC.glob("*.h"))):
         digest.update(source.read_bytes())
     for part in (
+        BUILD_LAYOUT,
         " ".join(flags),
         _compiler_version(),
         platform.machine(),
@@ -73,14 +79,14 @@ def torch_extension(
     """Build (or load) a torch extension module. Returns (module, "") or (None, why not)."""
     name = binary_name(prefix, sources, (*cflags, *ldflags))
     directory = cache_root() / "kernels" / name
-    directory.mkdir(parents=True, exist_ok=True)
+    copies = _copy_sources(sources, directory / "src")
 
     def build() -> Any:
         from torch.utils import cpp_extension
 
         return cpp_extension.load(
             name=name,
-            sources=[str(source) for source in sources],
+            sources=[str(source) for source in copies],
             extra_cflags=list(cflags),
             extra_ldflags=list(ldflags),
             build_directory=str(directory),
@@ -100,12 +106,13 @@ def shared_library(prefix: str, source: Path, cflags: Sequence[str]) -> tuple[An
 
     def build() -> Any:
         if not target.is_file():
+            copy = _copy_sources([source], directory / "src")[0]
             compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
             if compiler is None:
                 raise RuntimeError("no C++ compiler (c++ or g++) on PATH")
             directory.mkdir(parents=True, exist_ok=True)
             partial = directory / f"{name}.{os.getpid()}.partial.so"
-            command = [compiler, *cflags, "-shared", "-fPIC", str(source), "-o", str(partial)]
+            command = [compiler, *cflags, "-shared", "-fPIC", str(copy), "-o", str(partial)]
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-800:]}")
@@ -145,6 +152,19 @@ def _timed_build(what: str, build: Callable[[], Any], first: bool, where: Path) 
             f"left by a killed build in {where}"
         )
     return None, repr(result.get("error"))[:500]
+
+
+def _copy_sources(sources: Sequence[Path], into: Path) -> list[Path]:
+    """The sources and every header beside them, copied into `into` (their content is what the
+    directory's name hashes, so a copy already there is the same); returns the copies."""
+    into.mkdir(parents=True, exist_ok=True)
+    for path in (*sources, *CSRC.glob("*.h")):
+        target = into / path.name
+        if not target.is_file() or target.read_bytes() != path.read_bytes():
+            partial = into / f".{path.name}.{os.getpid()}"
+            shutil.copyfile(path, partial)
+            partial.replace(target)  # atomic: a concurrent reader sees one whole file
+    return [into / source.name for source in sources]
 
 
 def cpu_flags() -> str:
