@@ -398,7 +398,12 @@ def _latency_metrics(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     itl_ms = [(b - a) * 1e3 for q in reqs for a, b in pairwise(q["token_times"])]
     itl_steps = [b - a for q in reqs for a, b in pairwise(q["token_steps"])]
     tokens = sum(q["num_tokens"] for q in reqs)
-    span = max(q["token_times"][-1] for q in reqs) - min(q["arrival_time"] for q in reqs)
+    # A rank can draw no arrival at all in a short or light run.
+    span = (
+        max(q["token_times"][-1] for q in reqs) - min(q["arrival_time"] for q in reqs)
+        if reqs
+        else float("nan")
+    )
     return {
         "requests": len(reqs),
         "all_complete": all(q["num_tokens"] == q["max_tokens"] for q in reqs),
