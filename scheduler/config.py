@@ -40,7 +40,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     lookahead_tokens: int = 0
     cp_size: int = 1
-    sync_policy: str = "vote"
+    # deadline (the default: in scripts/simulate_vote.py it cuts vote's TTFT p99 5-15x and
+    # beats vote and every_step on throughput; docs/design.md) | vote (the reference) | every_step
+    sync_policy: str = "deadline"
     # deadline policy: the most decode steps a ready head of waiting (schedulable, under the
     # watermark, admissible now) sits out before the group prefills.
     prefill_deadline_steps: int = 2

@@ -339,8 +339,12 @@ def test_vote_deadlock_scenarios(world, model_dir, reference):
 
 
 def test_soak_dp4(model_dir, reference):
-    scenario = soak_scenario(4)
-    results = run_multirank(4, run_scenarios, (model_dir, [scenario]), timeout_s=300)
-    check_scenario(scenario, [r["soak"] for r in results], reference)
-    reasons = [o["reason"] for r in results for o in r["soak"]["outputs"].values()]
-    assert len(reasons) == 1000 and reasons.count("abort") > 0
+    scenarios = [soak_scenario(4), deadline_twin(soak_scenario(4))]
+    results = run_multirank(4, run_scenarios, (model_dir, scenarios), timeout_s=420)
+    for scenario in scenarios:
+        name = scenario.name
+        check_scenario(scenario, [r[name] for r in results], reference)
+        reasons = [o["reason"] for r in results for o in r[name]["outputs"].values()]
+        assert len(reasons) == 1000 and reasons.count("abort") > 0, name
+    walls = {s.name: results[0][s.name]["wall_s"] for s in scenarios}
+    print(f"soak: {walls}")
