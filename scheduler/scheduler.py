@@ -5,7 +5,9 @@ One step is ``schedule()`` then, once the model has run, ``process_outputs()``. 
     at an attempt point, vote; if the group prefills, assemble a prompt batch and vote again
     on whether any rank got one; otherwise (and between attempt points) decode.
 
-``decode_step`` and the previous vote are identical on every rank, so every rank reaches the
+Which steps are attempt points and what the group decides there depends on ``sync_policy``
+(``vote``, ``every_step``, ``deadline``; see ``scheduler/vote.py``). ``decode_step``,
+``next_vote`` and the previous vote are identical on every rank, so every rank reaches the
 same attempt points and takes the same collectives. Not thread-safe: one engine thread owns it.
 """
 
@@ -14,11 +16,12 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from scheduler.block_pool import AllocStatus
 from scheduler.config import SchedulerConfig
 from scheduler.decode import assemble_decode, order_key
 from scheduler.kv_manager import KvManager
 from scheduler.outputs import SchedulerOutputs
-from scheduler.prefill import PrefillBatch, assemble_prefill
+from scheduler.prefill import PrefillBatch, assemble_prefill, chunk_length
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.vote import (
     AttemptPoint,
@@ -27,6 +30,9 @@ from scheduler.vote import (
     LocalVote,
     Vote,
     attempt_point,
+    deadline_next_vote,
+    deadline_point,
+    deadline_prefills,
     group_prefills,
 )
 
@@ -60,6 +66,13 @@ class Scheduler:
         self.step_index = 0
         self.group_idle = False
         self.drain_step: int | None = None
+        self.next_vote = 0  # deadline policy: the decode step of the next scheduled vote
+        self.prefill_run = 0  # consecutive prompt steps up to the last one
+        # Deadline policy, this rank only: the head that is ready to start a prefill, and for
+        # how many decode steps it has been (checked every step, reported at votes).
+        self._ready_seq: Sequence | None = None
+        self._ready_wait = 0
+        self._deadline = config.sync_policy == "deadline"
         # Set by the engine before schedule(); carried in the vote vector.
         self.wake_epoch = 0
         self.shutdown_requested = False
@@ -72,6 +85,7 @@ class Scheduler:
         if seq.status is not SequenceStatus.WAITING or seq.num_tokens or seq.block_table:
             raise ValueError(f"sequence {seq.request_id!r} is not new: {seq!r}")
         seq.arrival_index = self._num_arrivals
+        seq.queued_step = self.step_index
         self._num_arrivals += 1
         problem = self._check_prompt(seq)
         if problem is not None:
@@ -145,21 +159,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutputs:
         if self._needs_sweep:
             self._sweep()
+        if self._deadline:
+            self._track_ready()
         decided_on = self.decode_step
-        point = attempt_point(
-            decided_on,
-            self.config.prefill_attempt_interval,
-            self.config.prefill_any_attempt_interval,
-            group_idle=self.group_idle,
-            every_step=self.config.sync_policy == "every_step",
-            drain_step=self.drain_step,
-        )
+        point = self.next_point()
         outputs = None
         view = None
         any_scheduled = None
         if point is not AttemptPoint.NONE:
             view = self._vote_group()
-            if group_prefills(point, view):
+            if self._group_prefills(point, view):
                 outputs = self._try_prefill()
                 any_scheduled = outputs is not None
         if outputs is None:
@@ -174,14 +183,57 @@ class Scheduler:
             self._terminated = []
         self.step_index += 1
         self.decode_step = 0 if outputs.prompt_run else decided_on + 1
+        self.prefill_run = self.prefill_run + 1 if outputs.prompt_run else 0
+        if self._ready_seq is not None and not outputs.prompt_run:
+            self._ready_wait += 1  # a decode step it sat out while ready
         self.group_idle = outputs.known_empty
         if view is not None:
             remaining = view.max_remaining_tokens
             decoding = not outputs.prompt_run and remaining > 0
             self.drain_step = decided_on + remaining if decoding else None
+            if self._deadline and not outputs.prompt_run:
+                self.next_vote = deadline_next_vote(
+                    decided_on, view, self.config.prefill_deadline_steps
+                )
         return outputs
 
+    def next_point(self) -> AttemptPoint:
+        """The attempt point of the next ``schedule()``, from the state every rank shares."""
+        if self._deadline:
+            return deadline_point(
+                self.decode_step,
+                group_idle=self.group_idle,
+                next_vote=self.next_vote,
+                drain_step=self.drain_step,
+            )
+        return attempt_point(
+            self.decode_step,
+            self.config.prefill_attempt_interval,
+            self.config.prefill_any_attempt_interval,
+            group_idle=self.group_idle,
+            every_step=self.config.sync_policy == "every_step",
+            drain_step=self.drain_step,
+        )
+
+    def policy_state(self) -> tuple[int, int, bool, int | None, int, int]:
+        """The step-policy state, which must be identical on every rank of a group:
+        (step_index, decode_step, group_idle, drain_step, next_vote, prefill_run)."""
+        return (
+            self.step_index,
+            self.decode_step,
+            self.group_idle,
+            self.drain_step,
+            self.next_vote,
+            self.prefill_run,
+        )
+
+    def _group_prefills(self, point: AttemptPoint, view: GroupView) -> bool:
+        if self._deadline:
+            return deadline_prefills(point, view, self.config.prefill_deadline_steps)
+        return group_prefills(point, view)
+
     def _vote_group(self) -> GroupView:
+        ready = self._ready_seq
         has_running = bool(self.running)
         head_ready = self._head_schedulable()
         # A prompt whose chunked prefill is under way already holds its blocks: the watermark
@@ -196,8 +248,63 @@ class Scheduler:
             wake_epoch=self.wake_epoch,
             shutdown=self.shutdown_requested,
             max_remaining_tokens=self._max_remaining_tokens(),
+            ready=ready is not None,
+            ready_wait=self._ready_wait if ready is not None else -1,
+            # Queued no later than the first of the current run of prompt steps.
+            backlog=ready is not None
+            and self.prefill_run > 0
+            and ready.queued_step <= self.step_index - self.prefill_run,
         )
         return GroupView.decode(self.vote.allreduce_min(local.encode()))
+
+    def _track_ready(self) -> None:
+        """Deadline policy: note which head is ready now; its wait goes on only while the same
+        sequence stays ready at the head (a chunked prompt between its chunks included)."""
+        head = self._ready_head()
+        if head is not self._ready_seq:
+            self._ready_seq = head
+            self._ready_wait = 0
+
+    def _ready_head(self) -> Sequence | None:
+        """The head of waiting if a prefill assembled now would start with it, else None.
+
+        The same checks, in the same order, as ``assemble_prefill`` makes for its first
+        sequence, with no side effect on the pools: so a ready rank always assembles a batch.
+        A head that assembly would end (longer than the prompt limit, more blocks than the
+        whole pool) is ended here, or it could sit unreported at the head of an idle rank.
+        """
+        config = self.config
+        waiting = self.waiting
+        prompt_limit = (
+            config.max_model_len if config.chunked_prefill else config.max_num_batched_tokens
+        )
+        while waiting:
+            seq = waiting[0]
+            if seq.is_finished:
+                waiting.popleft()
+                continue
+            if not seq.schedulable or len(self.running) + 1 > config.max_num_seqs:
+                return None
+            if len(seq.token_ids) > prompt_limit:
+                waiting.popleft()
+                self._terminate(seq, SequenceStatus.IGNORED)
+                continue
+            start = seq.num_tokens
+            if not seq.block_table:
+                if self.kv.usage() > config.prefill_watermark:
+                    return None
+                plan = self.kv.plan_admission(seq)
+                if plan.status is AllocStatus.NEVER:
+                    waiting.popleft()
+                    self._terminate(seq, SequenceStatus.IGNORED)
+                    continue
+                if plan.status is AllocStatus.LATER:
+                    return None
+                start = len(plan.cached_blocks) * self.kv.block_size
+            if chunk_length(seq, start, config.max_num_batched_tokens, config) == 0:
+                return None
+            return seq
+        return None
 
     def _max_remaining_tokens(self) -> int:
         """Most tokens any running sequence may still produce before a stop rule ends it."""
@@ -370,6 +477,7 @@ class Scheduler:
             self._terminate(seq, SequenceStatus.PREEMPTED)
             return
         seq.reset_for_recompute()
+        seq.queued_step = self.step_index
         # The victim goes to the head of waiting, but behind a prompt whose prefill is under
         # way: that prompt holds blocks, and a victim in front of it that cannot fit beside
         # them would block it forever.

@@ -70,6 +70,7 @@ class Sequence:
         "num_prompt_tokens",
         "num_tokens",
         "previous_num_tokens",
+        "queued_step",
         "request_id",
         "sampling_params",
         "schedulable",
@@ -121,6 +122,7 @@ class Sequence:
         self.unsplittable_spans = _check_spans(unsplittable_spans, self.num_prompt_tokens)
         self.in_flight = False
         self.arrival_index = -1  # set by the scheduler; orders FCFS preemption
+        self.queued_step = -1  # step index at which it (re)joined waiting; set by the scheduler
         self.error_message = ""
         # Timing (time.monotonic seconds).
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

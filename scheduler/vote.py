@@ -15,13 +15,27 @@ complements, so one collective answers every question the step needs:
     4      -wake_epoch               -(highest wake epoch seen by any rank)
     5      shutdown ? 0 : 1          0 -> some rank asks the group to shut down
     6      -remaining                -(most tokens any running sequence may still produce)
+    7      ready ? 1 : 0             1 -> every rank's head could start a prefill now
+    8      ready ? -(wait + 1) : 0   -(longest wait of a ready head, + 1); 0 -> none ready
 
 Entry 6 gives the group a *drain point*: if the group decodes from here, then after that many
 decode steps no sequence running now can still be running, so the group votes again there
 instead of running placeholder forwards until the next regular attempt point. An extra vote is
 always safe; this only decides when to look.
 
+Entries 7 and 8 serve the ``deadline`` policy (the others send "not ready"). A rank's head is
+*ready* when the next prefill would start it: schedulable, under the watermark (or mid-chunk),
+a free sequence slot, and its blocks and state slot free now. Its wait is counted in steps
+since it joined the waiting queue, on the step counter every rank shares.
+
 Vote 2 is ``[scheduled ? 0 : 1]``: whether any rank assembled a prefill batch.
+
+The ``deadline`` policy, in short: vote after every prefill step, while the group is idle, and
+otherwise only when the oldest ready head falls due (or, with none ready, every
+``prefill_deadline_steps`` steps to look for new ones); prefill when a ready head has waited
+``prefill_deadline_steps``, when every rank is ready, or when nobody decodes. So a head that
+stays ready from step ``r`` on starts its prefill by step ``r + prefill_deadline_steps``, and
+decoding is interrupted at most once per deadline by prompts that are not yet due.
 """
 
 from __future__ import annotations
@@ -52,6 +66,8 @@ class AttemptPoint(enum.Enum):
     IDLE = "idle"  # the last vote saw no rank decoding: ANY at every step
     DRAIN = "drain"  # every sequence seen running at the last vote must have finished
     EVERY = "every"  # the every_step policy: ANY at every step
+    FOLLOW = "follow"  # deadline policy: the step after a prefill step
+    DUE = "due"  # deadline policy: a scheduled vote (a head falls due, or look for new ones)
 
 
 def attempt_point(
@@ -84,6 +100,9 @@ class LocalState:
     wake_epoch: int = 0
     shutdown: bool = False
     max_remaining_tokens: int = 0
+    ready: bool = False  # the head could start a prefill now (deadline policy)
+    ready_wait: int = -1  # decode steps the head has been ready for; -1 when not ready
+    backlog: bool = False  # the ready head was queued before the current prompt steps began
 
     def encode(self) -> list[int]:
         return [
@@ -94,6 +113,9 @@ class LocalState:
             -self.wake_epoch,
             int(not self.shutdown),
             -self.max_remaining_tokens,
+            int(self.ready),
+            -(self.ready_wait + 1) if self.ready else 0,
+            int(not self.backlog),
         ]
 
 
@@ -108,6 +130,9 @@ class GroupView:
     max_wake_epoch: int
     shutdown: bool
     max_remaining_tokens: int
+    all_ready: bool = False
+    max_ready_wait: int = -1  # the longest wait of any rank's ready head; -1 when none
+    any_backlog: bool = False
 
     @classmethod
     def decode(cls, values: list[int]) -> GroupView:
@@ -121,6 +146,9 @@ class GroupView:
             max_wake_epoch=-values[4],
             shutdown=values[5] == 0,
             max_remaining_tokens=-values[6],
+            all_ready=values[7] == 1,
+            max_ready_wait=-values[8] - 1,
+            any_backlog=values[9] == 0,
         )
 
 
@@ -135,6 +163,56 @@ def group_prefills(point: AttemptPoint, view: GroupView) -> bool:
     if point in (AttemptPoint.ALL, AttemptPoint.DRAIN) and not view.none_running:
         return view.all_want
     return view.any_want
+
+
+def deadline_point(
+    decode_step: int, *, group_idle: bool, next_vote: int, drain_step: int | None = None
+) -> AttemptPoint:
+    """The deadline policy's attempt point, from state every rank shares.
+
+    ``decode_step`` 0 is the step after a prefill step (or the first step). ``next_vote`` is
+    the decode step the last vote scheduled (``deadline_next_vote``).
+    """
+    if group_idle:
+        return AttemptPoint.IDLE
+    if decode_step == 0:
+        return AttemptPoint.FOLLOW
+    if decode_step == next_vote:
+        return AttemptPoint.DUE
+    if decode_step == drain_step:
+        return AttemptPoint.DRAIN
+    return AttemptPoint.NONE
+
+
+def deadline_prefills(point: AttemptPoint, view: GroupView, deadline: int) -> bool:
+    """The deadline policy's step-kind decision.
+
+    With nobody decoding there is nothing to protect: any ready head suffices. Otherwise the
+    group interrupts decoding for a head that has been ready for ``deadline`` decode steps,
+    or when every rank has a head to start (a prompt step without placeholder ranks). Right
+    after a prompt step, while decoding is interrupted anyway, it goes on as long as some
+    rank still has a ready head that was queued before the prompt steps began: one burst of
+    arrivals costs the decoding sequences one gap, not one per deadline.
+    """
+    if view.none_running:
+        return view.max_ready_wait >= 0
+    if view.max_ready_wait >= deadline or view.all_ready:
+        return True
+    return point is AttemptPoint.FOLLOW and view.any_backlog
+
+
+def deadline_next_vote(decided_on: int, view: GroupView, deadline: int) -> int:
+    """After the group decoded on a vote taken at ``decided_on``: the decode step of the next.
+
+    The oldest ready head falls due ``deadline - wait`` steps on; a head that is not ready
+    yet, or arrives later, is seen at a vote at most ``deadline`` steps on. A head that is
+    already due here was not admitted by any rank after all (vote 2 found no batch): look
+    again next step.
+    """
+    wait = view.max_ready_wait
+    if wait < 0:
+        return decided_on + deadline
+    return decided_on + max(1, deadline - wait)
 
 
 class InProcessVoteGroup:

@@ -11,8 +11,9 @@ from ranges (default 128 requests, prompts 16–256, outputs 16–128 tokens), r
 greedy, EOS ignored, so every contender produces exactly the requested tokens.
 
 Contenders, all alive at once and run interleaved (one full workload each per round):
-  ours dpN default — `LLM(launcher="ray", dp_size=N)`, `generate(all prompts)`, default
-                     prefill attempt intervals; round-robin routing over the ranks.
+  ours dpN default — `LLM(launcher="ray", dp_size=N)`, `generate(all prompts)`, the vote
+                     policy at its default prefill attempt intervals (70 / 100); round-robin
+                     routing over the ranks.
   ours dpN tuned   — the same with smaller prefill attempt intervals (offline batch setting).
   ours dp1 … 1 core — DP=1 with `threads_per_rank=1`: the cores of one DP=2 rank (every other
                      rank of ours gets cpu_count // DP torch threads, so DP=1 and DP=2 both
@@ -60,8 +61,18 @@ from launcher import LLM, SamplingParams
 from launcher.builtin import BUILTIN_MODEL
 from launcher.ray_launcher import connect_ray
 
-DEFAULT_INTERVALS = {"prefill_attempt_interval": 70, "prefill_any_attempt_interval": 100}
-TUNED_INTERVALS = {"prefill_attempt_interval": 8, "prefill_any_attempt_interval": 8}
+# These contenders compare the vote policy's attempt intervals (the shipped 70 / 100 against
+# 8 / 8), so they pin it: the default policy is now `deadline`, which has no such intervals.
+DEFAULT_INTERVALS = {
+    "sync_policy": "vote",
+    "prefill_attempt_interval": 70,
+    "prefill_any_attempt_interval": 100,
+}
+TUNED_INTERVALS = {
+    "sync_policy": "vote",
+    "prefill_attempt_interval": 8,
+    "prefill_any_attempt_interval": 8,
+}
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ def _decode_scheduler(num_seqs: int, prompt_len: int, prefix_caching: bool) -> S
         num_blocks=num_seqs * 64 + 1,
         prefill_attempt_interval=1_000_000,  # keep the measured steps pure decode
         prefill_any_attempt_interval=1_000_000,
+        sync_policy="vote",
         enable_prefix_caching=prefix_caching,
     )
     sched = Scheduler(config)

@@ -1,14 +1,26 @@
-"""What step synchronisation costs a DP group: sync policy ``vote`` against ``every_step``.
+"""What step synchronisation costs a DP group: sync policies ``vote``, ``every_step`` and
+``deadline``.
 
-The same seeded workload runs under each policy at DP=2 and DP=4, in real multi-process gloo
+The same seeded workloads run under each policy at DP=2 and DP=4, in real multi-process gloo
 groups (one spawned process per rank, CPU, float32) serving a small random Qwen3-MoE written by
 ``make_tiny_checkpoint`` into a temp dir. Each rank's engine loop runs on a thread while the
-rank's main thread submits that rank's requests at their scheduled wall-clock times (Poisson
-arrivals, prompts of 8-128 tokens, 16-64 output tokens, ``ignore_eos`` so every request
-produces exactly ``max_tokens``). The ranks are skewed on purpose: rank 0 gets more and longer
-work, odd ranks get nothing during an opening burst, and every rank pauses mid-run so the group
-drains, sleeps and wakes again. When every rank's requests have ended (ranks report it through
-the TCPStore), rank 0 asks the group to shut down.
+rank's main thread submits that rank's requests at their scheduled wall-clock times (prompts of
+8-128 tokens, 16-64 output tokens, ``ignore_eos`` so every request produces exactly
+``max_tokens``). When every rank's requests have ended (ranks report it through the TCPStore),
+rank 0 asks the group to shut down. One spawned group per DP size runs every job in turn (one
+engine per job, the model loaded once per rank).
+
+Runs (``--runs``):
+
+- ``skewed``: Poisson arrivals with rank skew on purpose: rank 0 gets more and longer work, odd
+  ranks get nothing during an opening burst, and every rank pauses mid-run so the group drains,
+  sleeps and wakes again.
+- ``online``: first a capacity probe (``deadline``; every rank gets a batch of requests at once;
+  capacity = requests / (last token - first submit), per rank), then uniform Poisson arrivals
+  on every rank at 50% and 90% of that capacity. This is the online run the engines serve the
+  way ``LLM.generate_stream`` would, minus the launcher: ``generate_stream`` takes every prompt
+  up front (an offline call), so it cannot play arrivals at given times; here each rank's driver
+  submits to its engine at the arrival time, as a server's request handler would.
 
 Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outputs:
 
@@ -33,7 +45,8 @@ Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outpu
   ``first token step - submit step + 1`` (the producing step counts); ITL 1 = consecutive steps.
 - output tok/s: all ranks' output tokens over the time from the first arrival to the last token.
 
-    .venv/bin/python scripts/bench_sync.py [--quick] [--out bench_results/sync.json]
+    .venv/bin/python scripts/bench_sync.py [--quick] [--runs skewed online]
+        [--policies vote every_step deadline] [--dp 2 4] [--out bench_results/sync.json]
 """
 
 from __future__ import annotations
@@ -63,6 +76,8 @@ from dist_engine.engine.engine import DPEngine
 from dist_engine.engine.outputs import RequestOutput
 from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, SchedulerConfig
+from scheduler.config import SYNC_POLICIES
+from scheduler.vote import VOTE_VECTOR_LEN
 
 MODEL_SIZES = dict(
     vocab_size=512,
@@ -83,11 +98,13 @@ SCHEDULER = dict(
     block_size=16,
     num_blocks=320,
 )
-POLICIES = ("vote", "every_step")
+POLICIES = SYNC_POLICIES
 WORLD_SIZES = (2, 4)
+RUNS = ("skewed", "online")
+ONLINE_LOADS = (0.5, 0.9)  # fractions of the measured capacity
+PROBE_POLICY = "deadline"
 COLLECTIVE_TIMEOUT_S = 60.0
 BARE_CALLS = 200
-VOTE_LEN = 7
 
 
 @dataclass(frozen=True)
@@ -95,8 +112,10 @@ class Spec:
     """The workload, per rank: the same for every policy and DP size."""
 
     duration_s: float  # arrivals are spread over this many seconds
-    rate_per_s: float  # mean arrivals per second on the least loaded rank
+    rate_per_s: float  # mean arrivals per second (skewed: on the least loaded rank)
     seed: int = 1234
+    kind: str = "skewed"  # skewed | poisson (uniform, no pauses) | batch (capacity probe)
+    batch: int = 0  # kind "batch": requests per rank, all submitted at once
 
 
 @dataclass(frozen=True)
@@ -109,20 +128,26 @@ class Arrival:
 
 # -- workload ----------------------------------------------------------------------------------
 def make_workload(rank: int, world: int, spec: Spec) -> list[Arrival]:
-    """Poisson arrivals with rank skew: rank 0 gets 1.6x the rate and longer prompts; odd ranks
-    sit out the first 15% (ranks disagree about wanting to prefill); all pause at 50-65%."""
-    rng = random.Random(spec.seed * 1000 + rank)
-    rate = spec.rate_per_s * (1.6 if rank == 0 else 1.0)
+    """Seeded arrivals for one rank. skewed: Poisson with rank skew (rank 0 gets 1.6x the rate
+    and longer prompts; odd ranks sit out the first 15%; all pause at 50-65%). poisson: the
+    same rate on every rank, no pauses. batch: ``spec.batch`` requests at time 0."""
+    rng = random.Random(spec.seed * 1000 + rank + (0 if spec.kind == "skewed" else 100 * world))
+    skewed = spec.kind == "skewed"
+    rate = spec.rate_per_s * (1.6 if skewed and rank == 0 else 1.0)
     arrivals: list[Arrival] = []
     now = 0.0
     while True:
-        now += rng.expovariate(rate)
-        if now >= spec.duration_s:
-            return arrivals
-        phase = now / spec.duration_s
-        if (phase < 0.15 and rank % 2 == 1) or 0.5 <= phase < 0.65:
+        if spec.kind == "batch":
+            if len(arrivals) == spec.batch:
+                return arrivals
+        else:
+            now += rng.expovariate(rate)
+            if now >= spec.duration_s:
+                return arrivals
+        phase = now / spec.duration_s if spec.duration_s else 0.0
+        if skewed and ((phase < 0.15 and rank % 2 == 1) or 0.5 <= phase < 0.65):
             continue
-        low = 48 if rank == 0 else 8
+        low = 48 if skewed and rank == 0 else 8
         prompt = tuple(
             rng.randrange(1, MODEL_SIZES["vocab_size"]) for _ in range(rng.randint(low, 128))
         )
@@ -157,6 +182,7 @@ class Collector:
 
 
 def _engine_config(model_dir: str, world: int, policy: str) -> EngineConfig:
+    scheduler = SchedulerConfig(**SCHEDULER, sync_policy=policy)
     return EngineConfig(
         model=model_dir,
         dtype="float32",
@@ -166,7 +192,7 @@ def _engine_config(model_dir: str, world: int, policy: str) -> EngineConfig:
             backend="gloo",
             collective_timeout_s=COLLECTIVE_TIMEOUT_S,
         ),
-        scheduler=SchedulerConfig(**SCHEDULER, sync_policy=policy),
+        scheduler=scheduler,
         check_lockstep=False,
     )
 
@@ -183,10 +209,12 @@ def _play(engine: DPEngine, collector: Collector, arrivals: list[Arrival]) -> No
         engine.submit(arrival.request_id, list(arrival.prompt), params, stream=True)
 
 
-def _shut_down_together(engine: DPEngine, store: dist.Store, rank: int, world: int) -> None:
+def _shut_down_together(
+    engine: DPEngine, store: dist.Store, rank: int, world: int, job: int
+) -> None:
     """Every rank reports done through the store; rank 0 then asks the group to stop, so no
     rank leaves while another still needs it in the collectives."""
-    keys = [f"bench_sync/done/{r}" for r in range(world)]
+    keys = [f"bench_sync/{job}/done/{r}" for r in range(world)]
     store.set(keys[rank], b"1")
     if rank == 0:
         while not store.check(keys):
@@ -198,7 +226,7 @@ def _bare_allreduce(ctx: DistContext) -> list[float]:
     """Seconds per vote call on a vote-sized vector with the ranks aligned, through the path
     the engine's votes take (`TorchVote`: shared memory on one host, else gloo)."""
     vote = TorchVote(ctx.vote_group, ctx.shared_memory)
-    values = [0] * VOTE_LEN
+    values = [0] * VOTE_VECTOR_LEN
     dist.barrier(group=ctx.vote_group)
     times = []
     for _ in range(BARE_CALLS):
@@ -208,13 +236,16 @@ def _bare_allreduce(ctx: DistContext) -> list[float]:
     return times
 
 
-def _serve(ctx: DistContext, model_dir: str, policy: str, spec: Spec) -> dict[str, Any]:
+def _serve(
+    ctx: DistContext, model_dir: str, policy: str, spec: Spec, job: int, model: Any
+) -> tuple[dict[str, Any], Any]:
     arrivals = make_workload(ctx.rank, ctx.world_size, spec)
     collector = Collector()
     collector.expected = len(arrivals)
     if not arrivals:
         collector.all_done.set()
-    engine = DPEngine(_engine_config(model_dir, ctx.world_size, policy), ctx, on_output=collector)
+    config = _engine_config(model_dir, ctx.world_size, policy)
+    engine = DPEngine(config, ctx, model=model, on_output=collector)
     collector.engine = engine
     # The driver's own store connection: a client serves one request at a time.
     store = dist.TCPStore(ctx.store.host, ctx.store.port, is_master=False)
@@ -223,11 +254,11 @@ def _serve(ctx: DistContext, model_dir: str, policy: str, spec: Spec) -> dict[st
     _play(engine, collector, arrivals)
     if not collector.all_done.wait(spec.duration_s * 10 + 120):
         raise TimeoutError(f"rank {ctx.rank}: requests never ended")
-    _shut_down_together(engine, store, ctx.rank, ctx.world_size)
+    _shut_down_together(engine, store, ctx.rank, ctx.world_size, job)
     thread.join(COLLECTIVE_TIMEOUT_S)
     if thread.is_alive() or engine.error is not None:
         raise RuntimeError(f"rank {ctx.rank}: engine did not stop cleanly: {engine.error}")
-    return _rank_result(engine, collector, arrivals)
+    return _rank_result(engine, collector, arrivals), engine.model
 
 
 def _rank_result(engine: DPEngine, collector: Collector, arrivals: list[Arrival]) -> dict[str, Any]:
@@ -262,31 +293,47 @@ def _rank_result(engine: DPEngine, collector: Collector, arrivals: list[Arrival]
     return {"trace": trace, "vote_calls": engine.vote.num_calls, "requests": requests}
 
 
-def _rank_main(rank: int, world: int, model_dir: str, policy: str, spec: Spec) -> dict[str, Any]:
-    """One rank, inside `run_multirank`'s spawned process (default group already joined)."""
+def _rank_main(
+    rank: int, world: int, model_dir: str, jobs: list[tuple[str, Spec]]
+) -> list[dict[str, Any]]:
+    """One rank, inside `run_multirank`'s spawned process (default group already joined): the
+    jobs in turn, one engine each, sharing the loaded model."""
     ctx = init_distributed(
         rank, world, current_store(), backend="gloo", timeout_s=COLLECTIVE_TIMEOUT_S
     )
-    result = _serve(ctx, model_dir, policy, spec)
-    result["bare_allreduce_s"] = _bare_allreduce(ctx)
-    return result
+    model = None
+    results = []
+    for job, (policy, spec) in enumerate(jobs):
+        result, model = _serve(ctx, model_dir, policy, spec, job, model)
+        result["bare_allreduce_s"] = _bare_allreduce(ctx)
+        results.append(result)
+    return results
 
 
 # -- the parent --------------------------------------------------------------------------------
-def run_config(
-    model_dir: str, policy: str, world: int, spec: Spec, cpu_binding: bool = True
-) -> list[dict[str, Any]]:
-    """Spawn ``world`` ranks on one configuration; return their results by rank. Each rank
-    gets the host's cores split over the ranks, pinned as the launchers pin them."""
-    return run_multirank(
+def run_jobs(
+    model_dir: str, world: int, jobs: list[tuple[str, Spec]], cpu_binding: bool = True
+) -> list[list[dict[str, Any]]]:
+    """Spawn ``world`` ranks once and run ``jobs`` (policy, workload) in turn; returns, per job,
+    the ranks' results. Each rank gets the host's cores split over the ranks, pinned as the
+    launchers pin them."""
+    per_rank = run_multirank(
         world,
         _rank_main,
-        (model_dir, policy, spec),
-        timeout_s=spec.duration_s * 10 + 300,
+        (model_dir, jobs),
+        timeout_s=sum(spec.duration_s * 10 + 120 for _, spec in jobs) + 300,
         group_timeout_s=COLLECTIVE_TIMEOUT_S,
         num_threads=max(1, (os.cpu_count() or 2) // world),
         cpu_binding=cpu_binding,
     )
+    return [[ranks[job] for ranks in per_rank] for job in range(len(jobs))]
+
+
+def capacity_per_rank(ranks: list[dict[str, Any]]) -> float:
+    """Requests per second per rank the group served when every rank had a full queue."""
+    reqs = [req for r in ranks for req in r["requests"].values()]
+    span = max(q["token_times"][-1] for q in reqs) - min(q["arrival_time"] for q in reqs)
+    return len(reqs) / span / len(ranks)
 
 
 # -- analysis ----------------------------------------------------------------------------------
@@ -351,7 +398,12 @@ def _latency_metrics(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     itl_ms = [(b - a) * 1e3 for q in reqs for a, b in pairwise(q["token_times"])]
     itl_steps = [b - a for q in reqs for a, b in pairwise(q["token_steps"])]
     tokens = sum(q["num_tokens"] for q in reqs)
-    span = max(q["token_times"][-1] for q in reqs) - min(q["arrival_time"] for q in reqs)
+    # A rank can draw no arrival at all in a short or light run.
+    span = (
+        max(q["token_times"][-1] for q in reqs) - min(q["arrival_time"] for q in reqs)
+        if reqs
+        else float("nan")
+    )
     return {
         "requests": len(reqs),
         "all_complete": all(q["num_tokens"] == q["max_tokens"] for q in reqs),
@@ -360,8 +412,10 @@ def _latency_metrics(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "output_tok_per_s": tokens / span,
         "ttft_ms_p50": _pct(ttft_ms, 50),
         "ttft_ms_p90": _pct(ttft_ms, 90),
+        "ttft_ms_p99": _pct(ttft_ms, 99),
         "ttft_steps_p50": _pct(ttft_steps, 50),
         "ttft_steps_p90": _pct(ttft_steps, 90),
+        "ttft_steps_p99": _pct(ttft_steps, 99),
         "itl_ms_p50": _pct(itl_ms, 50),
         "itl_ms_p99": _pct(itl_ms, 99),
         "itl_steps_p50": _pct(itl_steps, 50),
@@ -376,8 +430,9 @@ def _by_rank(ranks: list[dict[str, Any]]) -> dict[str, list[float]]:
     return {f"{key}_by_rank": [m[key] for m in per_rank] for key in keys}
 
 
-def summarise(policy: str, world: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(run: str, policy: str, world: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return {
+        "run": run,
         "policy": policy,
         "dp": world,
         "oversubscribed": world > (os.cpu_count() or 1),
@@ -389,6 +444,7 @@ def summarise(policy: str, world: int, ranks: list[dict[str, Any]]) -> dict[str,
 
 # -- output ------------------------------------------------------------------------------------
 COLUMNS = (
+    ("run", "run", "{}"),
     ("policy", "policy", "{}"),
     ("DP", "dp", "{}"),
     ("steps/s", "steps_per_s", "{:.1f}"),
@@ -400,8 +456,12 @@ COLUMNS = (
     ("votes/step", "votes_per_step", "{:.3f}"),
     ("placeh. %", "placeholder_frac", "{:.1%}"),
     ("empty %", "known_empty_frac", "{:.1%}"),
-    ("TTFT p50/p90 ms", ("ttft_ms_p50", "ttft_ms_p90"), "{:.0f} / {:.0f}"),
-    ("TTFT p50/p90 st", ("ttft_steps_p50", "ttft_steps_p90"), "{} / {}"),
+    (
+        "TTFT p50/p90/p99 ms",
+        ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99"),
+        "{:.0f} / {:.0f} / {:.0f}",
+    ),
+    ("TTFT p50/p99 st", ("ttft_steps_p50", "ttft_steps_p99"), "{} / {}"),
     ("ITL p50/p99 ms", ("itl_ms_p50", "itl_ms_p99"), "{:.1f} / {:.1f}"),
     ("ITL p50/p99 st", ("itl_steps_p50", "itl_steps_p99"), "{} / {}"),
     ("out tok/s", "output_tok_per_s", "{:.0f}"),
@@ -418,7 +478,7 @@ def _cell(row: dict[str, Any], key: str | tuple[str, ...], fmt: str) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| " + " | ".join(name for name, _, _ in COLUMNS) + " |",
-        "| " + " | ".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + " |",
+        "| " + " | ".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + " |",
     ]
     for row in rows:
         lines.append("| " + " | ".join(_cell(row, k, f) for _, k, f in COLUMNS) + " |")
@@ -429,7 +489,7 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
     """Target: under ``vote``, sync time <= 2% of step time."""
     lines = []
     for row in rows:
-        if row["policy"] != "vote":
+        if row["policy"] != "vote" or row["run"] != "skewed":
             continue
         met = "MET" if row["sync_frac"] <= 0.02 else "MISSED"
         note = " (oversubscribed: more ranks than cores)" if row["oversubscribed"] else ""
@@ -438,6 +498,29 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
             f"{row['s_per_vote'] * 1e3:.3f} ms per vote (median {row['vote_p50_s'] * 1e3:.3f}) vs "
             f"{row['vote_floor_s'] * 1e3:.3f}"
             f" ms for the last rank to arrive and {row['bare_allreduce_p50_s'] * 1e3:.3f} ms bare"
+        )
+    return lines
+
+
+def compare(rows: list[dict[str, Any]]) -> list[str]:
+    """Per run and DP: the deadline policy against the other two, on the issue's terms (TTFT
+    p99 vs every_step, ITL p99 vs vote, output rate and placeholder share vs the better)."""
+    lines = []
+    for run, world in sorted({(r["run"], r["dp"]) for r in rows}):
+        cell = {r["policy"]: r for r in rows if r["run"] == run and r["dp"] == world}
+        if not {"vote", "every_step", "deadline"} <= set(cell):
+            continue
+        new, vote, every = cell["deadline"], cell["vote"], cell["every_step"]
+        lines.append(
+            f"{run} DP={world}: deadline TTFT p99 {new['ttft_ms_p99']:.0f} ms = "
+            f"{new['ttft_ms_p99'] / every['ttft_ms_p99']:.2f}x every_step's; ITL p99 "
+            f"{new['itl_ms_p99']:.1f} ms = {new['itl_ms_p99'] / vote['itl_ms_p99']:.2f}x vote's; "
+            f"{new['output_tok_per_s']:.0f} tok/s vs best "
+            f"{max(vote['output_tok_per_s'], every['output_tok_per_s']):.0f}; placeholders "
+            f"{new['placeholder_frac']:.1%} vs best "
+            f"{min(vote['placeholder_frac'], every['placeholder_frac']):.1%}; sync "
+            f"{new['sync_frac']:.2%} (vote {vote['sync_frac']:.2%}, every_step "
+            f"{every['sync_frac']:.2%})"
         )
     return lines
 
@@ -453,38 +536,67 @@ def main() -> None:
         help="leave the rank processes unpinned (default: each on its own cores when they fit)",
     )
     parser.add_argument("--duration", type=float, default=None, help="arrival window, seconds")
-    parser.add_argument("--rate", type=float, default=3.0, help="arrivals/s on a light rank")
+    parser.add_argument("--rate", type=float, default=3.0, help="skewed: arrivals/s, light rank")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--dp", type=int, nargs="+", default=list(WORLD_SIZES))
     args = parser.parse_args()
-    spec = Spec(duration_s=args.duration or (4.0 if args.quick else 12.0), rate_per_s=args.rate)
+    duration = args.duration or (4.0 if args.quick else 12.0)
+    skewed = Spec(duration_s=duration, rate_per_s=args.rate)
+    probe = Spec(duration_s=0.0, rate_per_s=0.0, kind="batch", batch=12 if args.quick else 48)
     cores = os.cpu_count() or 1
     rows = []
+    capacities = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(make_tiny_checkpoint("qwen3_moe", tmp, seed=0, **MODEL_SIZES))
-        for world in WORLD_SIZES:
+        for world in args.dp:
             if world > cores:
                 print(
                     f"note: DP={world} runs {world} rank processes on {cores} cores "
                     "(oversubscribed): ranks time-share cores, so waits grow"
                 )
-            for policy in POLICIES:
+            jobs: list[tuple[str, str, Spec]] = []
+            if "skewed" in args.runs:
+                jobs += [("skewed", policy, skewed) for policy in args.policies]
+            if "online" in args.runs:
                 started = time.monotonic()
-                results = run_config(model_dir, policy, world, spec, not args.no_cpu_binding)
-                row = summarise(policy, world, results)
-                row["wall_s"] = time.monotonic() - started
+                (probe_ranks,) = run_jobs(model_dir, world, [(PROBE_POLICY, probe)])
+                capacity = capacity_per_rank(probe_ranks)
+                capacities[world] = capacity
                 print(
-                    f"{policy} DP={world}: {row['steps']} steps, {row['requests']} requests, "
-                    f"{row['wall_s']:.1f} s",
+                    f"DP={world}: capacity {capacity:.2f} requests/s per rank "
+                    f"({time.monotonic() - started:.1f} s)",
+                    flush=True,
+                )
+                for load in ONLINE_LOADS:
+                    spec = Spec(duration_s=duration, rate_per_s=load * capacity, kind="poisson")
+                    jobs += [(f"online{load:.0%}", policy, spec) for policy in args.policies]
+            started = time.monotonic()
+            results = run_jobs(
+                model_dir, world, [(p, s) for _, p, s in jobs], not args.no_cpu_binding
+            )
+            for (run, policy, _), ranks in zip(jobs, results, strict=True):
+                row = summarise(run, policy, world, ranks)
+                print(
+                    f"{run} {policy} DP={world}: {row['steps']} steps, {row['requests']} requests",
                     flush=True,
                 )
                 rows.append(row)
+            print(f"DP={world}: {len(jobs)} jobs in {time.monotonic() - started:.1f} s")
     print()
     print(markdown_table(rows))
     print()
-    print("\n".join(verdict(rows)))
-    _write(args.out, spec, rows, not args.no_cpu_binding)
+    print("\n".join(verdict(rows) + compare(rows)))
+    _write(args.out, skewed, rows, not args.no_cpu_binding, capacities)
 
 
-def _write(path: str, spec: Spec, rows: list[dict[str, Any]], cpu_binding: bool) -> None:
+def _write(
+    path: str,
+    spec: Spec,
+    rows: list[dict[str, Any]],
+    cpu_binding: bool,
+    capacities: dict[int, float],
+) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -494,6 +606,9 @@ def _write(path: str, spec: Spec, rows: list[dict[str, Any]], cpu_binding: bool)
         "model": MODEL_SIZES,
         "scheduler": SCHEDULER,
         "spec": asdict(spec),
+        "prefill_deadline_steps": SchedulerConfig().prefill_deadline_steps,
+        "online_loads": ONLINE_LOADS,
+        "capacity_requests_per_s_per_rank": capacities,
         "cpu_binding": cpu_binding,
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -6,7 +6,7 @@ Real: N ``scheduler.Scheduler`` objects, one per DP rank, each with its own queu
 pool, coupled by a MIN vote exactly as the engine couples them. Their ``schedule()`` takes the
 votes, picks the step kind and assembles the batch; ``process_outputs()`` does the accounting
 (prompt chunks, stop rules, releases). The sync policy under test is the scheduler's own
-(``vote`` with ALL/ANY intervals, or ``every_step``).
+(``vote`` with ALL/ANY intervals, ``every_step``, or ``deadline``).
 
 Modelled: the model and the network. No forward runs; every scheduled sequence gets a
 deterministic token that is never a stop token, so every request ends by ``max_tokens``. Time is
@@ -34,8 +34,8 @@ Measured per rank-step at N=256 on this 2-core box (4 decoding sequences per ran
 ``InProcessVoteGroup`` (free-running threads, two barriers per vote) ~100 µs under ``vote`` and
 ~180 µs under ``every_step``; the hand-off on every step ~35-90 / 70-140 µs; a direct call on
 the main thread ~5 µs. Most ``vote`` steps take no collective, so the driver first computes, from
-the step-policy state that is identical on every rank (``step_index``, ``decode_step``,
-``group_idle``, ``drain_step``, the config), whether this step is an attempt point. If not, it
+the step-policy state that is identical on every rank (``Scheduler.policy_state()`` and the
+config, through ``Scheduler.next_point()``), whether this step is an attempt point. If not, it
 calls every ``schedule()`` directly on the main thread, where a vote is a protocol error and
 raises; if so, the ranks run on their threads. ``every_step`` therefore costs ~10x more wall time
 per step than ``vote`` here, which is what bounds the default run.
@@ -87,10 +87,9 @@ from scheduler import (
     SchedulerOutputs,
     Sequence,
 )
-from scheduler.vote import attempt_point
 
 WORKLOADS = ("uniform", "skewed", "bursty")
-POLICIES = ("vote", "every_step")
+POLICIES = ("vote", "every_step", "deadline")
 DEFAULT_RANKS = (8, 16, 32, 64, 128, 256)
 QUICK_RANKS = (8, 16, 32)
 
@@ -300,25 +299,13 @@ class LockstepDriver:
 
     def _is_attempt_point(self) -> bool:
         """Whether this step is an attempt point, from state every rank must share."""
-        states = {
-            (r.sched.step_index, r.sched.decode_step, r.sched.group_idle, r.sched.drain_step)
-            for r in self.ranks
-        }
+        states = {r.sched.policy_state() for r in self.ranks}
         if len(states) != 1:
-            # (step_index, decode_step, group_idle, drain_step) per distinct view
+            # Scheduler.policy_state() per distinct view
             raise LockstepError(
                 f"ranks hold different step-policy state: {sorted(map(str, states))}"
             )
-        _, decode_step, group_idle, drain_step = states.pop()
-        point = attempt_point(
-            decode_step,
-            self.config.prefill_attempt_interval,
-            self.config.prefill_any_attempt_interval,
-            group_idle=group_idle,
-            every_step=self.config.sync_policy == "every_step",
-            drain_step=drain_step,
-        )
-        return point is not AttemptPoint.NONE
+        return self.ranks[0].sched.next_point() is not AttemptPoint.NONE
 
     def _reduce(self, events: list[_Event]) -> list[int]:
         _raise_errors(events)
@@ -370,6 +357,7 @@ class _Track:
     first_ms: float | None = None
     first_step: int | None = None
     last_ms: float = 0.0
+    prefills_seen: int = 0  # the group's prefill steps up to this request's last token
 
 
 @dataclass
@@ -394,6 +382,7 @@ class _Stats:
     collectives: int = 0
     output_tokens: int = 0
     itl_ms: list[float] = field(default_factory=list)
+    itl_interrupted: int = 0  # gaps between two tokens that contain a prefill step
 
 
 def sample_token(seq: Sequence) -> int:
@@ -500,7 +489,9 @@ def _record_token(track: _Track, now: float, stats: _Stats) -> None:
         track.first_step = stats.steps - 1
     else:
         stats.itl_ms.append(now - track.last_ms)
+        stats.itl_interrupted += stats.prefill_steps > track.prefills_seen
     track.last_ms = now
+    track.prefills_seen = stats.prefill_steps
 
 
 def _metrics(
@@ -532,6 +523,10 @@ def _metrics(
         metrics[f"ttft_steps_p{q}"] = _pct(ttft_steps, q)
     for q in (50, 99):
         metrics[f"itl_ms_p{q}"] = _pct(np.array(stats.itl_ms), q)
+    # ITL p99 stays at a decode step's length only while under 1% of the gaps between two
+    # tokens contain a prefill step; the longest gap shows stalls that p99 hides.
+    metrics["itl_interrupted_frac"] = stats.itl_interrupted / max(len(stats.itl_ms), 1)
+    metrics["itl_ms_max"] = float(max(stats.itl_ms, default=float("nan")))
     return metrics
 
 
@@ -557,6 +552,8 @@ _COLUMNS = (
     ("st99", "ttft_steps_p99", 5, "0"),
     ("itl50", "itl_ms_p50", 6, "1"),
     ("itl99", "itl_ms_p99", 6, "1"),
+    ("itl_max", "itl_ms_max", 7, "0"),
+    ("intr", "itl_interrupted_frac", 5, "3"),
     ("tok/s", "throughput_tok_s", 8, "0"),
     ("wall_s", "wall_s", 6, "1"),
 )
@@ -582,6 +579,100 @@ def format_table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+_MD_COLUMNS = (
+    ("N", lambda m: f"{m['num_ranks']}"),
+    ("workload", lambda m: m["workload"]),
+    ("policy", lambda m: m["policy"]),
+    ("placeholder", lambda m: f"{m['placeholder_frac']:.3f}"),
+    ("idle ranks", lambda m: f"{m['idle_rank_frac']:.3f}"),
+    ("votes/step", lambda m: f"{m['collectives_per_step']:.2f}"),
+    ("TTFT p50 / p99 ms", lambda m: f"{m['ttft_ms_p50']:,.0f} / {m['ttft_ms_p99']:,.0f}"),
+    ("TTFT p99 steps", lambda m: f"{m['ttft_steps_p99']:.0f}"),
+    ("ITL p99 ms", lambda m: f"{m['itl_ms_p99']:.1f}"),
+    ("ITL max ms", lambda m: f"{m['itl_ms_max']:,.0f}"),
+    ("gaps with a prefill", lambda m: f"{m['itl_interrupted_frac']:.1%}"),
+    ("tok/s", lambda m: f"{m['throughput_tok_s']:,.0f}"),
+)
+
+
+def _row(result: RunResult) -> dict[str, object]:
+    return {
+        "num_ranks": result.num_ranks,
+        "workload": result.workload,
+        "policy": result.policy,
+        **result.metrics,
+    }
+
+
+def markdown_table(results: list[RunResult]) -> str:
+    lines = [
+        "| " + " | ".join(name for name, _ in _MD_COLUMNS) + " |",
+        "| " + " | ".join("---" if i in (1, 2) else "---:" for i in range(len(_MD_COLUMNS))) + " |",
+    ]
+    for res in results:
+        row = _row(res)
+        lines.append("| " + " | ".join(cell(row) for _, cell in _MD_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+# The goals the deadline policy was built against (issue 16), per workload and N.
+GOAL_TTFT_VS_EVERY_STEP = 1.25  # TTFT p99 at most this times every_step's
+GOAL_ITL_VS_VOTE = 1.1  # ITL p99 at most this times vote's
+
+
+def goal_check(results: list[RunResult]) -> list[dict[str, object]]:
+    """deadline against vote and every_step, per (workload, N) where all three ran."""
+    cells = {(r.workload, r.num_ranks, r.policy): r.metrics for r in results}
+    checks = []
+    for workload, num_ranks in dict.fromkeys((r.workload, r.num_ranks) for r in results):
+        try:
+            new, vote, every = (
+                cells[(workload, num_ranks, p)] for p in ("deadline", "vote", "every_step")
+            )
+        except KeyError:
+            continue
+        best_tok = max(vote["throughput_tok_s"], every["throughput_tok_s"])
+        best_placeholder = min(vote["placeholder_frac"], every["placeholder_frac"])
+        ttft = new["ttft_ms_p99"] / every["ttft_ms_p99"]
+        itl = new["itl_ms_p99"] / vote["itl_ms_p99"]
+        checks.append(
+            {
+                "workload": workload,
+                "num_ranks": num_ranks,
+                "ttft_p99_vs_every_step": ttft,
+                "ttft_met": ttft <= GOAL_TTFT_VS_EVERY_STEP,
+                "itl_p99_vs_vote": itl,
+                "itl_met": itl <= GOAL_ITL_VS_VOTE,
+                "throughput_vs_best": new["throughput_tok_s"] / best_tok,
+                "throughput_met": new["throughput_tok_s"] >= best_tok,
+                "placeholder_vs_best": new["placeholder_frac"] - best_placeholder,
+                "placeholder_met": new["placeholder_frac"] <= best_placeholder,
+            }
+        )
+    return checks
+
+
+def goals_markdown(checks: list[dict[str, object]]) -> str:
+    def mark(met: object) -> str:
+        return "met" if met else "**missed**"
+
+    lines = [
+        f"| N | workload | TTFT p99 / every_step's (goal <= {GOAL_TTFT_VS_EVERY_STEP}) "
+        f"| ITL p99 / vote's (goal <= {GOAL_ITL_VS_VOTE}) | tok/s / the better's (goal >= 1) "
+        "| placeholder - the better's (goal <= 0) |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for c in checks:
+        lines.append(
+            f"| {c['num_ranks']} | {c['workload']} "
+            f"| {c['ttft_p99_vs_every_step']:.2f} {mark(c['ttft_met'])} "
+            f"| {c['itl_p99_vs_vote']:.2f} {mark(c['itl_met'])} "
+            f"| {c['throughput_vs_best']:.3f} {mark(c['throughput_met'])} "
+            f"| {c['placeholder_vs_best']:+.3f} {mark(c['placeholder_met'])} |"
+        )
+    return "\n".join(lines)
+
+
 def write_plot(results: list[RunResult], path: Path) -> bool:
     try:
         import matplotlib
@@ -593,15 +684,18 @@ def write_plot(results: list[RunResult], path: Path) -> bool:
         return False
     panels = (
         ("ttft_ms_p99", "TTFT p99 (simulated ms)", True),
-        ("ttft_steps_p99", "TTFT p99 (group steps)", True),
-        ("placeholder_frac", "placeholder fraction of forward rank-steps", False),
         ("itl_ms_p99", "inter-token latency p99 (simulated ms)", True),
+        ("itl_ms_max", "longest gap between two tokens (simulated ms)", True),
+        ("itl_interrupted_frac", "share of token gaps with a prefill step", False),
         ("throughput_tok_s", "throughput (tokens / simulated s)", True),
+        ("placeholder_frac", "placeholder fraction of forward rank-steps", False),
         ("collectives_per_step", "vote collectives per step", True),
+        ("ttft_steps_p99", "TTFT p99 (group steps)", True),
     )
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    colors = dict(zip(WORKLOADS, ("tab:blue", "tab:red", "tab:green"), strict=True))
-    styles = dict(zip(POLICIES, ("-", "--"), strict=True))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    # Colour = policy (the comparison), line and marker = workload.
+    colors = dict(zip(POLICIES, ("tab:blue", "tab:red", "tab:green"), strict=True))
+    styles = dict(zip(WORKLOADS, (("-", "o"), ("--", "s"), (":", "^")), strict=True))
     for ax, (key, title, log_y) in zip(axes.flat, panels, strict=True):
         for workload in WORKLOADS:
             for policy in POLICIES:
@@ -609,16 +703,20 @@ def write_plot(results: list[RunResult], path: Path) -> bool:
                 if runs:
                     xs = [r.num_ranks for r in runs]
                     ys = [r.metrics[key] for r in runs]
-                    label = f"{workload} / {policy}"
-                    ax.plot(xs, ys, styles[policy], color=colors[workload], marker="o", label=label)
+                    line, marker = styles[workload]
+                    label = f"{policy} / {workload}"
+                    ax.plot(xs, ys, line, color=colors[policy], marker=marker, label=label)
         ax.set_xscale("log", base=2)
         if log_y:
             ax.set_yscale("log")
         ax.set_xlabel("DP ranks N")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle("Lockstep vote policy vs every_step, simulated (real schedulers, modelled time)")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(
+        "Lockstep step policies vote, every_step and deadline, simulated "
+        "(real schedulers, modelled time)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -722,16 +820,19 @@ def main(argv: list[str] | None = None) -> None:
     results = run_all(ranks, args.workloads, args.policies, spec, cost, config)
     wall_s = time.perf_counter() - started
     print(f"\n{format_table(results)}\n\ntotal wall time {wall_s:.1f} s")
+    table, checks = markdown_table(results), goal_check(results)
+    print(f"\n{table}\n\n{goals_markdown(checks)}")
     payload = {
+        "command": " ".join(["python", "scripts/simulate_vote.py", *(argv or sys.argv[1:])]),
+        "markdown_table": table,
+        "goals": checks,
+        "goals_markdown": goals_markdown(checks),
         "workload": asdict(spec),
         "cost_model_ms": asdict(cost),
         "scheduler": config.to_dict(),
         "python": platform.python_version(),
         "wall_s": wall_s,
-        "results": [
-            {"num_ranks": r.num_ranks, "workload": r.workload, "policy": r.policy, **r.metrics}
-            for r in results
-        ],
+        "results": [_row(r) for r in results],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1) + "\n")

@@ -77,6 +77,7 @@ def run_scenarios(rank: int, world_size: int, model_dir: str, scenarios: list[Sc
 
 
 def _run_one(ctx, model_dir: str, scenario: Scenario, model) -> tuple[dict, Any]:
+    started = time.monotonic()
     rank, world = ctx.rank, ctx.world_size
     config = EngineConfig(
         model=model_dir,
@@ -146,6 +147,7 @@ def _run_one(ctx, model_dir: str, scenario: Scenario, model) -> tuple[dict, Any]
         "latencies": latencies,
         "failure": failure,
         "num_preemptions": engine.scheduler.num_preemptions,
+        "wall_s": time.monotonic() - started,
     }
     return result, engine.model
 
@@ -234,4 +236,12 @@ def _summarise(outs: list) -> dict:
 def _view(group) -> tuple | None:
     if group is None:
         return None
-    return (group.all_want, group.any_want, group.none_running, group.none_work)
+    return (
+        group.all_want,
+        group.any_want,
+        group.none_running,
+        group.none_work,
+        group.all_ready,
+        group.max_ready_wait,
+        group.any_backlog,
+    )

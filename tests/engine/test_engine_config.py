@@ -47,7 +47,7 @@ def test_nested_sections_and_flat_overrides():
         ),
         (
             {"model": "/m", "scheduler": {"sync_policy": "unified"}},
-            "sync_policy must be one of ['vote', 'every_step']",
+            "sync_policy must be one of ['vote', 'every_step', 'deadline']",
         ),
     ],
 )
@@ -86,5 +86,7 @@ def test_group_agreed_settings_and_model_identity(tmp_path):
     assert {
         "scheduler.block_size",
         "scheduler.prefill_attempt_interval",
+        "scheduler.sync_policy",
+        "scheduler.prefill_deadline_steps",
         "moe.ll_max_tokens_per_rank",
     } <= set(agreed)

@@ -3,14 +3,20 @@
 Every scenario runs with check_lockstep on and a hard timeout, and asserts that (a) every
 request ends with exactly one terminal result, (b) the step-kind trace is identical on every
 rank, (c) greedy tokens equal a single-rank reference for every request that ran to its end,
-and (d) the vote never starves a prefill: at an ANY or idle point where some rank wants to
-prefill, the group prefills unless vote 2 found nothing admissible, and attempt points are
-never further apart than the ALL interval.
+and (d) the policy never starves a prefill. Under ``vote``: at an ANY or idle point where some
+rank wants to prefill, the group prefills unless vote 2 found nothing admissible, and attempt
+points are never further apart than the ALL interval. Under ``deadline``: no ready head has sat
+out more than ``prefill_deadline_steps`` decode steps at any vote, the group prefills exactly
+when its rule says so, and votes are never further apart than the deadline.
+
+Each scenario also runs under ``deadline`` (its ``@deadline`` twin) in the same rank processes,
+so the suite covers both policies for the price of one model load per DP size.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +32,7 @@ pytestmark = pytest.mark.multirank
 
 VOCAB = MODEL_SIZES["vocab_size"]
 ENDED_NORMALLY = ("length", "stop")
+DEADLINE_STEPS = 3  # short, so the scenarios cross many due points
 
 
 class Reference:
@@ -198,7 +205,16 @@ def build_scenarios(world: int) -> list[Scenario]:
             sync_policy="every_step",
         )
     )
-    return scenarios
+    return scenarios + [deadline_twin(s) for s in scenarios]
+
+
+def deadline_twin(scenario: Scenario) -> Scenario:
+    return replace(
+        scenario,
+        name=f"{scenario.name}@deadline",
+        sync_policy="deadline",
+        scheduler={**scenario.scheduler, "prefill_deadline_steps": DEADLINE_STEPS},
+    )
 
 
 def soak_scenario(world: int, num_requests: int = 1000) -> Scenario:
@@ -253,8 +269,11 @@ def check_scenario(scenario: Scenario, per_rank: list[dict], reference: Referenc
     )
     for (event, out), tokens in zip(ran, expected, strict=True):
         assert out["tokens"] == tokens, f"{name}: {event.request_id} differs from the reference"
-    # (d) the vote never starves a wanted prefill
+    # (d) the policy never starves a wanted prefill
     config = scenario.scheduler_config(0)
+    if config.sync_policy == "deadline":
+        _check_deadline(name, config.prefill_deadline_steps, per_rank[0]["trace"])
+        return
     unvoted = 0
     for step, kind, point, view, any_scheduled, _ in per_rank[0]["trace"]:
         if view is None:
@@ -262,10 +281,31 @@ def check_scenario(scenario: Scenario, per_rank: list[dict], reference: Referenc
             assert unvoted < config.prefill_attempt_interval, f"{name}: no vote by step {step}"
             continue
         unvoted = 0
-        all_want, any_want, none_running, _ = view
+        all_want, any_want, none_running, *_ = view
         wanted = any_want if point in ("any", "idle", "every") or none_running else all_want
         if wanted:
             assert kind == "prefill" or any_scheduled is False, f"{name}: step {step} starved"
+
+
+def _check_deadline(name: str, deadline: int, trace: list) -> None:
+    unvoted = 0
+    for step, kind, point, view, any_scheduled, _ in trace:
+        if view is None:
+            unvoted += 1
+            assert unvoted < deadline, f"{name}: no vote by step {step}"
+            assert kind != "prefill", f"{name}: step {step} prefilled without a vote"
+            continue
+        unvoted = 0
+        _, _, none_running, _, all_ready, max_wait, any_backlog = view
+        assert max_wait <= deadline, f"{name}: step {step}: a ready head sat out {max_wait}"
+        if none_running:
+            due = max_wait >= 0
+        else:
+            due = max_wait >= deadline or all_ready or (point == "follow" and any_backlog)
+        if due:
+            assert kind == "prefill" or any_scheduled is False, f"{name}: step {step} starved"
+        else:
+            assert kind != "prefill", f"{name}: step {step} prefilled with nothing due"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -274,28 +314,37 @@ def test_vote_deadlock_scenarios(world, model_dir, reference):
     results = run_multirank(world, run_scenarios, (model_dir, scenarios), timeout_s=420)
     for scenario in scenarios:
         check_scenario(scenario, [r[scenario.name] for r in results], reference)
-    # Scenario-specific facts, so each scenario provably exercised its hazard.
-    by_name = {s.name: [r[s.name] for r in results] for s in scenarios}
-    assert by_name["too_long_prompt"][world - 1]["outputs"]["too-long"]["reason"] == (
-        "prompt_length_exceeded"
-    )
-    assert by_name["dead_head"][1]["outputs"]["doomed"]["reason"] == "abort"
-    stop_reasons = {o["reason"] for o in by_name["watermark_stop"][0]["outputs"].values()}
-    assert "insufficient_system_resource" in stop_reasons
-    assert by_name["watermark_recompute"][0]["num_preemptions"] > 0
-    aborted = {o["reason"] for r in by_name["abort_storm"] for o in r["outputs"].values()}
-    assert "abort" in aborted
-    latencies = sorted(x for r in by_name["sleep_wake"] for x in r["latencies"])
-    assert len(latencies) == 200
-    p90 = latencies[int(0.9 * len(latencies))]
-    assert p90 < 0.05, f"p90 wake-to-first-token {p90 * 1e3:.1f} ms"
-    slept = sum(1 for _, kind, *_ in by_name["sleep_wake"][0]["trace"] if kind == "empty")
-    assert slept > 0
+    walls = {s.name: results[0][s.name]["wall_s"] for s in scenarios}
+    twins = sum(wall for name, wall in walls.items() if name.endswith("@deadline"))
+    print(f"DP={world}: scenarios {sum(walls.values()):.1f} s, of which @deadline {twins:.1f} s")
+    # Scenario-specific facts, so each scenario provably exercised its hazard, per policy.
+    for suffix in ("", "@deadline"):
+        by_name = {s.name: [r[s.name] for r in results] for s in scenarios}
+        by_name = {n[: len(n) - len(suffix)]: v for n, v in by_name.items() if n.endswith(suffix)}
+        assert by_name["too_long_prompt"][world - 1]["outputs"]["too-long"]["reason"] == (
+            "prompt_length_exceeded"
+        )
+        assert by_name["dead_head"][1]["outputs"]["doomed"]["reason"] == "abort"
+        stop_reasons = {o["reason"] for o in by_name["watermark_stop"][0]["outputs"].values()}
+        assert "insufficient_system_resource" in stop_reasons, suffix
+        assert by_name["watermark_recompute"][0]["num_preemptions"] > 0, suffix
+        aborted = {o["reason"] for r in by_name["abort_storm"] for o in r["outputs"].values()}
+        assert "abort" in aborted, suffix
+        latencies = sorted(x for r in by_name["sleep_wake"] for x in r["latencies"])
+        assert len(latencies) == 200
+        p90 = latencies[int(0.9 * len(latencies))]
+        assert p90 < 0.05, f"{suffix}: p90 wake-to-first-token {p90 * 1e3:.1f} ms"
+        slept = sum(1 for _, kind, *_ in by_name["sleep_wake"][0]["trace"] if kind == "empty")
+        assert slept > 0, suffix
 
 
 def test_soak_dp4(model_dir, reference):
-    scenario = soak_scenario(4)
-    results = run_multirank(4, run_scenarios, (model_dir, [scenario]), timeout_s=300)
-    check_scenario(scenario, [r["soak"] for r in results], reference)
-    reasons = [o["reason"] for r in results for o in r["soak"]["outputs"].values()]
-    assert len(reasons) == 1000 and reasons.count("abort") > 0
+    scenarios = [soak_scenario(4), deadline_twin(soak_scenario(4))]
+    results = run_multirank(4, run_scenarios, (model_dir, scenarios), timeout_s=420)
+    for scenario in scenarios:
+        name = scenario.name
+        check_scenario(scenario, [r[name] for r in results], reference)
+        reasons = [o["reason"] for r in results for o in r[name]["outputs"].values()]
+        assert len(reasons) == 1000 and reasons.count("abort") > 0, name
+    walls = {s.name: results[0][s.name]["wall_s"] for s in scenarios}
+    print(f"soak: {walls}")

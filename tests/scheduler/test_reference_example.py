@@ -11,6 +11,7 @@ CONFIG = SchedulerConfig(
     max_model_len=4096,
     chunked_prefill=True,
     stop_preempted_request=True,
+    sync_policy="vote",  # the article's ALL/ANY points
 )
 
 

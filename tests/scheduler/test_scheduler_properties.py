@@ -35,6 +35,8 @@ configs = st.fixed_dictionaries(
         "num_state_slots": st.sampled_from([0, 3, 6]),
         "prefill_attempt_interval": st.integers(1, 8),
         "prefill_any_attempt_interval": st.integers(2, 12),
+        "sync_policy": st.sampled_from(["vote", "every_step", "deadline"]),
+        "prefill_deadline_steps": st.integers(1, 8),
         "cp_size": st.sampled_from([1, 2]),
         "lookahead_tokens": st.sampled_from([0, 3]),
     }
@@ -92,6 +94,8 @@ def _simulate(config: SchedulerConfig, workload, max_steps=1500):
         "num_state_slots": 0,
         "prefill_attempt_interval": 1,
         "prefill_any_attempt_interval": 2,
+        "sync_policy": "vote",
+        "prefill_deadline_steps": 2,
         "cp_size": 1,
         "lookahead_tokens": 0,
     },

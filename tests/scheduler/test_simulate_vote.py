@@ -31,6 +31,7 @@ CONFIG = SchedulerConfig(
     num_blocks=128,
     prefill_attempt_interval=7,
     prefill_any_attempt_interval=10,
+    sync_policy="vote",
 )
 SPEC = sim.WorkloadSpec(
     requests_per_rank=3, duration_ms=400.0, prompt_len=(8, 96), max_tokens=(2, 30), bursts=3
@@ -54,6 +55,18 @@ def test_simulation_invariants_at_n8(workload):
         assert run.metrics["output_tokens"] == sum(req.max_tokens for req in requests)
     every, vote = runs["every_step"].metrics, runs["vote"].metrics
     assert every["collectives_per_step"] >= max(1.0, vote["collectives_per_step"])
+    # The deadline policy bounds TTFT in steps (every request here is ready at intake): the
+    # deadline, the prompt step, and one more for a request behind a full prompt batch.
+    deadline = runs["deadline"].metrics
+    assert deadline["ttft_steps_p99"] <= CONFIG.prefill_deadline_steps + 2
+    assert 0.0 <= deadline["itl_interrupted_frac"] <= 1.0
+    assert deadline["itl_ms_max"] >= deadline["itl_ms_p99"]
+    (check,) = sim.goal_check(list(runs.values()))
+    assert check["workload"] == workload and check["num_ranks"] == 8
+    assert check["ttft_met"] == (
+        deadline["ttft_ms_p99"] <= sim.GOAL_TTFT_VS_EVERY_STEP * every["ttft_ms_p99"]
+    )
+    assert sim.markdown_table(list(runs.values())).count("\n") == 1 + len(runs)
 
 
 def test_driver_reports_diverged_step_state():

@@ -27,6 +27,7 @@ CONFIG = dict(
     num_blocks=512,
     prefill_attempt_interval=7,
     prefill_any_attempt_interval=10,
+    sync_policy="vote",  # these tests are about the vote's ALL/ANY points
 )
 
 
