@@ -24,6 +24,15 @@ class PrefillBatch:
     num_batched_tokens: int
 
 
+def larger_than_pool(seq: Sequence, kv: KvManager) -> str:
+    """Why a prompt the whole pool cannot hold is ignored (its `detail`)."""
+    length = len(seq.token_ids)
+    return (
+        f"prompt of {length} tokens needs {kv.num_blocks_for(length)} KV blocks of "
+        f"{kv.block_size} tokens; the pool has {kv.blocks.num_usable}"
+    )
+
+
 def chunk_length(seq: Sequence, start: int, budget_left: int, config: SchedulerConfig) -> int:
     """Tokens of ``seq``'s prompt to compute this step from position ``start``; 0 means none.
 
@@ -93,10 +102,7 @@ def assemble_prefill(
             plan = kv.plan_admission(seq)
             if plan.status is AllocStatus.NEVER:
                 waiting.popleft()
-                seq.error_message = (
-                    f"prompt of {length} tokens needs {kv.num_blocks_for(length)} KV blocks of "
-                    f"{kv.block_size} tokens; the pool has {kv.blocks.num_usable}"
-                )
+                seq.error_message = larger_than_pool(seq, kv)
                 terminate(seq, SequenceStatus.IGNORED)
                 continue
             if plan.status is AllocStatus.LATER:

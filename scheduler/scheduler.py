@@ -21,7 +21,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.decode import assemble_decode, order_key
 from scheduler.kv_manager import KvManager
 from scheduler.outputs import SchedulerOutputs
-from scheduler.prefill import PrefillBatch, assemble_prefill, chunk_length
+from scheduler.prefill import PrefillBatch, assemble_prefill, chunk_length, larger_than_pool
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.vote import (
     AttemptPoint,
@@ -296,6 +296,7 @@ class Scheduler:
                 plan = self.kv.plan_admission(seq)
                 if plan.status is AllocStatus.NEVER:
                     waiting.popleft()
+                    seq.error_message = larger_than_pool(seq, self.kv)
                     self._terminate(seq, SequenceStatus.IGNORED)
                     continue
                 if plan.status is AllocStatus.LATER:
