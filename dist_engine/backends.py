@@ -10,6 +10,10 @@ float32 on the CPU (decode attention to every float dtype); elsewhere a `native`
 back to `torch` call by call. `auto` takes `native` where it applies and the kernels built,
 `torch` otherwise.
 
+Attention backends exist per attention kind (`attention.ATTENTION_BACKENDS`: GQA has both,
+MLA only `torch`); for a kind without `native` the attention resolves to `torch` and the
+resolution says why.
+
 The choice is made per regime (decode steps and prefill steps), so a kernel that is faster
 for a handful of rows and slower for thousands can serve only the regime where it wins;
 `Backends.describe()` is what the run summary prints.
@@ -17,12 +21,19 @@ for a handful of rows and slower for thousands can serve only the regime where i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
-from dist_engine.attention import AttentionBackend, PerRegime, attention_backend
+from dist_engine.attention import (
+    AttentionBackend,
+    MLABackend,
+    PerRegime,
+    attention_backend,
+    has_backend,
+)
 from dist_engine.layers.norm import NormKernel
 from dist_engine.log import get_logger
 from moe import DispatchMode, ExpertImpl
@@ -43,11 +54,13 @@ class RegimeChoice:
 
     decode: str
     prefill: str
+    note: str = ""  # why the choice differs from the setting, when it does
 
     def __str__(self) -> str:
-        if self.decode == self.prefill:
-            return self.decode
-        return f"decode {self.decode}, prefill {self.prefill}"
+        text = self.decode
+        if self.decode != self.prefill:
+            text = f"decode {self.decode}, prefill {self.prefill}"
+        return f"{text} ({self.note})" if self.note else text
 
 
 @dataclass(frozen=True)
@@ -55,12 +68,25 @@ class Backends:
     attention: RegimeChoice
     experts: RegimeChoice
     norm: RegimeChoice
+    attention_kind: str = "gqa"  # the model's attention (gqa | mla): whose backends these are
 
     @classmethod
-    def all(cls, name: str) -> Backends:
+    def all(cls, name: str, attention_kind: str = "gqa") -> Backends:
         """The same implementation everywhere (tests and references)."""
         choice = RegimeChoice(name, name)
-        return cls(choice, choice, choice)
+        return cls(choice, choice, choice).for_attention_kind(attention_kind)
+
+    def for_attention_kind(self, kind: str) -> Backends:
+        """These backends for a model whose attention is `kind`: a regime set to a backend
+        the kind does not have runs `torch`, and says so."""
+        names = (self.attention.decode, self.attention.prefill)
+        missing = sorted({name for name in names if not has_backend(kind, name)})
+        if not missing:
+            return dataclasses.replace(self, attention_kind=kind)
+        resolved = [name if has_backend(kind, name) else "torch" for name in names]
+        note = f"{kind} attention has no {' or '.join(missing)} backend"
+        attention = RegimeChoice(*resolved, note=note)
+        return dataclasses.replace(self, attention=attention, attention_kind=kind)
 
     def describe(self) -> str:
         return f"attention {self.attention}; experts {self.experts}; norm {self.norm}"
@@ -70,7 +96,7 @@ class Backends:
 class LayerOps:
     """The implementations the layers call, built once from a `Backends`."""
 
-    attention: AttentionBackend
+    attention: AttentionBackend | MLABackend  # as the model's attention kind needs
     experts: dict[DispatchMode, ExpertImpl | None]  # None: PyTorch's path
     norm: NormKernel | None  # None: PyTorch's F.rms_norm
 
@@ -81,8 +107,10 @@ class LayerOps:
         from dist_engine.kernels import compute
         from dist_engine.layers.moe import NativeExperts
 
-        attention = backends.attention
-        decode, prefill = attention_backend(attention.decode), attention_backend(attention.prefill)
+        attention, kind = backends.attention, backends.attention_kind
+        decode = attention_backend(attention.decode, kind)
+        prefill = decode if attention.prefill == attention.decode else None
+        prefill = prefill or attention_backend(attention.prefill, kind)
         experts = {
             DispatchMode.LOW_LATENCY: backends.experts.decode,
             DispatchMode.NORMAL: backends.experts.prefill,
@@ -100,9 +128,10 @@ class LayerOps:
                 norm = NormKernel(kernel, max_tokens=max_decode_tokens)
             else:
                 norm = NormKernel(kernel, min_tokens=max_decode_tokens + 1)
-        return cls(
-            PerRegime(decode, prefill) if decode.name != prefill.name else decode, impls, norm
-        )
+        if decode is not prefill:
+            assert isinstance(decode, AttentionBackend) and isinstance(prefill, AttentionBackend)
+            decode = PerRegime(decode, prefill)
+        return cls(decode, impls, norm)
 
 
 def may_use_native(settings: dict[str, str]) -> bool:
@@ -126,9 +155,12 @@ def resolve_backends(
     dtype: torch.dtype,
     device: torch.device | str | None,
     rank: int | None = None,
+    attention_kind: str = "gqa",
 ) -> Backends:
-    """`settings`: each of BACKEND_KEYS → one of BACKEND_CHOICES. Raises ValueError naming
-    the key when `native` is asked for where it cannot run."""
+    """`settings`: each of BACKEND_KEYS → one of BACKEND_CHOICES, for a model whose attention
+    is `attention_kind` (gqa | mla). Raises ValueError naming the key when `native` is asked
+    for where it cannot run; an attention kind without native kernels runs `torch` and the
+    result says so."""
     from dist_engine.kernels import compute
 
     log = get_logger(rank)
@@ -140,6 +172,11 @@ def resolve_backends(
         value = settings.get(key, "auto")
         if value not in BACKEND_CHOICES:
             raise ValueError(f"{key} must be one of {list(BACKEND_CHOICES)}, got {value!r}")
+        if key == "attention_backend" and not has_backend(attention_kind, "native"):
+            chosen[key] = RegimeChoice("torch", "torch")
+            if value != "torch":
+                chosen[key] = RegimeChoice("torch", "torch", f"no native {attention_kind} kernels")
+            continue
         names = []
         for regime in ("decode", "prefill"):
             applies = native_applies(key, regime, dtype, device)
@@ -160,7 +197,10 @@ def resolve_backends(
             names.append("native" if value != "torch" and built else "torch")
         chosen[key] = RegimeChoice(*names)
     backends = Backends(
-        chosen["attention_backend"], chosen["expert_backend"], chosen["norm_backend"]
+        chosen["attention_backend"],
+        chosen["expert_backend"],
+        chosen["norm_backend"],
+        attention_kind,
     )
     log.info("backends: %s", backends.describe())
     return backends

@@ -107,7 +107,11 @@ class DPEngine:
         # they may be used, which takes tens of seconds the first time on a machine, and peers
         # waiting inside a collective for a rank that compiles would run into its timeout.
         self.backends: Backends = resolve_backends(
-            config.backend_settings, config.torch_dtype, device, self.rank
+            config.backend_settings,
+            config.torch_dtype,
+            device,
+            self.rank,
+            attention_kind=self.model_config.attention_kind,
         )
         self.vote: TorchVote | None = None
         if dist_ctx is not None:
@@ -147,11 +151,11 @@ class DPEngine:
             )
         per_block = bytes_per_block(spec, block_size, dtype)
         self.log.info(
-            "KV cache: %d blocks of %d tokens, %.1f MiB (%d bytes per token)",
+            "KV cache: %d blocks of %d tokens, %.1f MiB; %s",
             sched_config.num_blocks,
             block_size,
             sched_config.num_blocks * per_block / 2**20,
-            per_block // block_size,
+            spec.describe(dtype),
         )
         return sched_config
 

@@ -16,6 +16,8 @@ from dist_engine.models.config import REQUIRED_KEYS, ModelConfig, require_keys
 ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "dist_engine.models.qwen3_moe",
     "mixtral": "dist_engine.models.mixtral",
+    "deepseek_v3": "dist_engine.models.deepseek_v3",
+    "deepseek_v2": "dist_engine.models.deepseek_v2",
 }
 
 

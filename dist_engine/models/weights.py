@@ -128,6 +128,11 @@ class CheckpointLayout:
         """Other names the tensor `name` may have in a checkpoint (tried in order)."""
         return ()
 
+    def ignored(self, name: str) -> bool:
+        """Whether a checkpoint tensor the model does not use is skipped rather than refused
+        (e.g. modules a serving path never runs)."""
+        return False
+
     def parameter_for(self, name: str) -> tuple[str, slice]:
         """The model parameter a checkpoint tensor fills, and which of its rows: HF's separate
         q/k/v projections go into rows of the fused `qkv_proj`; everything else fills a whole

@@ -16,7 +16,6 @@ import pytest
 import torch
 from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
 
-from dist_engine.attention.kv_cache import KVCache
 from dist_engine.distributed.spawn import run_multirank
 from dist_engine.engine.runner import ModelRunner
 from dist_engine.models.loader import load_model
@@ -51,7 +50,7 @@ class Reference:
             block_size=4,
             num_blocks=8192,
         )
-        self.model.attach_kv_cache(KVCache.for_model(self.model.config, 8192, 4, torch.float64))
+        self.model.attach_kv_cache(self.model.new_kv_cache(8192, 4))
         runner = ModelRunner(self.model, 4)
         sched = Scheduler(config)
         seqs = [
