@@ -121,8 +121,10 @@ def _absorbed(
     """q_nope [G, Lg, H, Dn], q_rope [G, Lg, H, R], context [G, S, E], mask [G, 1, Lg, S] bool
     (None: causal, S = Lg) → [G, Lg, H, Dv].
 
-    The heads become query rows of a single-head attention over the entries: [G, 1, Lg*H, E]
-    against [G, 1, S, E], values the latent part of the same rows.
+    The heads become query rows of one single-head attention over the entries: scores are
+    `[G, Lg*H, E] @ [G, E, S]`, values the latent part of the same entries. Two bmm calls with
+    the scale applied to the (small) query: SDPA, which scales inside, took ~1.4x as long on a
+    32 x 256 decode step on the CPU.
     """
     num_seqs, query_len, num_heads, nope_dim = q_nope.shape
     latent_dim = kv_up.shape[2]
@@ -130,14 +132,16 @@ def _absorbed(
     rows = q_nope.reshape(-1, num_heads, nope_dim).transpose(0, 1)  # [H, G*Lg, Dn]
     q_latent = torch.bmm(rows, key_half).transpose(0, 1)  # [G*Lg, H, C]
     query = torch.cat((q_latent.reshape(num_seqs, query_len, num_heads, latent_dim), q_rope), -1)
-    query = query.reshape(num_seqs, 1, query_len * num_heads, -1)
-    keys = context.unsqueeze(1)  # [G, 1, S, E]
+    query = query.reshape(num_seqs, query_len * num_heads, -1) * scale  # [G, Lg*H, E]
+    scores = torch.bmm(query, context.transpose(1, 2))  # [G, Lg*H, S]
     if mask is None:
         mask = _causal_mask(query_len, q_nope.device)
-    row_mask = mask.repeat_interleave(num_heads, dim=2) if query_len > 1 else mask
-    weighted = F.scaled_dot_product_attention(
-        query, keys, keys[..., :latent_dim], attn_mask=row_mask, scale=scale
-    )  # [G, 1, Lg*H, C]
+    allowed = mask[:, 0].repeat_interleave(num_heads, dim=1) if query_len > 1 else mask[:, 0]
+    scores = scores.masked_fill_(~allowed, float("-inf"))
+    # At least float32, as transformers' eager attention does for lower-precision models.
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
+    probs = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(context.dtype)
+    weighted = torch.bmm(probs, context[..., :latent_dim])  # [G, Lg*H, C]
     weighted = weighted.reshape(-1, num_heads, latent_dim).transpose(0, 1)  # [H, G*Lg, C]
     out = torch.bmm(weighted, value_half.transpose(1, 2))  # [H, G*Lg, Dv]
     return out.transpose(0, 1).reshape(num_seqs, query_len, num_heads, -1)
