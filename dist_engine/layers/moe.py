@@ -82,7 +82,7 @@ class NativeExperts:
 class MoEBlock(nn.Module):
     """Router → routing (`routing`: softmax top-k by default) → `MoELayer`, plus shared
     experts when given. HF names: `gate.weight` (+ `gate.e_score_correction_bias`), `experts`,
-    `shared_experts`.
+    `shared_experts` (+ `shared_expert_gate.weight`).
 
     Shared experts run on the rank that holds the token, on every token, and are added to
     the combined routed output: they are dense, so sending their rows over EP would buy
@@ -105,6 +105,7 @@ class MoEBlock(nn.Module):
         routing: RoutingMethod = SOFTMAX_TOPK,
         router_dtype: torch.dtype | None = None,
         shared_experts: nn.Module | None = None,
+        shared_expert_gate: bool = False,
     ) -> None:
         super().__init__()
         self.top_k = top_k
@@ -128,6 +129,10 @@ class MoEBlock(nn.Module):
         for mode, impl in (expert_impls or {}).items():
             self.experts.set_expert_impl(impl, mode)
         self.shared_experts = shared_experts
+        # Qwen2-MoE: the shared expert's output scaled by sigmoid(x W_g), W_g [1, D].
+        self.shared_expert_gate = None
+        if shared_expert_gate:
+            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
 
     def forward(self, hidden: torch.Tensor, mode: DispatchMode) -> torch.Tensor:
         """hidden: [T, D] → [T, D]. Always enters the MoE layer, even with T = 0, because in
@@ -137,5 +142,8 @@ class MoEBlock(nn.Module):
         routing = self.routing.route(logits, self.top_k, self.renormalize, bias)
         out = self.experts.forward(hidden, routing.topk_weights, routing.topk_ids, mode)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
+            shared = self.shared_experts(hidden)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+            out = out + shared
         return out

@@ -60,11 +60,22 @@ class ModelConfig:
     # YaRN context extension (None: default RoPE); pairs rotated interleaved (DeepSeek).
     rope_scaling: YarnScaling | None = None
     rope_interleave: bool = False
+    # The share of each head's dims that RoPE rotates (GLM-4.5: the first half).
+    partial_rotary_factor: float = 1.0
+    # Whether o_proj has a bias; None: as attention_bias (Qwen2-MoE, GLM-4.5: only q/k/v do).
+    attention_output_bias: bool | None = None
     # Multi-head Latent Attention sizes (DeepSeek); None: grouped-query attention.
     mla: MLADims | None = None
     routing: RoutingMethod = SOFTMAX_TOPK
-    # Size of the shared experts' MLP, all of them together (0: none).
+    # The router's weight and logits in float32 whatever the model's dtype (DeepSeek, GLM).
+    router_in_float32: bool = False
+    # Size of the shared experts' MLP, all of them together (0: none); Qwen2-MoE scales its
+    # shared expert's output by sigmoid(shared_expert_gate(x)).
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    # Layers a checkpoint may hold past num_layers (multi-token prediction, DeepSeek-V3 and
+    # GLM-4.5): skipped when loading, as transformers does.
+    num_extra_layers: int = 0
 
     def __post_init__(self) -> None:
         positive = {
@@ -90,6 +101,11 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0 and self.mla is None:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 != 0:
+            raise ValueError(
+                f"config key 'partial_rotary_factor' ({self.partial_rotary_factor}) must be in "
+                f"(0, 1] and rotate an even number of head_dim's {self.head_dim} dims"
+            )
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.top_k}) exceeds the number of experts "
@@ -111,6 +127,19 @@ class ModelConfig:
             raise ValueError(
                 f"config has dense MLP layers but intermediate_size is {self.intermediate_size}"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each (GQA) head that RoPE rotates: the first ones."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def output_bias(self) -> bool:
+        return (
+            self.attention_bias
+            if self.attention_output_bias is None
+            else self.attention_output_bias
+        )
 
     @property
     def attention_kind(self) -> str:

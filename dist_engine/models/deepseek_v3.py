@@ -59,6 +59,7 @@ class DeepseekV3(Architecture):
             norm_topk_prob=bool(get("norm_topk_prob")),
             rope_interleave=bool(hf.get("rope_interleave", True)),
             defaults=DEFAULTS,
+            num_extra_layers=num_mtp_layers_of(hf),
         )
 
     def layout(self, config: ModelConfig) -> CheckpointLayout:
@@ -80,6 +81,17 @@ class DeepseekV3(Architecture):
             "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",
         }
+
+
+def num_mtp_layers_of(hf: dict[str, Any]) -> int:
+    """The multi-token-prediction layers a checkpoint may carry past the last layer
+    (`num_nextn_predict_layers`; transformers' default is 1)."""
+    value = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(
+            f"config key 'num_nextn_predict_layers' must be an integer >= 0, got {value!r}"
+        )
+    return value
 
 
 def tiny_mla_config(

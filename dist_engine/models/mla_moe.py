@@ -13,7 +13,6 @@ S = shared experts' size.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ def parse_mla_moe(
     norm_topk_prob: bool,
     rope_interleave: bool,
     defaults: dict[str, Any],
+    num_extra_layers: int = 0,
 ) -> ModelConfig:
     """The ModelConfig of a DeepSeek-style config.json; `defaults` are transformers' values
     for keys the file may omit (they differ between V2 and V3). The MLA sizes have no default:
@@ -109,7 +109,9 @@ def parse_mla_moe(
         rope_interleave=rope_interleave,
         mla=mla,
         routing=routing,
+        router_in_float32=True,
         shared_expert_intermediate_size=moe_size * num_shared,
+        num_extra_layers=num_extra_layers,
     )
 
 
@@ -164,7 +166,7 @@ def build_mla_moe(
                 device,
                 ops.experts,
                 routing=config.routing,
-                router_dtype=torch.float32,
+                router_dtype=torch.float32 if config.router_in_float32 else None,
                 shared_experts=shared,
             )
         else:
@@ -184,8 +186,8 @@ def build_mla_moe(
 
 
 class MLALayout(CheckpointLayout):
-    """DeepSeek's tensor names: MLA projections and norms, a float32 router with its
-    correction bias, `shared_experts`. Every tensor fills the parameter of the same name."""
+    """DeepSeek's attention tensors: MLA projections and norms (the MoE side is the common
+    layout's). Every tensor fills the parameter of the same name."""
 
     def attention_tensor_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         config = self.config
@@ -213,30 +215,5 @@ class MLALayout(CheckpointLayout):
             shapes[attn + "o_proj.bias"] = (hidden,)
         return shapes
 
-    def mlp_tensor_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
-        shapes = super().mlp_tensor_shapes(layer)
-        config = self.config
-        if not config.is_moe_layer(layer):
-            return shapes
-        prefix = layer_prefix(layer) + "mlp."
-        if config.routing.correction_bias:
-            shapes[prefix + "gate.e_score_correction_bias"] = (config.num_experts,)
-        size, hidden = config.shared_expert_intermediate_size, config.hidden_size
-        if size:
-            shapes[prefix + "shared_experts.gate_proj.weight"] = (size, hidden)
-            shapes[prefix + "shared_experts.up_proj.weight"] = (size, hidden)
-            shapes[prefix + "shared_experts.down_proj.weight"] = (hidden, size)
-        return shapes
-
     def parameter_for(self, name: str) -> tuple[str, slice]:
         return name, slice(None)
-
-    def ignored(self, name: str) -> bool:
-        """Layers past `num_hidden_layers` are DeepSeek-V3's multi-token-prediction modules
-        (hub checkpoints ship them as `model.layers.61.*`): a serving path without
-        speculative decoding does not run them, and transformers skips them too."""
-        match = _LAYER.match(name)
-        return match is not None and int(match.group(1)) >= self.config.num_layers
-
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")

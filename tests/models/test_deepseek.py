@@ -213,6 +213,110 @@ def test_latent_spec_counts() -> None:
 
 
 # -- config.json ------------------------------------------------------------------------------
+DEEPSEEK_V3_HUB = {  # deepseek-ai/DeepSeek-V3's config.json (transformers 4.x spelling)
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "tie_word_embeddings": False,
+    "eos_token_id": 1,
+    "attention_bias": False,
+}
+DEEPSEEK_V2_LITE_HUB = {  # deepseek-ai/DeepSeek-V2-Lite
+    **{k: DEEPSEEK_V3_HUB[k] for k in ("hidden_act", "rope_theta", "tie_word_embeddings")},
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_shared_experts": 2,
+    "n_routed_experts": 64,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 6,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        **DEEPSEEK_V3_HUB["rope_scaling"],
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+    "eos_token_id": 100001,
+}
+
+
+FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def test_deepseek_hub_configs_parse() -> None:
+    from dist_engine.models.mla_moe import softmax_scale
+
+    v3 = ModelConfig.from_hf_dict(DEEPSEEK_V3_HUB)
+    assert v3.mla is not None and (v3.mla.q_lora_rank, v3.mla.kv_lora_rank) == (1536, 512)
+    assert v3.moe_layer_indices == list(range(3, 61)) and v3.num_extra_layers == 1
+    assert v3.shared_expert_intermediate_size == 2048 and v3.rope_interleave
+    assert (v3.routing.scoring, v3.routing.num_groups, v3.routing.topk_groups) == ("sigmoid", 8, 4)
+    assert v3.routing.correction_bias and v3.routing.routed_scaling_factor == 2.5
+    assert v3.rope_scaling is not None and v3.rope_scaling.factor == 40
+    mscale = 0.1 * 1.0 * torch.log(torch.tensor(40.0)).item() + 1.0
+    assert softmax_scale(v3) == pytest.approx(192**-0.5 * mscale**2)
+    v2 = ModelConfig.from_hf_dict(DEEPSEEK_V2_LITE_HUB)
+    assert v2.mla is not None and v2.mla.q_lora_rank is None and v2.num_extra_layers == 0
+    assert (v2.routing.scoring, v2.routing.num_groups) == ("softmax", 1)
+    assert v2.moe_layer_indices == list(range(1, 27)) and v2.shared_expert_intermediate_size == 2816
+    assert v2.rope_scaling is not None and v2.rope_scaling.cos_sin_scale() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="'quantization_config' \\(quant_method 'fp8'\\)"):
+        ModelConfig.from_hf_dict({**DEEPSEEK_V3_HUB, "quantization_config": FP8})
+
+
 def _v3_config(tmp_path: Path, **options) -> dict:
     out = make_tiny_checkpoint(
         "deepseek_v3", tmp_path / "cfg", num_layers=2, write_tokenizer=False, **options
@@ -354,3 +458,26 @@ def test_transformers_checkpoints_load(tmp_path: Path, layout: str) -> None:
     torch.testing.assert_close(
         _prompt_logits(load_model(tmp_path), prompt), expected, atol=2e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v2"])
+def test_make_model_cli_writes_a_loadable_checkpoint(tmp_path: Path, arch: str) -> None:
+    from dist_engine.models.make_model import main
+
+    out = tmp_path / arch
+    assert main(["--arch", arch, "--out", str(out), "--num-layers", "2", "--num-experts", "4"]) == 0
+    config = ModelConfig.from_pretrained(out)
+    assert config.model_type == arch and config.attention_kind == "mla"
+    assert config.moe_layer_indices == [1]  # first_k_dense_replace = 1
+    assert config.shared_expert_intermediate_size > 0
+    load_model(out)
+
+
+def test_placeholder_forward_with_zero_tokens(v3_dir: Path) -> None:
+    """A rank with nothing to run still enters every MoE layer (an EP collective)."""
+    model = load_model(v3_dir)
+    model.attach_kv_cache(model.new_kv_cache(4, 4))
+    for mode in DispatchMode:
+        attn = AttentionMetadata.build([], [], [], 4, is_prefill=mode is DispatchMode.NORMAL)
+        empty = torch.empty(0, dtype=torch.int64)
+        assert model(empty, empty, attn, mode).shape == (0, TINY_SIZES["hidden_size"])
