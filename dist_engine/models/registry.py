@@ -18,6 +18,8 @@ ARCHITECTURES: dict[str, str] = {
     "mixtral": "dist_engine.models.mixtral",
     "deepseek_v3": "dist_engine.models.deepseek_v3",
     "deepseek_v2": "dist_engine.models.deepseek_v2",
+    "qwen2_moe": "dist_engine.models.qwen2_moe",
+    "glm4_moe": "dist_engine.models.glm4_moe",
 }
 
 
