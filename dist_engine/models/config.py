@@ -202,6 +202,17 @@ def num_experts_of(hf: dict[str, Any]) -> int:
     return num_experts
 
 
+def num_mtp_layers_of(hf: dict[str, Any]) -> int:
+    """The multi-token-prediction layers a checkpoint may carry past the last layer
+    (`num_nextn_predict_layers`; transformers' default is 1)."""
+    value = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(
+            f"config key 'num_nextn_predict_layers' must be an integer >= 0, got {value!r}"
+        )
+    return value
+
+
 def head_dim_of(hf: dict[str, Any]) -> int:
     return hf.get("head_dim") or _int(hf, "hidden_size") // _int(hf, "num_attention_heads")
 

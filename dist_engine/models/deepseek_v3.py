@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from dist_engine.models.base import Architecture
-from dist_engine.models.config import ModelConfig
+from dist_engine.models.config import ModelConfig, num_mtp_layers_of
 from dist_engine.models.mla_moe import MLALayout, build_mla_moe, parse_mla_moe
 from dist_engine.models.weights import CheckpointLayout
 from moe import RoutingMethod
@@ -81,17 +81,6 @@ class DeepseekV3(Architecture):
             "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",
         }
-
-
-def num_mtp_layers_of(hf: dict[str, Any]) -> int:
-    """The multi-token-prediction layers a checkpoint may carry past the last layer
-    (`num_nextn_predict_layers`; transformers' default is 1)."""
-    value = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1))
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(
-            f"config key 'num_nextn_predict_layers' must be an integer >= 0, got {value!r}"
-        )
-    return value
 
 
 def tiny_mla_config(

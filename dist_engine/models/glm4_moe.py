@@ -14,9 +14,9 @@ from dist_engine.models.config import (
     eos_token_ids_of,
     head_dim_of,
     num_experts_of,
+    num_mtp_layers_of,
     rope_of,
 )
-from dist_engine.models.deepseek_v3 import num_mtp_layers_of
 from dist_engine.models.gqa_moe import build_gqa_moe
 from moe import RoutingMethod
 from moe.routing import check_group_limits
