@@ -84,7 +84,7 @@ class Backends:
         if not missing:
             return dataclasses.replace(self, attention_kind=kind)
         resolved = [name if has_backend(kind, name) else "torch" for name in names]
-        note = f"{kind} attention has no {' or '.join(missing)} backend"
+        note = f"no {' or '.join(missing)} {kind} kernels"
         attention = RegimeChoice(*resolved, note=note)
         return dataclasses.replace(self, attention=attention, attention_kind=kind)
 

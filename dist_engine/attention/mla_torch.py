@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.attention.mla_backend import MLABackend
+from dist_engine.attention.torch_backend import DECODE_CHUNK_BYTES
 
 FORMS = ("absorbed", "expanded")
 
@@ -87,10 +88,18 @@ def mla_attention(
         return q_nope.new_empty(0, num_heads, value_dim)
     attend = _absorbed if form == "absorbed" else _expanded
     if attn.max_query_len == 1:
-        # One query per sequence, rows already in sequence order.
-        context = gather_entries(cache, attn.block_tables)
-        out = attend(q_nope[:, None], q_rope[:, None], context, kv_up, attn.attn_mask, scale)
-        return out[:, 0]
+        # One query per sequence, rows already in sequence order; in sequence chunks whose
+        # gathered entries stay in the CPU's cache between the gather and the products.
+        chunk = _decode_chunk(cache, attn.block_tables.shape[1])
+        parts = []
+        for start in range(0, attn.num_seqs, chunk):
+            rows = slice(start, start + chunk)
+            context = gather_entries(cache, attn.block_tables[rows])
+            mask = attn.attn_mask[rows]
+            parts.append(
+                attend(q_nope[rows, None], q_rope[rows, None], context, kv_up, mask, scale)
+            )
+        return torch.cat(parts)[:, 0] if len(parts) > 1 else parts[0][:, 0]
     out = q_nope.new_empty(attn.num_tokens, num_heads, value_dim)
     for group in attn.prefill_groups:
         num_seqs = len(group.seq_idx)
@@ -176,3 +185,12 @@ def _causal_mask(length: int, device: torch.device) -> torch.Tensor:
     """[1, 1, L, L] bool, True on and below the diagonal."""
     index = torch.arange(length, device=device)
     return (index[None, :] <= index[:, None])[None, None]
+
+
+def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:
+    """Sequences per decode call: as many as keep their gathered entries within
+    DECODE_CHUNK_BYTES per thread on the CPU (as the GQA path does), all on an accelerator."""
+    if cache.device.type != "cpu":
+        return 1 << 62
+    per_seq = num_columns * cache[0].numel() * cache.element_size()
+    return max(1, DECODE_CHUNK_BYTES * torch.get_num_threads() // max(per_seq, 1))

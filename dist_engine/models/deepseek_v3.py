@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (`model_type: deepseek_v3`; DeepSeek-R1 and Kimi K2 ship under it too): MLA over
+"""DeepSeek-V3 (`model_type: deepseek_v3`; DeepSeek-R1 ships under it too): MLA over
 a latent cache, sigmoid router scores with `e_score_correction_bias` for selection only,
 group-limited top-k (`n_group`, `topk_group`), `norm_topk_prob`, `routed_scaling_factor`,
 shared experts, `first_k_dense_replace` dense layers, RoPE default or YaRN, interleaved pairs

@@ -156,6 +156,22 @@ def test_absorbed_and_expanded_forms_agree() -> None:
             torch.testing.assert_close(outs[0][rows], expected, rtol=1e-10, atol=1e-10)
 
 
+def test_decode_in_sequence_chunks_equals_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dist_engine.attention.mla_torch as mla_torch
+
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(30, 4, 40, generator=gen, dtype=torch.float64)
+    kv_up = torch.randn(4, 28, 32, generator=gen, dtype=torch.float64)
+    tables = [[3, 7, 1], [9], [12, 4], [20, 21, 22, 23]]
+    attn = AttentionMetadata.build(tables, [9, 2, 5, 13], [1] * 4, 4, is_prefill=False)
+    q_nope = torch.randn(4, 4, 16, generator=gen, dtype=torch.float64)
+    q_rope = torch.randn(4, 4, 8, generator=gen, dtype=torch.float64)
+    whole = TorchMLA().attend(q_nope, q_rope, cache, kv_up, attn, 0.3)
+    monkeypatch.setattr(mla_torch, "DECODE_CHUNK_BYTES", 1)  # one sequence per call
+    chunked = TorchMLA().attend(q_nope, q_rope, cache, kv_up, attn, 0.3)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+
+
 def test_latent_cache_size_is_stated_and_measured(checkpoint: Path) -> None:
     """One (kv_lora_rank + qk_rope_head_dim) entry per token per layer, nothing per head; the
     engine states it at start-up next to the expanded per-head equivalent."""
@@ -199,7 +215,7 @@ def test_backends_resolve_per_attention_kind() -> None:
     gqa = resolve_backends({"attention_backend": "torch"}, torch.float32, None)
     assert str(gqa.attention) == "torch" and gqa.attention_kind == "gqa"
     mla = Backends.all("native", attention_kind="mla")
-    assert str(mla.attention) == "torch (mla attention has no native backend)"
+    assert str(mla.attention) == "torch (no native mla kernels)"
     assert str(mla.experts) == "native"
 
 
