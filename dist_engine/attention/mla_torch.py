@@ -95,11 +95,9 @@ def mla_attention(
         for start in range(0, attn.num_seqs, chunk):
             rows = slice(start, start + chunk)
             context = gather_entries(cache, attn.block_tables[rows])
-            mask = attn.attn_mask[rows]
-            parts.append(
-                attend(q_nope[rows, None], q_rope[rows, None], context, kv_up, mask, scale)
-            )
-        return torch.cat(parts)[:, 0] if len(parts) > 1 else parts[0][:, 0]
+            query = (q_nope[rows, None], q_rope[rows, None])
+            parts.append(attend(*query, context, kv_up, attn.attn_mask[rows], scale))
+        return (torch.cat(parts) if len(parts) > 1 else parts[0])[:, 0]
     out = q_nope.new_empty(attn.num_tokens, num_heads, value_dim)
     for group in attn.prefill_groups:
         num_seqs = len(group.seq_idx)

@@ -169,7 +169,8 @@ def test_decode_in_sequence_chunks_equals_one_call(monkeypatch: pytest.MonkeyPat
     whole = TorchMLA().attend(q_nope, q_rope, cache, kv_up, attn, 0.3)
     monkeypatch.setattr(mla_torch, "DECODE_CHUNK_BYTES", 1)  # one sequence per call
     chunked = TorchMLA().attend(q_nope, q_rope, cache, kv_up, attn, 0.3)
-    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+    # Equal up to the summation order of differently padded products.
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
 
 
 def test_latent_cache_size_is_stated_and_measured(checkpoint: Path) -> None:
