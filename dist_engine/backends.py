@@ -16,6 +16,10 @@ per host). Without those shapes (a model built outside an engine), on a GPU, or 
 `LOCKSTEP_AUTOTUNE=0` in the environment (short jobs, tests), `auto` is a rule: `native` where
 it applies and built, else `grouped_mm` for the experts on a GPU, else `torch`.
 
+Attention backends exist per attention kind (`attention.ATTENTION_BACKENDS`: GQA has both,
+MLA only `torch`); for a kind without `native` the attention resolves to `torch` and the
+resolution says why.
+
 The choice is made per regime (decode steps and prefill steps), so a kernel that is faster
 for a handful of rows and slower for thousands can serve only the regime where it wins;
 `Backends.describe()` is what the run summary prints.
@@ -23,13 +27,20 @@ for a handful of rows and slower for thousands can serve only the regime where i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from dist_engine.attention import AttentionBackend, PerRegime, attention_backend
+from dist_engine.attention import (
+    AttentionBackend,
+    MLABackend,
+    PerRegime,
+    attention_backend,
+    has_backend,
+)
 from dist_engine.layers.norm import NormKernel
 from dist_engine.log import get_logger
 from moe import DispatchMode, ExpertImpl, grouped_mm_weighted_sum
@@ -60,11 +71,13 @@ class RegimeChoice:
 
     decode: str
     prefill: str
+    note: str = ""  # why the choice differs from the setting, when it does
 
     def __str__(self) -> str:
-        if self.decode == self.prefill:
-            return self.decode
-        return f"decode {self.decode}, prefill {self.prefill}"
+        text = self.decode
+        if self.decode != self.prefill:
+            text = f"decode {self.decode}, prefill {self.prefill}"
+        return f"{text} ({self.note})" if self.note else text
 
 
 @dataclass(frozen=True)
@@ -72,12 +85,25 @@ class Backends:
     attention: RegimeChoice
     experts: RegimeChoice
     norm: RegimeChoice
+    attention_kind: str = "gqa"  # the model's attention (gqa | mla): whose backends these are
 
     @classmethod
-    def all(cls, name: str) -> Backends:
+    def all(cls, name: str, attention_kind: str = "gqa") -> Backends:
         """The same implementation everywhere (tests and references)."""
         choice = RegimeChoice(name, name)
-        return cls(choice, choice, choice)
+        return cls(choice, choice, choice).for_attention_kind(attention_kind)
+
+    def for_attention_kind(self, kind: str) -> Backends:
+        """These backends for a model whose attention is `kind`: a regime set to a backend
+        the kind does not have runs `torch`, and says so."""
+        names = (self.attention.decode, self.attention.prefill)
+        missing = sorted({name for name in names if not has_backend(kind, name)})
+        if not missing:
+            return dataclasses.replace(self, attention_kind=kind)
+        resolved = [name if has_backend(kind, name) else "torch" for name in names]
+        note = f"no {' or '.join(missing)} {kind} kernels"
+        attention = RegimeChoice(*resolved, note=note)
+        return dataclasses.replace(self, attention=attention, attention_kind=kind)
 
     def describe(self) -> str:
         return f"attention {self.attention}; experts {self.experts}; norm {self.norm}"
@@ -87,7 +113,7 @@ class Backends:
 class LayerOps:
     """The implementations the layers call, built once from a `Backends`."""
 
-    attention: AttentionBackend
+    attention: AttentionBackend | MLABackend  # as the model's attention kind needs
     experts: dict[DispatchMode, ExpertImpl | None]  # None: PyTorch's path
     norm: NormKernel | None  # None: PyTorch's F.rms_norm
 
@@ -97,8 +123,10 @@ class LayerOps:
         which has no step kind to look at, tells decode steps from prefill steps by size."""
         from dist_engine.kernels import compute
 
-        attention = backends.attention
-        decode, prefill = attention_backend(attention.decode), attention_backend(attention.prefill)
+        attention, kind = backends.attention, backends.attention_kind
+        decode = attention_backend(attention.decode, kind)
+        prefill = decode if attention.prefill == attention.decode else None
+        prefill = prefill or attention_backend(attention.prefill, kind)
         experts = {
             DispatchMode.LOW_LATENCY: backends.experts.decode,
             DispatchMode.NORMAL: backends.experts.prefill,
@@ -113,9 +141,10 @@ class LayerOps:
                 norm = NormKernel(kernel, max_tokens=max_decode_tokens)
             else:
                 norm = NormKernel(kernel, min_tokens=max_decode_tokens + 1)
-        return cls(
-            PerRegime(decode, prefill) if decode.name != prefill.name else decode, impls, norm
-        )
+        if decode is not prefill:
+            assert isinstance(decode, AttentionBackend) and isinstance(prefill, AttentionBackend)
+            decode = PerRegime(decode, prefill)
+        return cls(decode, impls, norm)
 
 
 def may_use_native(settings: dict[str, str]) -> bool:
@@ -164,8 +193,8 @@ def candidates(
     from dist_engine.kernels import compute
 
     names = ["torch"]
-    if key == "attention_backend" and attention_kind != "gqa":
-        return names  # the native kernels serve the paged per-head K/V only
+    if key == "attention_backend" and not has_backend(attention_kind, "native"):
+        return names
     if native_applies(key, regime, dtype, device) and compute.prepare():
         names.insert(0, "native")
     if key == "expert_backend" and dtype in GROUPED_MM_DTYPES:
@@ -179,22 +208,29 @@ def resolve_backends(
     device: torch.device | str | None,
     rank: int | None = None,
     shapes: TuneShapes | None = None,
+    attention_kind: str = "gqa",
 ) -> Backends:
-    """`settings`: each of BACKEND_KEYS → one of its BACKEND_CHOICES. `shapes`: the model's and
-    the steps' sizes, for `auto` to time the candidates on (None: `auto` is a rule). Raises
-    ValueError naming the key when an implementation is asked for where it cannot run."""
+    """`settings`: each of BACKEND_KEYS → one of its BACKEND_CHOICES, for a model whose
+    attention is `attention_kind` (gqa | mla). `shapes`: the model's and the steps' sizes, for
+    `auto` to time the candidates on (None: `auto` is a rule). Raises ValueError naming the key
+    when an implementation is asked for where it cannot run; an attention kind without native
+    kernels runs `torch` and the result says so."""
     log = get_logger(rank)
     for switch, keys in _RETIRED_SWITCHES.items():
         if switch in os.environ:
             log.warning("%s is no longer read; set %s (auto | native | torch)", switch, keys)
     on_cpu = device is None or torch.device(device).type == "cpu"
-    kind = shapes.attention_kind if shapes is not None else "gqa"
+    kind = shapes.attention_kind if shapes is not None else attention_kind
     chosen: dict[str, dict[str, str]] = {}
     to_time: dict[str, dict[str, list[str]]] = {}
     for key in BACKEND_KEYS:
         value = settings.get(key, "auto")
         if value not in BACKEND_CHOICES[key]:
             raise ValueError(f"{key} must be one of {list(BACKEND_CHOICES[key])}, got {value!r}")
+        if key == "attention_backend" and not has_backend(kind, "native"):
+            note = f"no native {kind} kernels" if value != "torch" else ""
+            chosen[key] = {"decode": "torch", "prefill": "torch", "note": note}
+            continue
         per_regime = {regime: candidates(key, regime, dtype, device, kind) for regime in _REGIMES}
         if value not in ("auto", "torch") and not any(value in c for c in per_regime.values()):
             raise ValueError(
@@ -219,7 +255,11 @@ def resolve_backends(
             for regime, choice in timed.get(op, {}).items():
                 chosen[key][regime] = choice
     backends = Backends(
-        *(RegimeChoice(chosen[key]["decode"], chosen[key]["prefill"]) for key in BACKEND_KEYS)
+        *(
+            RegimeChoice(chosen[key]["decode"], chosen[key]["prefill"], chosen[key].get("note", ""))
+            for key in BACKEND_KEYS
+        ),
+        attention_kind=kind,
     )
     log.info("backends: %s", backends.describe())
     return backends

@@ -2,7 +2,7 @@
 
     lockstep run [--config YAML] [--launcher ray|torchrun|local] [--dp-size N]
                  [--prompts FILE.jsonl] [--output FILE.jsonl] [--max-tokens N] [--set k=v ...]
-    lockstep make-model --arch ARCH --out DIR [...]
+    lockstep make-model --arch MODEL_TYPE --out DIR [...]   (any registered model_type)
 
 With no config, `run` serves the built-in tiny Qwen3-MoE with DP=2 on a local Ray. Under
 torchrun every process runs the same command; rank 0 prints and writes the output.

@@ -149,6 +149,13 @@ class RankActor:
         """Torch threads of this rank's engine."""
         return self.host.num_threads
 
+    def scheduler_counts(self) -> dict[str, int]:
+        """How often this rank's scheduler preempted, and how many prompt tokens it found in
+        its prefix cache (tests read them to show a run exercised those paths)."""
+        kv = self.host.engine.scheduler.kv
+        hits = kv.prefix_cache.num_hit_tokens if kv.prefix_cache is not None else 0
+        return {"num_preemptions": self.host.engine.scheduler.num_preemptions, "prefix_hits": hits}
+
 
 def start_reaper() -> subprocess.Popen:
     """A process of its own (own session: a signal to the driver's group does not reach it)

@@ -11,9 +11,17 @@ from moe.exchange import Exchange, GroupExchange
 from moe.experts import ExpertImpl, LocalExperts, grouped_mm_weighted_sum, torch_weighted_sum
 from moe.layer import MoELayer, dense_reference_moe
 from moe.placement import ExpertPlacement, choose_replicas
-from moe.routing import RoutingResult, sigmoid_grouped_topk, softmax_topk
+from moe.routing import (
+    SOFTMAX_TOPK,
+    RoutingMethod,
+    RoutingResult,
+    sigmoid_grouped_topk,
+    softmax_grouped_topk,
+    softmax_topk,
+)
 
 __all__ = [
+    "SOFTMAX_TOPK",
     "DispatchMeta",
     "DispatchMode",
     "Exchange",
@@ -25,6 +33,7 @@ __all__ = [
     "MoELayer",
     "NormalDispatchMeta",
     "ReceivedRouting",
+    "RoutingMethod",
     "RoutingResult",
     "choose_replicas",
     "combine",
@@ -33,6 +42,7 @@ __all__ = [
     "grouped_mm_weighted_sum",
     "run_local_experts",
     "sigmoid_grouped_topk",
+    "softmax_grouped_topk",
     "softmax_topk",
     "torch_weighted_sum",
 ]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from dist_engine.attention.kv_cache import KVCache
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
@@ -68,7 +67,7 @@ class PagedGreedyRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.cache = KVCache.for_model(model.config, num_blocks, block_size, model.dtype)
+        self.cache = model.new_kv_cache(num_blocks, block_size)
         model.attach_kv_cache(self.cache)
         # Shuffled so consecutive blocks of a sequence are scattered over the cache.
         self.free_blocks = list(range(1, num_blocks))

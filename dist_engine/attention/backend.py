@@ -38,6 +38,20 @@ class AttentionBackend(ABC):
         keys and value [T, Hkv, Dh] go to the cache slots `attn.slot_mapping` of key_cache,
         value_cache [NB, BS, Hkv, Dh]. Returns the rotated query [T, H, Dh]."""
 
+    def store(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> None:
+        """The cache write alone, for keys the layer rotated itself (partial rotary): key,
+        value [T, Hkv, Dh] → slots `attn.slot_mapping` of key_cache, value_cache."""
+        from dist_engine.attention.torch_backend import write_kv
+
+        write_kv(key, value, key_cache, value_cache, attn.slot_mapping)
+
     @abstractmethod
     def attend(
         self,
@@ -65,6 +79,9 @@ class PerRegime(AttentionBackend):
         return self._for(attn).rotate_and_store(
             query, key, value, cos, sin, key_cache, value_cache, attn
         )
+
+    def store(self, key, value, key_cache, value_cache, attn):
+        self._for(attn).store(key, value, key_cache, value_cache, attn)
 
     def attend(self, query, key_cache, value_cache, attn):
         return self._for(attn).attend(query, key_cache, value_cache, attn)

@@ -1,4 +1,6 @@
-"""The paged KV cache of one rank: per layer, K and V as `[NB, BS, Hkv, Dh]` block arrays.
+"""The paged KV cache of one rank: what a cache layout is (`KVSpec`), and the per-head layout,
+K and V as `[NB, BS, Hkv, Dh]` block arrays per layer. MLA's latent layout is in
+attention/latent_cache.py.
 
 Shape legend: L = layers, NB = blocks, BS = block size (tokens per block), Hkv = kv heads,
 Dh = head dim, T = tokens in the flat batch.
@@ -11,6 +13,7 @@ point at it harmlessly.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,24 +24,87 @@ NUM_RESERVED_BLOCKS = 1
 
 
 class PagedKVShape(Protocol):
-    """What sizes the cache: a `PagedKVSpec`, or a `ModelConfig` (same attribute names)."""
+    """What sizes a per-head K/V cache: a `PagedKVSpec`, or a GQA `ModelConfig` (same
+    attribute names)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+class KVSpec(ABC):
+    """The cache layout an architecture needs (its `MoECausalLM.kv_spec`): what one token costs
+    and how to allocate and check a pool. `PagedKVSpec` (per-head K and V) and
+    `attention.latent_cache.LatentKVSpec` (MLA's one latent vector per token) implement it."""
+
+    num_layers: int
+
+    @abstractmethod
+    def values_per_token_per_layer(self) -> int:
+        """Cached values one token takes in one layer."""
+
+    def expanded_values_per_token_per_layer(self) -> int:
+        """What a per-head K/V cache of the same attention would hold per token and layer
+        (the same as `values_per_token_per_layer` for a per-head cache)."""
+        return self.values_per_token_per_layer()
+
+    @abstractmethod
+    def describe_layout(self) -> str:
+        """One token's entry in one layer, in words (for the start-up log)."""
+
+    @abstractmethod
+    def allocate(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> PagedCache:
+        """A zeroed pool of `num_blocks` blocks of `block_size` tokens."""
+
+    @abstractmethod
+    def check(self, cache: PagedCache, dtype: torch.dtype) -> None:
+        """ValueError unless `cache` has this layout and dtype."""
+
+    def values_per_token(self) -> int:
+        """Cached values per token over all layers."""
+        return self.num_layers * self.values_per_token_per_layer()
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.values_per_token() * _element_size(dtype)
+
+    def expanded_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.num_layers * self.expanded_values_per_token_per_layer() * _element_size(dtype)
+
+    def describe(self, dtype: torch.dtype) -> str:
+        """The per-token cost, as the engine states it at start-up."""
+        per_token = self.bytes_per_token(dtype)
+        text = (
+            f"{per_token} bytes per token = {self.describe_layout()} x {self.num_layers} layers "
+            f"x {_element_size(dtype)} bytes"
+        )
+        expanded = self.expanded_bytes_per_token(dtype)
+        if expanded != per_token:
+            text += (
+                f"; an expanded per-head K/V cache would take {expanded} bytes per token "
+                f"({expanded / per_token:.1f}x)"
+            )
+        return text
 
 
 @dataclass(frozen=True)
-class PagedKVSpec:
-    """The cache an architecture with per-head K and V needs (its `MoECausalLM.kv_spec`)."""
+class PagedKVSpec(KVSpec):
+    """The cache an architecture with per-head K and V needs."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
 
-    def values_per_token(self) -> int:
-        """Cached values per token over all layers (K and V)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+    def values_per_token_per_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def describe_layout(self) -> str:
+        return f"(K + V) x {self.num_kv_heads} kv heads x {self.head_dim} dims"
 
     def allocate(
         self,
@@ -51,8 +117,12 @@ class PagedKVSpec:
             self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype, device
         )
 
-    def check(self, cache: KVCache, dtype: torch.dtype) -> None:
+    def check(self, cache: PagedCache, dtype: torch.dtype) -> None:
         expected = (self.num_layers, self.num_kv_heads, self.head_dim)
+        if not isinstance(cache, KVCache):
+            raise ValueError(
+                f"the model needs a per-head K/V cache {expected}, got {type(cache).__name__}"
+            )
         storage = cache.storage
         actual = (storage.shape[0], storage.shape[4], storage.shape[5])
         if actual != expected or storage.dtype != dtype:
@@ -62,31 +132,69 @@ class PagedKVSpec:
             )
 
 
-def bytes_per_block(spec: PagedKVShape, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers, K and V together."""
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element_size
+def as_kv_spec(spec: KVSpec | PagedKVShape) -> KVSpec:
+    """A `KVSpec`, or the per-head spec of a GQA shape (a `ModelConfig`)."""
+    if isinstance(spec, KVSpec):
+        return spec
+    if getattr(spec, "mla", None) is not None:
+        raise ValueError("an MLA model's cache is a latent cache: pass the model's kv_spec")
+    return PagedKVSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+
+
+def bytes_per_block(spec: KVSpec | PagedKVShape, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes over all layers."""
+    return block_size * as_kv_spec(spec).bytes_per_token(dtype)
 
 
 def num_blocks_for_budget(
-    spec: PagedKVShape, block_size: int, dtype: torch.dtype, budget_bytes: int
+    spec: KVSpec | PagedKVShape, block_size: int, dtype: torch.dtype, budget_bytes: int
 ) -> int:
     """The number of blocks (reserved block included) that fit in `budget_bytes`."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    spec = as_kv_spec(spec)
     per_block = bytes_per_block(spec, block_size, dtype)
     num_blocks = budget_bytes // per_block
     if num_blocks <= NUM_RESERVED_BLOCKS:
         raise ValueError(
             f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes "
-            f"(block_size={block_size}, dtype={dtype}, layers={spec.num_layers}, "
-            f"kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}); need at least "
-            f"{NUM_RESERVED_BLOCKS + 1}"
+            f"(block_size={block_size}, dtype={dtype}, {spec.describe_layout()} x "
+            f"{spec.num_layers} layers); need at least {NUM_RESERVED_BLOCKS + 1}"
         )
     return num_blocks
 
 
-class KVCache:
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class PagedCache(ABC):
+    """A rank's block pool for every layer, allocated once as one tensor (`storage`); a layer
+    reads and writes its share through `layer(i)`."""
+
+    storage: torch.Tensor
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.storage.shape[0]
+
+    @abstractmethod
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """This layer's views into `storage`, as its attention backend takes them."""
+
+
+def check_pool_size(num_blocks: int, block_size: int) -> None:
+    if num_blocks <= NUM_RESERVED_BLOCKS:
+        raise ValueError(
+            f"num_blocks must exceed the {NUM_RESERVED_BLOCKS} reserved block(s), got {num_blocks}"
+        )
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+
+class KVCache(PagedCache):
     """K and V block arrays for every layer, allocated once as one tensor."""
 
     def __init__(
@@ -99,13 +207,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ) -> None:
-        if num_blocks <= NUM_RESERVED_BLOCKS:
-            raise ValueError(
-                f"num_blocks must exceed the {NUM_RESERVED_BLOCKS} reserved block(s), "
-                f"got {num_blocks}"
-            )
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        check_pool_size(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # [L, 2, NB, BS, Hkv, Dh]; zeros so never-written slots read as finite values.
@@ -129,19 +231,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str | None = None,
     ) -> KVCache:
-        return cls(
-            config.num_layers,
-            num_blocks,
-            block_size,
-            config.num_kv_heads,
-            config.head_dim,
-            dtype,
-            device,
-        )
-
-    @property
-    def num_layers(self) -> int:
-        return self.storage.shape[0]
+        """The per-head cache of a GQA model config (an MLA model: `model.new_kv_cache`)."""
+        spec = as_kv_spec(config)
+        assert isinstance(spec, PagedKVSpec)
+        return spec.allocate(num_blocks, block_size, dtype, device)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer, each a `[NB, BS, Hkv, Dh]` view into the shared storage."""

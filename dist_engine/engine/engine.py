@@ -122,6 +122,7 @@ class DPEngine:
             device,
             self.rank,
             shapes=self._tune_shapes(sched_config),
+            attention_kind=self.model_config.attention_kind,
         )
         self.vote: TorchVote | None = None
         if dist_ctx is not None:
@@ -212,11 +213,11 @@ class DPEngine:
             )
         per_block = bytes_per_block(spec, block_size, dtype)
         self.log.info(
-            "KV cache: %d blocks of %d tokens, %.1f MiB (%d bytes per token)",
+            "KV cache: %d blocks of %d tokens, %.1f MiB; %s",
             sched_config.num_blocks,
             block_size,
             sched_config.num_blocks * per_block / 2**20,
-            per_block // block_size,
+            spec.describe(dtype),
         )
         return sched_config
 

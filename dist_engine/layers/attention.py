@@ -13,6 +13,7 @@ from dist_engine.attention import AttentionBackend
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.layers.linear import Linear
 from dist_engine.layers.norm import NormKernel, RMSNorm
+from dist_engine.layers.rotary import apply_rotary
 
 
 class GQAttention(nn.Module):
@@ -39,15 +40,21 @@ class GQAttention(nn.Module):
         dtype: torch.dtype,
         device: torch.device | None = None,
         norm_kernel: NormKernel | None = None,
+        output_bias: bool | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
+        """bias: on q/k/v (and o_proj unless `output_bias` says otherwise); rotary_dim: the
+        leading dims of each head RoPE rotates (None: all)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = Linear(hidden_size, q_size + 2 * kv_size, bias, dtype, device)
-        self.o_proj = Linear(q_size, hidden_size, bias, dtype, device)
+        output_bias = bias if output_bias is None else output_bias
+        self.o_proj = Linear(q_size, hidden_size, output_bias, dtype, device)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm_eps is not None:
@@ -69,7 +76,7 @@ class GQAttention(nn.Module):
         attn: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """hidden: [T, D]; cos, sin: [T, Dh]; kv_cache: this layer's (K, V), each
+        """hidden: [T, D]; cos, sin: [T, rotary_dim]; kv_cache: this layer's (K, V), each
         [NB, BS, Hkv, Dh] → [T, D]."""
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
@@ -79,8 +86,20 @@ class GQAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         key_cache, value_cache = kv_cache
-        query = self.backend.rotate_and_store(
-            query, key, value, cos, sin, key_cache, value_cache, attn
-        )
+        if self.rotary_dim == self.head_dim:
+            query = self.backend.rotate_and_store(
+                query, key, value, cos, sin, key_cache, value_cache, attn
+            )
+        else:
+            # Partial rotary (GLM-4.5): the backends rotate whole heads, so rotate here.
+            query, key = _rotate_leading(query, cos, sin), _rotate_leading(key, cos, sin)
+            self.backend.store(key, value, key_cache, value_cache, attn)
         out = self.backend.attend(query, key_cache, value_cache, attn)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+def _rotate_leading(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, Dh]; cos, sin: [T, R] → x with its first R dims rotated (pairs (i, i + R/2)),
+    the rest as they were."""
+    rotary_dim = cos.shape[-1]
+    return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)

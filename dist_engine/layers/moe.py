@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dist_engine.layers.linear import Linear
-from moe import DispatchMode, ExpertImpl, ExpertPlacement, LocalExperts, MoELayer, softmax_topk
+from dist_engine.layers.linear import Linear, empty_parameter
+from moe import DispatchMode, ExpertImpl, ExpertPlacement, LocalExperts, MoELayer, RoutingMethod
 from moe.experts import torch_weighted_sum
+from moe.routing import SOFTMAX_TOPK
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,15 @@ class NativeExperts:
 
 
 class MoEBlock(nn.Module):
-    """Router Linear → softmax top-k → `MoELayer`. HF names: `gate.weight`, `experts`."""
+    """Router → routing (`routing`: softmax top-k by default) → `MoELayer`, plus shared
+    experts when given. HF names: `gate.weight` (+ `gate.e_score_correction_bias`), `experts`,
+    `shared_experts` (+ `shared_expert_gate.weight`).
+
+    Shared experts run on the rank that holds the token, on every token, and are added to
+    the combined routed output: they are dense, so sending their rows over EP would buy
+    nothing. `router_dtype`: the router's weight and logits (DeepSeek keeps them in float32
+    whatever the model's dtype; None: the model's dtype).
+    """
 
     def __init__(
         self,
@@ -92,11 +101,21 @@ class MoEBlock(nn.Module):
         dtype: torch.dtype,
         device: torch.device | None = None,
         expert_impls: dict[DispatchMode, ExpertImpl | None] | None = None,
+        *,
+        routing: RoutingMethod = SOFTMAX_TOPK,
+        router_dtype: torch.dtype | None = None,
+        shared_experts: nn.Module | None = None,
+        shared_expert_gate: bool = False,
     ) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.gate = Linear(hidden_size, num_experts, False, dtype, device)
+        self.routing = routing
+        self.gate = Linear(hidden_size, num_experts, False, router_dtype or dtype, device)
+        if routing.correction_bias:
+            self.gate.e_score_correction_bias = empty_parameter(
+                num_experts, dtype=torch.float32, device=device
+            )
         self.experts = MoELayer(
             num_experts,
             hidden_size,
@@ -109,9 +128,22 @@ class MoEBlock(nn.Module):
         )
         for mode, impl in (expert_impls or {}).items():
             self.experts.set_expert_impl(impl, mode)
+        self.shared_experts = shared_experts
+        # Qwen2-MoE: the shared expert's output scaled by sigmoid(x W_g), W_g [1, D].
+        self.shared_expert_gate = None
+        if shared_expert_gate:
+            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
 
     def forward(self, hidden: torch.Tensor, mode: DispatchMode) -> torch.Tensor:
         """hidden: [T, D] → [T, D]. Always enters the MoE layer, even with T = 0, because in
         EP the layer is a collective every rank must join."""
-        routing = softmax_topk(self.gate(hidden), self.top_k, self.renormalize)
-        return self.experts.forward(hidden, routing.topk_weights, routing.topk_ids, mode)
+        logits = self.gate(hidden.to(self.gate.weight.dtype))
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        routing = self.routing.route(logits, self.top_k, self.renormalize, bias)
+        out = self.experts.forward(hidden, routing.topk_weights, routing.topk_ids, mode)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(hidden)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+            out = out + shared
+        return out

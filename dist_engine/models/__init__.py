@@ -3,9 +3,11 @@
 - `registry.py`: `model_type` → architecture module (imported on first use).
 - `base.py`: what an architecture module provides (`Architecture`).
 - `config.py`: `ModelConfig` and the helpers that read config.json.
-- `decoder.py`: the decoder every architecture shares; `gqa_moe.py`: the GQA + softmax-MoE
-  layers Qwen3-MoE and Mixtral build it from.
-- `qwen3_moe.py`, `mixtral.py`: the architectures.
+- `decoder.py`: the decoder every architecture shares; `gqa_moe.py`: the GQA + MoE layers
+  Qwen3-MoE, Mixtral, Qwen2-MoE and GLM-4.5 build it from; `mla_moe.py`: the MLA + MoE
+  layers (latent cache, shared experts) of DeepSeek-V3 and V2.
+- `qwen3_moe.py`, `mixtral.py`, `qwen2_moe.py`, `glm4_moe.py`, `deepseek_v3.py`,
+  `deepseek_v2.py`: the architectures.
 - `weights.py`: tensor names and shapes (`CheckpointLayout`); `loader.py`: reading a
   checkpoint into a model; `make_model.py`: tiny random checkpoints.
 """

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dist_engine.layers.mla import MLADims
+from dist_engine.layers.rotary import YarnScaling
+from moe import SOFTMAX_TOPK, RoutingMethod
+
 # Keys every supported architecture must state; the others have HF defaults.
 REQUIRED_KEYS = (
     "vocab_size",
@@ -52,6 +56,26 @@ class ModelConfig:
     # Qwen3 normalises each head of q and k (RMSNorm over the head dim) before RoPE.
     use_qk_norm: bool
     attention_bias: bool
+    # -- what only some architectures have (the defaults: absent) ----------------------------
+    # YaRN context extension (None: default RoPE); pairs rotated interleaved (DeepSeek).
+    rope_scaling: YarnScaling | None = None
+    rope_interleave: bool = False
+    # The share of each head's dims that RoPE rotates (GLM-4.5: the first half).
+    partial_rotary_factor: float = 1.0
+    # Whether o_proj has a bias; None: as attention_bias (Qwen2-MoE, GLM-4.5: only q/k/v do).
+    attention_output_bias: bool | None = None
+    # Multi-head Latent Attention sizes (DeepSeek); None: grouped-query attention.
+    mla: MLADims | None = None
+    routing: RoutingMethod = SOFTMAX_TOPK
+    # The router's weight and logits in float32 whatever the model's dtype (DeepSeek, GLM).
+    router_in_float32: bool = False
+    # Size of the shared experts' MLP, all of them together (0: none); Qwen2-MoE scales its
+    # shared expert's output by sigmoid(shared_expert_gate(x)).
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    # Layers a checkpoint may hold past num_layers (multi-token prediction, DeepSeek-V3 and
+    # GLM-4.5): skipped when loading, as transformers does.
+    num_extra_layers: int = 0
 
     def __post_init__(self) -> None:
         positive = {
@@ -75,8 +99,13 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        if self.head_dim % 2 != 0:
+        if self.head_dim % 2 != 0 and self.mla is None:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 != 0:
+            raise ValueError(
+                f"config key 'partial_rotary_factor' ({self.partial_rotary_factor}) must be in "
+                f"(0, 1] and rotate an even number of head_dim's {self.head_dim} dims"
+            )
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok ({self.top_k}) exceeds the number of experts "
@@ -98,6 +127,24 @@ class ModelConfig:
             raise ValueError(
                 f"config has dense MLP layers but intermediate_size is {self.intermediate_size}"
             )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each (GQA) head that RoPE rotates: the first ones."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def output_bias(self) -> bool:
+        return (
+            self.attention_bias
+            if self.attention_output_bias is None
+            else self.attention_output_bias
+        )
+
+    @property
+    def attention_kind(self) -> str:
+        """Which attention the layers run, and so which backends and cache layout apply."""
+        return "gqa" if self.mla is None else "mla"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Qwen3-MoE's rule: sparse unless listed in mlp_only_layers or off the sparse step."""
@@ -163,6 +210,17 @@ def num_experts_of(hf: dict[str, Any]) -> int:
     return num_experts
 
 
+def num_mtp_layers_of(hf: dict[str, Any]) -> int:
+    """The multi-token-prediction layers a checkpoint may carry past the last layer
+    (`num_nextn_predict_layers`; transformers' default is 1)."""
+    value = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1))
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(
+            f"config key 'num_nextn_predict_layers' must be an integer >= 0, got {value!r}"
+        )
+    return value
+
+
 def head_dim_of(hf: dict[str, Any]) -> int:
     return hf.get("head_dim") or _int(hf, "hidden_size") // _int(hf, "num_attention_heads")
 
@@ -170,6 +228,55 @@ def head_dim_of(hf: dict[str, Any]) -> int:
 def rope_theta_of(hf: dict[str, Any], default: float) -> float:
     """A top-level `rope_theta` (transformers 4.x) or `rope_parameters.rope_theta` (5.x)."""
     return float(_rope_theta(hf, default))
+
+
+def rope_of(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnScaling | None]:
+    """(theta, YaRN scaling or None) from either spelling: transformers 4.x writes a top-level
+    `rope_theta` and `rope_scaling: {"type": ...}`, 5.x `rope_parameters: {"rope_type": ...,
+    "rope_theta": ...}`. Types other than default and yarn raise, naming the key."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(key) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config key {key!r} must be an object, got {params!r}")
+    theta = float(_rope_theta({**hf, "rope_parameters": params}, default_theta))
+    type_key = "rope_type" if "rope_type" in params else "type"
+    rope_type = params.get(type_key, "default")
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(
+            f"config key '{key}.{type_key}' is {rope_type!r}; supported: 'default', 'yarn'"
+        )
+    factor = params.get("factor")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor < 1:
+        raise ValueError(f"config key '{key}.factor' must be a number >= 1, got {factor!r}")
+    original = params.get(
+        "original_max_position_embeddings",
+        hf.get("original_max_position_embeddings", hf.get("max_position_embeddings")),
+    )
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(
+            f"config key '{key}.original_max_position_embeddings' must be a positive integer, "
+            f"got {original!r}"
+        )
+    numbers = {}
+    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        value = params.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise ValueError(f"config key '{key}.{name}' must be a number, got {value!r}")
+        numbers[name] = None if value is None else float(value)
+    scaling = YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        # transformers takes 32 and 1 for missing (and zero) betas.
+        beta_fast=numbers["beta_fast"] or 32.0,
+        beta_slow=numbers["beta_slow"] or 1.0,
+        mscale=numbers["mscale"],
+        mscale_all_dim=numbers["mscale_all_dim"],
+        attention_factor=numbers["attention_factor"],
+        truncate=bool(params.get("truncate", True)),
+    )
+    return theta, scaling
 
 
 def eos_token_ids_of(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dist_engine.attention.kv_cache import KVCache, PagedKVSpec
+from dist_engine.attention.kv_cache import KVSpec, PagedCache
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.layers.linear import Linear, empty_parameter
 from dist_engine.layers.norm import NormKernel, RMSNorm
@@ -107,7 +107,7 @@ class MoECausalLM(nn.Module):
         config: ModelConfig,
         make_layer: Callable[[int], DecoderLayer],
         rotary: RotaryEmbedding,
-        kv_spec: PagedKVSpec,
+        kv_spec: KVSpec,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         norm_kernel: NormKernel | None = None,
@@ -127,18 +127,18 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self.kv_cache: KVCache | None = None
+        self.kv_cache: PagedCache | None = None
         if device is not None:
             # MoELayer takes no device argument; its expert weights are created on the CPU.
             self.to(device)
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int, device: torch.device | str | None = None
-    ) -> KVCache:
-        """A paged cache in this model's layout and dtype."""
+    ) -> PagedCache:
+        """A paged cache in this model's layout (`kv_spec`) and dtype."""
         return self.kv_spec.allocate(num_blocks, block_size, self.dtype, device)
 
-    def attach_kv_cache(self, kv_cache: KVCache) -> None:
+    def attach_kv_cache(self, kv_cache: PagedCache) -> None:
         """Use `kv_cache` for every following forward (it must match the model's layout)."""
         self.kv_spec.check(kv_cache, self.dtype)
         self.kv_cache = kv_cache

@@ -1,7 +1,8 @@
-"""The decoder Qwen3-MoE and Mixtral share: grouped-query attention (optionally with per-head
-q/k norms) and softmax-routed MoE layers (optionally with dense SwiGLU layers between).
+"""The decoder the grouped-query-attention architectures share (Qwen3-MoE, Mixtral, Qwen2-MoE,
+GLM-4.5): GQA (optionally with per-head q/k norms, biases, partial rotary) and MoE layers
+routed as the config says (optionally with shared experts, and dense SwiGLU layers between).
 
-Their modules differ only in how they read config.json and name tensors; both build their
+Their modules differ only in how they read config.json and name tensors; all build their
 model here.
 """
 
@@ -40,9 +41,14 @@ def build_gqa_moe(
             dtype=dtype,
             device=device,
             norm_kernel=ops.norm,
+            output_bias=config.output_bias,
+            rotary_dim=config.rotary_dim,
         )
         is_moe = config.is_moe_layer(layer_idx)
         if is_moe:
+            shared_size, shared = config.shared_expert_intermediate_size, None
+            if shared_size:
+                shared = DenseMLP(hidden, shared_size, dtype, device)
             mlp = MoEBlock(
                 hidden,
                 config.num_experts,
@@ -53,6 +59,10 @@ def build_gqa_moe(
                 dtype,
                 device,
                 ops.experts,
+                routing=config.routing,
+                router_dtype=torch.float32 if config.router_in_float32 else None,
+                shared_experts=shared,
+                shared_expert_gate=config.shared_expert_gate,
             )
         else:
             mlp = DenseMLP(hidden, config.intermediate_size, dtype, device)
@@ -61,7 +71,7 @@ def build_gqa_moe(
     return MoECausalLM(
         config,
         make_layer,
-        RotaryEmbedding(config.head_dim, config.rope_theta, device),
+        RotaryEmbedding(config.rotary_dim, config.rope_theta, device, config.rope_scaling),
         PagedKVSpec(config.num_layers, config.num_kv_heads, config.head_dim),
         dtype,
         device,

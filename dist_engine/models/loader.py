@@ -154,12 +154,14 @@ def build_model(
     """The model `config` describes, with empty weights, built by its architecture's module.
 
     backends: which implementation runs each op (None: `auto`'s choice for this dtype and
-    device). max_decode_tokens: the most tokens a decode step holds (see `LayerOps.build`).
+    device); a backend the model's attention kind lacks runs `torch`. max_decode_tokens: the
+    most tokens a decode step holds (see `LayerOps.build`).
     """
     device = torch.device(device) if device is not None else None
+    kind = config.attention_kind
     if backends is None:
-        backends = resolve_backends({}, dtype, device)
-    ops = LayerOps.build(backends, max_decode_tokens)
+        backends = resolve_backends({}, dtype, device, attention_kind=kind)
+    ops = LayerOps.build(backends.for_attention_kind(kind), max_decode_tokens)
     architecture = get_architecture(config.model_type)
     return architecture.build(config, dtype, device, ep_context or ExpertParallelContext(), ops)
 
@@ -198,7 +200,7 @@ def load_weights(
         filled.add(target)
     for layer_idx in config.moe_layer_indices:
         expected |= _load_layer_experts(model, layout, reader, layer_idx, ep_context)
-    _check_no_extra_tensors(config, reader, expected)
+    _check_no_extra_tensors(config, layout, reader, expected)
     if config.tie_word_embeddings:
         filled.add("lm_head.weight")
     unfilled = [
@@ -248,13 +250,15 @@ def _load_layer_experts(
 
 
 def _check_no_extra_tensors(
-    config: ModelConfig, reader: CheckpointReader, expected: set[str]
+    config: ModelConfig, layout: CheckpointLayout, reader: CheckpointReader, expected: set[str]
 ) -> None:
     ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
     extra = sorted(
         name
         for name in reader.names() - expected
-        if name not in ignorable and not name.endswith("rotary_emb.inv_freq")
+        if name not in ignorable
+        and not name.endswith("rotary_emb.inv_freq")
+        and not layout.ignored(name)
     )
     if extra:
         shown = extra[:_MAX_NAMES_IN_ERROR]

@@ -29,6 +29,7 @@ DTYPES = {
     "float64": torch.float64,
 }
 EOS_TOKEN = "<|endoftext|>"
+CORRECTION_BIAS_STD = 0.1
 
 # A few lines of text so the BPE merges are real merges rather than an empty table.
 _TOKENIZER_CORPUS = [
@@ -133,19 +134,28 @@ def random_weights(
     generator = torch.Generator().manual_seed(seed)
     layout = get_architecture(config.model_type).layout(config)
 
-    def draw(shape: tuple[int, ...], is_norm: bool) -> torch.Tensor:
+    def draw(shape: tuple[int, ...], scale: float, offset: float = 0.0) -> torch.Tensor:
         values = torch.randn(shape, generator=generator, dtype=torch.float64)
-        return (1.0 + 0.1 * values if is_norm else std * values).to(dtype)
+        return (offset + scale * values).to(dtype)
+
+    def draw_dense(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("e_score_correction_bias"):
+            # Random init leaves the selection bias at zero, which would leave the path that
+            # chooses experts by biased scores untested: draw it on the scale of the sigmoid
+            # scores' spread, so it changes many tokens' choices.
+            return draw(shape, CORRECTION_BIAS_STD)
+        if len(shape) == 1 and "proj" not in name:  # norm weights
+            return draw(shape, 0.1, offset=1.0)
+        return draw(shape, std)
 
     tensors = {
-        name: draw(shape, is_norm=len(shape) == 1 and "proj" not in name)
-        for name, shape in layout.dense_tensor_shapes().items()
+        name: draw_dense(name, shape) for name, shape in layout.dense_tensor_shapes().items()
     }
     for layer in config.moe_layer_indices:
         names = layout.expert_names(layer)
         for expert in range(config.num_experts):
             for name, shape in zip(names.per_expert(expert), layout.expert_shapes(), strict=True):
-                tensors[name] = draw(shape, is_norm=False)
+                tensors[name] = draw(shape, std)
     return tensors
 
 

@@ -16,6 +16,10 @@ from dist_engine.models.config import REQUIRED_KEYS, ModelConfig, require_keys
 ARCHITECTURES: dict[str, str] = {
     "qwen3_moe": "dist_engine.models.qwen3_moe",
     "mixtral": "dist_engine.models.mixtral",
+    "deepseek_v3": "dist_engine.models.deepseek_v3",
+    "deepseek_v2": "dist_engine.models.deepseek_v2",
+    "qwen2_moe": "dist_engine.models.qwen2_moe",
+    "glm4_moe": "dist_engine.models.glm4_moe",
 }
 
 
@@ -34,4 +38,12 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
     """Parse config.json's contents with the module of its `model_type`."""
     architecture = get_architecture(hf.get("model_type"))
     require_keys(hf, REQUIRED_KEYS)
+    if hf.get("quantization_config"):
+        # e.g. DeepSeek-V3's FP8 blocks: weights plus `weight_scale_inv` tensors this project
+        # does not dequantize.
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise ValueError(
+            f"config key 'quantization_config' (quant_method {method!r}): quantized checkpoints "
+            "are not supported; use a bfloat16 or float32 conversion"
+        )
     return architecture.parse_config(hf)

@@ -86,6 +86,7 @@ class CheckpointLayout:
             shapes[attn + "q_proj.bias"] = (q_size,)
             shapes[attn + "k_proj.bias"] = (kv_size,)
             shapes[attn + "v_proj.bias"] = (kv_size,)
+        if config.output_bias:
             shapes[attn + "o_proj.bias"] = (hidden,)
         if config.use_qk_norm:
             shapes[attn + "q_norm.weight"] = (head_dim,)
@@ -93,17 +94,24 @@ class CheckpointLayout:
         return shapes
 
     def mlp_tensor_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
-        """The router of an MoE layer, or a dense SwiGLU MLP."""
+        """An MoE layer's router (with its selection bias, when routing has one) and shared
+        experts (with their gate), or a dense SwiGLU MLP."""
         config = self.config
-        prefix = layer_prefix(layer)
-        if config.is_moe_layer(layer):
-            return {self.router_name(layer): (config.num_experts, config.hidden_size)}
-        size, hidden = config.intermediate_size, config.hidden_size
-        return {
-            prefix + "mlp.gate_proj.weight": (size, hidden),
-            prefix + "mlp.up_proj.weight": (size, hidden),
-            prefix + "mlp.down_proj.weight": (hidden, size),
-        }
+        prefix, hidden = layer_prefix(layer), config.hidden_size
+        if not config.is_moe_layer(layer):
+            return _swiglu_shapes(prefix + "mlp.", config.intermediate_size, hidden)
+        shapes = {self.router_name(layer): (config.num_experts, hidden)}
+        if config.routing.correction_bias:
+            shapes[prefix + "mlp.gate.e_score_correction_bias"] = (config.num_experts,)
+        if config.shared_expert_intermediate_size:
+            shared = prefix + "mlp." + self.shared_experts_name + "."
+            shapes.update(_swiglu_shapes(shared, config.shared_expert_intermediate_size, hidden))
+        if config.shared_expert_gate:
+            shapes[prefix + "mlp.shared_expert_gate.weight"] = (1, hidden)
+        return shapes
+
+    # The shared experts' module name in checkpoints (DeepSeek, GLM; Qwen2-MoE: shared_expert).
+    shared_experts_name = "shared_experts"
 
     def router_name(self, layer: int) -> str:
         return layer_prefix(layer) + "mlp.gate.weight"
@@ -128,6 +136,15 @@ class CheckpointLayout:
         """Other names the tensor `name` may have in a checkpoint (tried in order)."""
         return ()
 
+    def ignored(self, name: str) -> bool:
+        """Whether a checkpoint tensor the model does not use is skipped rather than refused:
+        the `num_extra_layers` past the last (DeepSeek-V3's and GLM-4.5's multi-token
+        prediction modules, which serving without speculative decoding never runs)."""
+        match = _LAYER.match(name)
+        if match is None:
+            return False
+        return 0 <= int(match.group(1)) - self.config.num_layers < self.config.num_extra_layers
+
     def parameter_for(self, name: str) -> tuple[str, slice]:
         """The model parameter a checkpoint tensor fills, and which of its rows: HF's separate
         q/k/v projections go into rows of the fused `qkv_proj`; everything else fills a whole
@@ -148,6 +165,15 @@ class CheckpointLayout:
 
 
 _QKV_PART = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _swiglu_shapes(prefix: str, size: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (size, hidden),
+        prefix + "up_proj.weight": (size, hidden),
+        prefix + "down_proj.weight": (hidden, size),
+    }
 
 
 def layer_prefix(layer: int) -> str:

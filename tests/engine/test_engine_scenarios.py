@@ -21,11 +21,12 @@ from dataclasses import replace
 import pytest
 import torch
 from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
+from model_fixtures import TINY_SIZES
 
-from dist_engine.attention.kv_cache import KVCache
 from dist_engine.distributed.spawn import run_multirank
 from dist_engine.engine.runner import ModelRunner
 from dist_engine.models.loader import load_model
+from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 pytestmark = pytest.mark.multirank
@@ -58,7 +59,7 @@ class Reference:
             block_size=4,
             num_blocks=8192,
         )
-        self.model.attach_kv_cache(KVCache.for_model(self.model.config, 8192, 4, torch.float64))
+        self.model.attach_kv_cache(self.model.new_kv_cache(8192, 4))
         runner = ModelRunner(self.model, 4)
         sched = Scheduler(config)
         seqs = [
@@ -336,6 +337,28 @@ def test_vote_deadlock_scenarios(world, model_dir, reference):
         assert p90 < 0.05, f"{suffix}: p90 wake-to-first-token {p90 * 1e3:.1f} ms"
         slept = sum(1 for _, kind, *_ in by_name["sleep_wake"][0]["trace"] if kind == "empty")
         assert slept > 0, suffix
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("deepseek-v3")
+    return str(make_tiny_checkpoint("deepseek_v3", out, seed=5, num_layers=2, **TINY_SIZES))
+
+
+# Rank 0's small pool fills past the watermark and preempts with recompute while rank 1
+# keeps prefilling: latent entries written, freed and rewritten, under both step kinds.
+DEEPSEEK_SCENARIOS = ("watermark_recompute",)
+
+
+def test_scenarios_on_deepseek_v3(deepseek_dir):
+    """The protocol with MLA (latent cache), sigmoid grouped routing and shared experts in the
+    model: DP = 2 with EP over both ranks, against a single-rank reference."""
+    scenarios = [s for s in build_scenarios(2) if s.name in DEEPSEEK_SCENARIOS]
+    results = run_multirank(2, run_scenarios, (deepseek_dir, scenarios), timeout_s=300)
+    reference = Reference(deepseek_dir)
+    for scenario in scenarios:
+        check_scenario(scenario, [r[scenario.name] for r in results], reference)
+    assert results[0]["watermark_recompute"]["num_preemptions"] > 0
 
 
 def test_soak_dp4(model_dir, reference):

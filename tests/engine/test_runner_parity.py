@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from model_fixtures import TINY_SIZES, hf_greedy, hf_model, random_prompts
 
-from dist_engine.attention.kv_cache import KVCache
 from dist_engine.backends import Backends, RegimeChoice
 from dist_engine.engine.runner import ModelRunner
 from dist_engine.models.loader import load_model
@@ -42,10 +42,17 @@ def case(request, tmp_path_factory):
     )
     reference = hf_model(model_dir)
     prompts = _prompt_sets(TINY_SIZES["vocab_size"])
-    expected = {
-        name: [hf_greedy(reference, p, NUM_NEW_TOKENS) for p in group]
-        for name, group in prompts.items()
-    }
+    threads = torch.get_num_threads()
+    # A tiny model gains nothing from threads, and on a loaded machine OpenMP's spinning
+    # workers made this reference ~20x slower.
+    torch.set_num_threads(1)
+    try:
+        expected = {
+            name: [hf_greedy(reference, p, NUM_NEW_TOKENS) for p in group]
+            for name, group in prompts.items()
+        }
+    finally:
+        torch.set_num_threads(threads)
     return model_dir, load_model(model_dir), prompts, expected
 
 
@@ -59,9 +66,7 @@ def generate(model, prompts, **overrides) -> tuple[list[list[int]], Scheduler]:
     )
     settings.update(overrides)
     config = SchedulerConfig(**settings)
-    model.attach_kv_cache(
-        KVCache.for_model(model.config, config.num_blocks, BLOCK_SIZE, model.dtype)
-    )
+    model.attach_kv_cache(model.new_kv_cache(config.num_blocks, BLOCK_SIZE))
     runner = ModelRunner(model, BLOCK_SIZE)
     sched = Scheduler(config)
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
@@ -129,7 +134,7 @@ def test_prefix_caching_gives_the_same_tokens(case):
 
 def test_placeholder_and_known_empty_steps(case):
     _, model, _, _ = case
-    model.attach_kv_cache(KVCache.for_model(model.config, 16, BLOCK_SIZE, model.dtype))
+    model.attach_kv_cache(model.new_kv_cache(16, BLOCK_SIZE))
     runner = ModelRunner(model, BLOCK_SIZE)
     sched = Scheduler(SchedulerConfig(max_model_len=64, block_size=BLOCK_SIZE, num_blocks=16))
     outputs = sched.schedule()

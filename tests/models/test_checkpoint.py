@@ -12,7 +12,6 @@ import torch.distributed as dist
 from model_fixtures import TINY_SIZES, hf_model, random_prompts
 from safetensors.torch import load_file, save_file
 
-from dist_engine.attention.kv_cache import KVCache
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.distributed.spawn import run_multirank
 from dist_engine.layers.moe import ExpertParallelContext
@@ -26,7 +25,7 @@ PROMPT = random_prompts(1, TINY_SIZES["vocab_size"], 19, 19, seed=4)[0]
 
 
 def _logits(model: MoECausalLM, prompt: list[int] = PROMPT) -> torch.Tensor:
-    model.attach_kv_cache(KVCache.for_model(model.config, 16, 4, model.dtype))
+    model.attach_kv_cache(model.new_kv_cache(16, 4))
     table = list(range(1, 1 + -(-len(prompt) // 4)))
     attn = AttentionMetadata.build([table], [0], [len(prompt)], 4, is_prefill=True)
     hidden = model(torch.tensor(prompt), attn.positions, attn, DispatchMode.NORMAL)
@@ -61,7 +60,7 @@ def test_sharded_checkpoint_equals_single_file(tmp_path: Path, qwen_dir: Path) -
     torch.testing.assert_close(_logits(load_model(sharded)), _logits(load_model(qwen_dir)))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"])
 @pytest.mark.parametrize("layout", ["save_pretrained", "fused"])
 def test_transformers_checkpoints_load(tmp_path: Path, arch: str, layout: str) -> None:
     """What transformers writes (per-expert names) and its in-memory fused names both load."""
@@ -85,10 +84,33 @@ def test_transformers_checkpoints_load(tmp_path: Path, arch: str, layout: str) -
             mlp_only_layers=[1],
             norm_topk_prob=True,
         )
-    else:
+    elif arch == "mixtral":
         config = transformers.MixtralConfig(**common, num_local_experts=8, intermediate_size=32)
+    elif arch == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            **common,
+            num_experts=8,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            intermediate_size=48,
+            mlp_only_layers=[0],
+        )
+    else:
+        config = transformers.Glm4MoeConfig(
+            **common,
+            n_routed_experts=8,
+            moe_intermediate_size=32,
+            intermediate_size=48,
+            n_group=2,
+            topk_group=1,
+            use_qk_norm=True,
+            attention_bias=True,
+        )
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if arch == "glm4_moe":  # random init leaves the selection bias at zero
+        with torch.no_grad():
+            reference.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     if layout == "save_pretrained":
         reference.save_pretrained(tmp_path)
         names = load_file(str(tmp_path / "model.safetensors")).keys()

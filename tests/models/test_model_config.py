@@ -80,6 +80,67 @@ def test_mixtral_config_always_renormalises_and_derives_head_dim() -> None:
     assert config.eos_token_ids == (2, 3)
 
 
+def test_glm4_moe_and_qwen2_moe_hub_configs_parse() -> None:
+    glm = ModelConfig.from_hf_dict(  # zai-org/GLM-4.5-Air
+        {
+            "model_type": "glm4_moe",
+            "vocab_size": 151552,
+            "hidden_size": 4096,
+            "intermediate_size": 10944,
+            "moe_intermediate_size": 1408,
+            "num_hidden_layers": 46,
+            "num_attention_heads": 96,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "partial_rotary_factor": 0.5,
+            "n_routed_experts": 128,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+            "use_qk_norm": False,
+            "attention_bias": True,
+            "rope_theta": 1000000,
+            "max_position_embeddings": 131072,
+            "num_nextn_predict_layers": 1,
+            "rms_norm_eps": 1e-05,
+            "eos_token_id": [151329, 151336, 151338],
+        }
+    )
+    assert glm.rotary_dim == 64 and glm.attention_bias and not glm.output_bias
+    assert glm.moe_layer_indices == list(range(1, 46)) and glm.num_extra_layers == 1
+    assert glm.routing.scoring == "sigmoid" and glm.routing.correction_bias
+    assert glm.shared_expert_intermediate_size == 1408 and glm.router_in_float32
+    qwen2 = ModelConfig.from_hf_dict(  # Qwen/Qwen1.5-MoE-A2.7B
+        {
+            "model_type": "qwen2_moe",
+            "vocab_size": 151936,
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "moe_intermediate_size": 1408,
+            "shared_expert_intermediate_size": 5632,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 60,
+            "num_experts_per_tok": 4,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": False,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "sliding_window": 32768,
+            "max_position_embeddings": 8192,
+            "eos_token_id": 151643,
+        }
+    )
+    assert qwen2.head_dim == 128 and qwen2.attention_bias and not qwen2.output_bias
+    assert qwen2.shared_expert_gate and qwen2.shared_expert_intermediate_size == 5632
+    assert qwen2.routing.scoring == "softmax" and not qwen2.norm_topk_prob
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -14,20 +14,34 @@ from model_fixtures import (
     random_prompts,
 )
 
-from dist_engine.attention.kv_cache import KVCache
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
 from moe import DispatchMode
 
 # Qwen3-MoE with a dense layer in the middle (mlp_only_layers) and no top-k renormalisation;
-# Mixtral (always renormalises, no q/k norm, block_sparse_moe names).
+# Mixtral (always renormalises, no q/k norm, block_sparse_moe names); the DeepSeek MLA models
+# are in test_deepseek.py.
 ARCHS = {
     "qwen3_moe": {"num_layers": 3, "mlp_only_layers": [1], "norm_topk_prob": False},
     "mixtral": {"num_layers": 2},
+    # q/k/v biases, a shared expert behind a sigmoid gate
+    "qwen2_moe": {"num_layers": 3, "mlp_only_layers": [1]},
+    # partial rotary, q/k norms, sigmoid grouped routing with a selection bias, shared experts
+    "glm4_moe": {"num_layers": 3},
 }
 NUM_PROMPTS = 12
 NUM_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a loaded machine OpenMP's
+    spinning workers made the greedy tests up to 20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
@@ -38,7 +52,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _full_prompt_logits(model, prompt: list[int]) -> torch.Tensor:
-    model.attach_kv_cache(KVCache.for_model(model.config, 32, 8, model.dtype))
+    model.attach_kv_cache(model.new_kv_cache(32, 8))
     table = list(range(1, 1 + -(-len(prompt) // 8)))
     attn = AttentionMetadata.build([table], [0], [len(prompt)], 8, is_prefill=True)
     hidden = model(torch.tensor(prompt), attn.positions, attn, DispatchMode.NORMAL)
@@ -85,7 +99,7 @@ def test_bfloat16_model_runs_and_mostly_agrees(checkpoint: Path) -> None:
 
 def test_placeholder_forward_with_zero_tokens(checkpoint: Path) -> None:
     model = load_model(checkpoint)
-    model.attach_kv_cache(KVCache.for_model(model.config, 4, 4, model.dtype))
+    model.attach_kv_cache(model.new_kv_cache(4, 4))
     for mode in DispatchMode:
         attn = AttentionMetadata.build([], [], [], 4, is_prefill=mode is DispatchMode.NORMAL)
         empty = torch.empty(0, dtype=torch.int64)

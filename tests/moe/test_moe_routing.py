@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.deepseek_v2.configuration_deepseek_v2 import DeepseekV2Config
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.mixtral.configuration_mixtral import MixtralConfig
@@ -11,7 +13,13 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from moe import RoutingResult, sigmoid_grouped_topk, softmax_topk
+from moe import (
+    RoutingMethod,
+    RoutingResult,
+    sigmoid_grouped_topk,
+    softmax_grouped_topk,
+    softmax_topk,
+)
 
 HIDDEN = 32
 NUM_TOKENS = 64
@@ -102,6 +110,34 @@ def test_sigmoid_grouped_topk_matches_deepseek_v3(
     assert_same_routing(ours, hf_weights, hf_ids)
 
 
+@pytest.mark.parametrize(
+    ("topk_method", "num_groups", "topk_groups", "top_k"),
+    [("greedy", 1, 1, 6), ("group_limited_greedy", 4, 2, 4), ("group_limited_greedy", 8, 3, 6)],
+)
+def test_softmax_grouped_topk_matches_deepseek_v2(
+    topk_method: str, num_groups: int, topk_groups: int, top_k: int
+) -> None:
+    config = DeepseekV2Config(
+        hidden_size=HIDDEN,
+        n_routed_experts=32,
+        num_experts_per_tok=top_k,
+        topk_method=topk_method,
+        n_group=num_groups,
+        topk_group=topk_groups,
+        routed_scaling_factor=1.5,
+    )
+    router = DeepseekV2TopkRouter(config)
+    hidden, logits = random_router_input(router, seed=top_k)
+    _, hf_weights, hf_ids = router(hidden)
+    ours = softmax_grouped_topk(logits, top_k, num_groups, topk_groups, 1.5)
+    assert_same_routing(ours, hf_weights, hf_ids)
+    method = RoutingMethod("softmax", num_groups, topk_groups, routed_scaling_factor=1.5)
+    assert_same_routing(method.route(logits, top_k, renormalize=False), hf_weights, hf_ids)
+    if num_groups > 1:  # the group limit really excluded experts softmax top-k would take
+        plain = softmax_topk(logits, top_k, renormalize=False).topk_ids.sort(-1).values
+        assert (plain != ours.topk_ids.sort(-1).values).any()
+
+
 def test_sigmoid_grouped_topk_uses_bias_only_for_selection() -> None:
     logits = torch.zeros(1, 4)  # every score is sigmoid(0) = 0.5
     bias = torch.tensor([0.0, 0.0, 0.0, 1.0])
@@ -124,9 +160,16 @@ def test_routing_rejects_bad_arguments() -> None:
         sigmoid_grouped_topk(logits, torch.zeros(8), 5, 4, 2, 1.0, True)
     with pytest.raises(ValueError, match=r"correction_bias must be \[E=8\], got shape \(7,\)"):
         sigmoid_grouped_topk(logits, torch.zeros(7), 2, 4, 2, 1.0, True)
+    with pytest.raises(ValueError, match=r"top_k=5 exceeds .* topk_groups=1 groups of 4"):
+        softmax_grouped_topk(logits, 5, 2, 1, 1.0)
+    with pytest.raises(ValueError, match="never renormalises"):
+        RoutingMethod("softmax", 2, 1).route(logits, 2, renormalize=True)
+    with pytest.raises(ValueError, match="scoring must be 'softmax' or 'sigmoid'"):
+        RoutingMethod("relu")
 
 
 def test_routing_handles_zero_tokens() -> None:
     empty = torch.zeros(0, 8)
     assert softmax_topk(empty, 2, renormalize=True).topk_ids.shape == (0, 2)
     assert sigmoid_grouped_topk(empty, torch.zeros(8), 2, 4, 2, 1.0, True).topk_ids.shape == (0, 2)
+    assert softmax_grouped_topk(empty, 2, 4, 2, 1.0).topk_ids.shape == (0, 2)
