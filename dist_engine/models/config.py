@@ -153,12 +153,6 @@ class ModelConfig:
         return (layer_idx + 1) % self.decoder_sparse_step == 0
 
     @property
-    def attention_kind(self) -> str:
-        """Which attention (and KV layout) the model uses: "gqa", the paged per-head K/V the
-        attention backends of dist_engine/attention serve."""
-        return "gqa"
-
-    @property
     def moe_layer_indices(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 

@@ -192,7 +192,7 @@ def load_weights(
     expected: set[str] = set()
     filled: set[str] = set()
     for name, shape in layout.dense_tensor_shapes().items():
-        source = next((n for n in (name, *layout.aliases(name)) if reader.has(n)), name)
+        source = _source_name(layout, reader, name)
         expected.add(source)
         target, rows = layout.parameter_for(name)
         with torch.no_grad():
@@ -279,27 +279,36 @@ def check_checkpoint(model_dir: str | Path) -> ModelConfig:
     layout = get_architecture(config.model_type).layout(config)
     with CheckpointReader(model_dir) as reader:
         reader.open_all()
-        expected: set[str] = set()
-        for name, shape in layout.dense_tensor_shapes().items():
-            source = next((n for n in (name, *layout.aliases(name)) if reader.has(n)), name)
-            reader.check_shape(source, shape)
-            expected.add(source)
-        gate_shape, up_shape, down_shape = layout.expert_shapes()
-        num_experts = config.num_experts
-        for layer_idx in config.moe_layer_indices:
-            names = layout.expert_names(layer_idx)
-            if reader.has(names.fused_gate_up) or reader.has(names.fused_down):
-                reader.check_shape(
-                    names.fused_gate_up, (num_experts, 2 * gate_shape[0], gate_shape[1])
-                )
-                reader.check_shape(names.fused_down, (num_experts, *down_shape))
-                expected |= {names.fused_gate_up, names.fused_down}
-                continue
-            for expert in range(num_experts):
-                for name, shape in zip(
-                    names.per_expert(expert), (gate_shape, up_shape, down_shape), strict=True
-                ):
-                    reader.check_shape(name, shape)
-                    expected.add(name)
-        _check_no_extra_tensors(config, reader, expected)
+        expected = _expected_tensors(config, layout, reader)
+        for name, shape in expected.items():
+            reader.check_shape(name, shape)
+        _check_no_extra_tensors(config, layout, reader, set(expected))
     return config
+
+
+def _expected_tensors(
+    config: ModelConfig, layout: CheckpointLayout, reader: CheckpointReader
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold, under its name there, with its shape: what
+    `load_weights` reads (all experts, where a rank reads only its own)."""
+    expected = {
+        _source_name(layout, reader, name): shape
+        for name, shape in layout.dense_tensor_shapes().items()
+    }
+    gate_shape, up_shape, down_shape = layout.expert_shapes()
+    num_experts = config.num_experts
+    for layer_idx in config.moe_layer_indices:
+        names = layout.expert_names(layer_idx)
+        if reader.has(names.fused_gate_up) or reader.has(names.fused_down):
+            expected[names.fused_gate_up] = (num_experts, 2 * gate_shape[0], gate_shape[1])
+            expected[names.fused_down] = (num_experts, *down_shape)
+            continue
+        for expert in range(num_experts):
+            shapes = (gate_shape, up_shape, down_shape)
+            expected.update(zip(names.per_expert(expert), shapes, strict=True))
+    return expected
+
+
+def _source_name(layout: CheckpointLayout, reader: CheckpointReader, name: str) -> str:
+    """The name a tensor has in this checkpoint: its own, or the first alias present."""
+    return next((n for n in (name, *layout.aliases(name)) if reader.has(n)), name)
