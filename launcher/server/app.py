@@ -237,7 +237,9 @@ class LockstepServer:
             await response.write(sse(shape.chunk("", [], first=True)))
         while not reply.done:
             text, tokens = reply.take(await stream.next())
-            if text or tokens:
+            # Tokens whose text is held back (a split character, a possible stop string) send
+            # nothing, unless the client asked for token ids.
+            if text or (tokens and generation.return_token_ids):
                 await response.write(sse(shape.chunk(text, tokens)))
         if reply.error is not None:
             # The status line went out with the first byte; the error travels as an event,
