@@ -29,7 +29,7 @@ ENGINE = {
     "dtype": "float64",
     # One torch thread: on a shared 2-core machine two threads spend most of a step waiting.
     "parallel": {"dp_size": 1, "launcher": "local", "threads_per_rank": 1},
-    "scheduler": {"max_num_seqs": 64, "max_model_len": 384, "num_blocks": 512, "block_size": 8},
+    "scheduler": {"max_num_seqs": 64, "max_model_len": 1024, "num_blocks": 1024, "block_size": 8},
 }
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
 PROMPTS = [[(5 * i + 7 * j) % 383 + 1 for j in range(2 + i % 5)] for i in range(64)]
@@ -216,7 +216,7 @@ def test_a_client_that_hangs_up_frees_its_blocks(server, client):
     (idle,) = server.stats()
     assert idle.num_free_blocks == idle.num_usable_blocks
     stream = client.completions.create(
-        model=server.model, prompt=PROMPTS[9], max_tokens=300, stream=True, **GREEDY
+        model=server.model, prompt=PROMPTS[9], max_tokens=1000, stream=True, **GREEDY
     )
     chunks = iter(stream)
     for _ in range(3):
@@ -227,10 +227,19 @@ def test_a_client_that_hangs_up_frees_its_blocks(server, client):
     wait_for(lambda: server.stats()[0].num_free_blocks == idle.num_usable_blocks)
     (after,) = server.stats()
     assert after.num_running == after.num_waiting == 0
-    # Well short of the 300 tokens it asked for: it was aborted, not run to its end.
-    assert after.num_steps["decode"] - busy.num_steps["decode"] < 200
+    # Well short of the 1000 tokens it asked for: it was aborted, not run to its end.
+    assert after.num_steps["decode"] - busy.num_steps["decode"] < 900
     _, text = get(server, "/metrics")
     assert 'finish_reason="abort"' in text
+    # A client that gives up on a whole (not streamed) reply is noticed too: the runner
+    # cancels the handler of a closed connection.
+    impatient = client.with_options(timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(
+            model=server.model, prompt=PROMPTS[10], max_tokens=1000, **GREEDY
+        )
+    wait_for(lambda: server.stats()[0].num_free_blocks == idle.num_usable_blocks)
+    assert server.stats()[0].num_steps["decode"] - after.num_steps["decode"] < 900
 
 
 def test_the_pending_limit_answers_503_with_retry_after(server):
@@ -360,7 +369,7 @@ def test_a_drain_that_times_out_ends_open_requests_with_an_error(model_dir):
     try:
         client = openai.OpenAI(base_url=f"{instance.url}/v1", api_key="none", max_retries=0)
         stream = client.completions.create(
-            model=instance.model, prompt=[1, 2, 3], max_tokens=350, stream=True, **GREEDY
+            model=instance.model, prompt=[1, 2, 3], max_tokens=1000, stream=True, **GREEDY
         )
         chunks = iter(stream)
         next(chunks)
