@@ -8,7 +8,7 @@ from pathlib import Path
 from dist_engine.kernels.build import cache_root
 from dist_engine.models.make_model import make_tiny_checkpoint
 
-BUILTIN_MODEL_NAME = "tiny-qwen3-moe-v1"
+BUILTIN_MODEL_NAME = "tiny-qwen3-moe-v2"  # v2: the tokenizer has a chat template
 BUILTIN_MODEL = dict(
     arch="qwen3_moe",
     seed=0,

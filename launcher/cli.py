@@ -3,6 +3,7 @@
     lockstep run [--config YAML] [--launcher ray|torchrun|local] [--dp-size N]
                  [--prompts FILE.jsonl] [--output FILE.jsonl] [--max-tokens N] [--set k=v ...]
     lockstep make-model --arch MODEL_TYPE --out DIR [...]   (any registered model_type)
+    lockstep serve [--config YAML] [--set k=v ...] [--host H] [--port N] [--api-key KEY]
 
 With no config, `run` serves the built-in tiny Qwen3-MoE with DP=2 on a local Ray. Under
 torchrun every process runs the same command; rank 0 prints and writes the output.
@@ -72,7 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         help="write a tiny random Hugging Face-format MoE checkpoint",
         add_help=False,  # the subcommand parses (and documents) its own options
     )
+    from launcher.server import serve
+
+    serve.add_arguments(
+        commands.add_parser("serve", help="an OpenAI-compatible HTTP server for the DP group")
+    )
     args, rest = parser.parse_known_args(argv)
+    if args.command == "serve" and not rest:
+        return serve_command(args)
     if args.command == "make-model":
         from dist_engine.models.make_model import main as make_model_main
 
@@ -93,6 +101,18 @@ def main(argv: list[str] | None = None) -> int:
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown after each option; the epilog (the file formats) kept as written."""
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """`lockstep serve` (launcher/server/serve.py); with no --config, the built-in job's engine."""
+    from launcher.server import serve
+
+    builtin = argparse.Namespace(config=None, launcher=None, dp_size=None, set=[])
+    try:
+        return serve.main(args, lambda: _job_config(builtin))
+    except ValueError as error:
+        print(f"lockstep: error: {error}", file=sys.stderr)
+        return 2
 
 
 def run_job(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import torch
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import DPEngine
 from dist_engine.engine.outputs import RequestOutput
+from dist_engine.engine.stats import RankStats
 from scheduler import SamplingParams
 
 Submission = tuple[str, list[int], SamplingParams, bool]  # id, prompt, params, stream
@@ -103,6 +104,10 @@ class EngineHost:
     def take(self, timeout_s: float) -> list[RequestOutput]:
         return self.outputs.take(timeout_s)
 
+    def stats(self) -> RankStats:
+        """The rank's queues, KV pool and counters, with the loop's error if it failed."""
+        return self.engine.stats(self.error)
+
     def shutdown(self, timeout_s: float) -> str | None:
         self.engine.shutdown()
         self.thread.join(timeout_s)
@@ -133,6 +138,9 @@ class LocalClient:
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         return self.host.take(timeout_s)
+
+    def stats(self) -> list[RankStats]:
+        return [self.host.stats()]
 
     def shutdown(self) -> None:
         self.host.shutdown(timeout_s=30.0)

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import RequestOutput
+from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
 from launcher.clients import EngineHost, RankFailure, Submission
 
@@ -137,6 +138,9 @@ class RankActor:
 
     def take(self, timeout_s: float) -> list[RequestOutput]:
         return self.host.take(timeout_s)
+
+    def stats(self) -> RankStats:
+        return self.host.stats()
 
     def shutdown(self, timeout_s: float) -> str | None:
         return self.host.shutdown(timeout_s) if self.host is not None else None
@@ -254,6 +258,11 @@ class RayClient:
 
     def abort(self, rank: int, request_id: str) -> None:
         self._get(rank, self._actor(rank).abort.remote(request_id))
+
+    def stats(self) -> list[RankStats]:
+        """Every rank's queues, KV pool and counters, in rank order."""
+        refs = [actor.stats.remote() for actor in self.actors]
+        return [self._get(rank, ref) for rank, ref in enumerate(refs)]
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         """Outputs from whichever ranks have some, waiting up to ``timeout_s``.

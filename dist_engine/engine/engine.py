@@ -39,6 +39,7 @@ from dist_engine.engine.messages import (
 )
 from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.runner import ModelRunner
+from dist_engine.engine.stats import RankStats, StepCounters, rank_stats
 from dist_engine.errors import LockstepError, RankFailureError
 from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.log import get_logger
@@ -145,6 +146,7 @@ class DPEngine:
         )
         self.on_output = on_output
         self.trace: collections.deque[StepTrace] = collections.deque(maxlen=trace_limit)
+        self.step_counters = StepCounters()  # outlives the trace's limit; read by stats()
         self._inbox: collections.deque[InboxMessage] = collections.deque()
         self._inbox_lock = threading.Lock()
         self._streamed: dict[str, int] = {}  # request id -> output tokens already sent
@@ -280,6 +282,10 @@ class DPEngine:
         """Ask the group to stop; every rank leaves its loop at the same step."""
         self._post(Shutdown())
 
+    def stats(self, error: str | None = None) -> RankStats:
+        """Queues, KV pool and step/vote counters, as of now (engine/stats.py)."""
+        return rank_stats(self, error)
+
     def _post(self, item: InboxMessage) -> None:
         if not isinstance(item, INBOX_MESSAGES):
             raise TypeError(f"not an inbox message: {item!r}; expected one of {INBOX_MESSAGES}")
@@ -406,6 +412,7 @@ class DPEngine:
             slept_s=slept_s,
         )
         self.trace.append(trace)
+        self.step_counters.record(trace)
         return trace
 
     # -- results ----------------------------------------------------------------------------

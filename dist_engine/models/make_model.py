@@ -2,7 +2,7 @@
 
 The directory holds `config.json` with the keys transformers 5.x writes, the weights in the
 per-expert layout hub checkpoints use (one `model.safetensors`, or shards plus
-`model.safetensors.index.json`), and a byte-level BPE `tokenizer.json`.
+`model.safetensors.index.json`), and a byte-level BPE `tokenizer.json` with a chat template.
 
 CLI: `lockstep make-model --arch ARCH --out DIR [--seed N] [--hidden-size ...]`, ARCH any
 registered model_type (models/registry.py).
@@ -30,6 +30,15 @@ DTYPES = {
 }
 EOS_TOKEN = "<|endoftext|>"
 CORRECTION_BIAS_STD = 0.1
+CHAT_START_TOKEN = "<|im_start|>"
+CHAT_END_TOKEN = "<|im_end|>"
+# ChatML, the format of Qwen's chat models: one turn per message, then the assistant's opening.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 # A few lines of text so the BPE merges are real merges rather than an empty table.
 _TOKENIZER_CORPUS = [
@@ -180,14 +189,19 @@ def save_safetensors(tensors: dict[str, torch.Tensor], out: Path, num_shards: in
 
 
 def write_byte_level_tokenizer(out: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer whose ids all fall inside the model's vocabulary.
+    """A byte-level BPE tokenizer whose ids all fall inside the model's vocabulary, with a
+    ChatML chat template.
 
-    The end-of-text token is id 0 (trainer special tokens come first); the 256 byte symbols
-    follow, then as many merges as the vocabulary leaves room for.
+    The special tokens come first (the trainer puts them there): end-of-text is id 0, then
+    ``<|im_start|>`` and ``<|im_end|>``; the 256 byte symbols follow, then as many merges as the
+    vocabulary leaves room for. ``tokenizer_config.json`` carries the chat template, as Hugging
+    Face checkpoints do; ``generation_config.json`` lists both end tokens as EOS, so a chat
+    reply ends at ``<|im_end|>`` (config.json keeps end-of-text alone).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    minimum = 257  # 256 byte symbols + the end-of-text token
+    special_tokens = [EOS_TOKEN, CHAT_START_TOKEN, CHAT_END_TOKEN]
+    minimum = 256 + len(special_tokens)
     if vocab_size < minimum:
         raise ValueError(
             f"a byte-level tokenizer needs vocab_size >= {minimum}, got {vocab_size}; "
@@ -198,15 +212,24 @@ def write_byte_level_tokenizer(out: Path, vocab_size: int) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_TOKENIZER_CORPUS, trainer=trainer)
     assert tokenizer.get_vocab_size() <= vocab_size
     tokenizer.save(str(out / "tokenizer.json"))
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TOKEN}
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "chat_template": CHAT_TEMPLATE,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    eos_ids = [tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(CHAT_END_TOKEN)]
+    generation_config = {"eos_token_id": eos_ids, "transformers_version": "5.24.0"}
+    (out / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

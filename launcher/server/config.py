@@ -1,0 +1,97 @@
+"""The server's own settings: the `server:` section of a job's YAML, or `--set server.KEY=V`.
+
+    server:
+      host: 127.0.0.1              # loopback unless told otherwise
+      port: 8000
+      api_key: null                # or $LOCKSTEP_API_KEY; with one, every endpoint but /health
+                                   # wants `Authorization: Bearer KEY`
+      served_model_name: null      # default: the model directory's name
+      max_pending_requests: 256    # open requests (queued or running) before 503 + Retry-After
+      max_body_bytes: 1048576      # larger request bodies get 413
+      drain_timeout_s: 30          # on SIGTERM: how long in-flight requests may take to finish
+      routing: least_loaded        # or round_robin (launcher/routing.py)
+
+The engine's sections are left to `EngineConfig`; nothing here reaches a rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+from launcher.routing import ROUTING_POLICIES
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_pending_requests: int = 256
+    max_body_bytes: int = 1 << 20
+    drain_timeout_s: float = 30.0
+    routing: str = "least_loaded"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"server.host must be a host name or address, got {self.host!r}")
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ValueError(
+                f"server.port must be an int in [0, 65535] (0: any free port), got {self.port!r}"
+            )
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("server.api_key must be a non-empty string or null")
+        if self.served_model_name is not None and (
+            not isinstance(self.served_model_name, str) or not self.served_model_name
+        ):
+            raise ValueError(
+                f"server.served_model_name must be a non-empty string or null, "
+                f"got {self.served_model_name!r}"
+            )
+        for name in ("max_pending_requests", "max_body_bytes"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"server.{name} must be an int >= 1, got {value!r}")
+        if (
+            not isinstance(self.drain_timeout_s, (int, float))
+            or isinstance(self.drain_timeout_s, bool)
+            or self.drain_timeout_s < 0
+        ):
+            raise ValueError(
+                f"server.drain_timeout_s must be a number of seconds >= 0, "
+                f"got {self.drain_timeout_s!r}"
+            )
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(
+                f"server.routing must be one of {list(ROUTING_POLICIES)}, got {self.routing!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ServerConfig:
+        if not isinstance(values, dict):
+            raise ValueError(f"server must be a mapping, got {values!r}")
+        unknown = sorted(set(values) - SERVER_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown setting(s) {['server.' + k for k in unknown]}; allowed: "
+                f"{sorted('server.' + k for k in SERVER_KEYS)}"
+            )
+        return cls(**values)
+
+    def with_overrides(self, **overrides: Any) -> ServerConfig:
+        return ServerConfig.from_dict({**dataclasses.asdict(self), **overrides})
+
+    def public(self) -> dict[str, Any]:
+        """The settings, with the API key hidden: for logs."""
+        values = dataclasses.asdict(self)
+        values["api_key"] = "(set)" if self.api_key else None
+        return values
+
+
+SERVER_KEYS = frozenset(f.name for f in fields(ServerConfig))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,384 @@
+"""`lockstep serve` over real HTTP, driven by the official `openai` client.
+
+One server (launcher local, DP=1) serves the module; it runs in this process on a loopback
+port of its own (server_harness.py), with an API key. Every result is compared with the
+offline `LLM` on the same settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server_harness import ServerThread
+
+from dist_engine.engine.config import EngineConfig
+from launcher import LLM, SamplingParams
+from launcher.server.config import ServerConfig
+
+API_KEY = "test-key"
+MAX_PENDING = 64
+ENGINE = {
+    "dtype": "float64",
+    # One torch thread: on a shared 2-core machine two threads spend most of a step waiting.
+    "parallel": {"dp_size": 1, "launcher": "local", "threads_per_rank": 1},
+    "scheduler": {"max_num_seqs": 64, "max_model_len": 1024, "num_blocks": 1024, "block_size": 8},
+}
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+PROMPTS = [[(5 * i + 7 * j) % 383 + 1 for j in range(2 + i % 5)] for i in range(64)]
+
+
+def engine_config(model_dir: str) -> EngineConfig:
+    return EngineConfig.from_dict({"model": model_dir, **ENGINE})
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """The offline LLM on the server's settings, for reference results."""
+    with LLM(config=engine_config(model_dir)) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    config = ServerConfig(port=0, api_key=API_KEY, max_pending_requests=MAX_PENDING)
+    instance = ServerThread(engine_config(model_dir), config)
+    yield instance
+    instance.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def reference(offline, prompts, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return offline.generate(prompts, params, use_tqdm=False)
+
+
+def stream_pieces(stream) -> tuple[str, list[int], list[str | None], object]:
+    text, tokens, reasons, usage = "", [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+            text += piece
+            tokens += choice.token_ids
+            reasons.append(choice.finish_reason)
+    return text, tokens, reasons, usage
+
+
+def get(server, path: str, key: str | None = API_KEY) -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(server.url + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# -- generation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", [PROMPTS[3], "Mixture-of-experts models route"])
+def test_completion_streamed_equals_whole_equals_offline(server, client, offline, prompt):
+    (expected,) = reference(offline, [prompt], 12)
+    whole = client.completions.create(model=server.model, prompt=prompt, max_tokens=12, **GREEDY)
+    stream = client.completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    text, tokens, reasons, usage = stream_pieces(stream)
+    choice = whole.choices[0]
+    assert choice.token_ids == tokens == expected.output_token_ids
+    assert choice.text == text == expected.text
+    assert choice.finish_reason == "length" and reasons[-1] == "length"
+    assert [r for r in reasons if r is not None] == ["length"]  # one ending per request
+    prompt_tokens = len(expected.prompt_token_ids)
+    assert whole.usage.prompt_tokens == usage.prompt_tokens == prompt_tokens
+    assert whole.usage.completion_tokens == usage.completion_tokens == 12
+
+
+def test_chat_streamed_equals_whole_equals_offline(server, client, offline):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Name an expert."}]},
+    ]
+    rendered = server.server.limits.tokenizer.render_chat(
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name an expert."},
+        ]
+    )
+    prompt_ids = server.server.limits.tokenizer.encode(rendered, add_special_tokens=False)
+    (expected,) = reference(offline, [prompt_ids], 10)
+    whole = client.chat.completions.create(
+        model=server.model, messages=messages, max_completion_tokens=10, **GREEDY
+    )
+    stream = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=10, stream=True, **GREEDY
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text, tokens, reasons, _ = stream_pieces(chunks)
+    message = whole.choices[0].message
+    assert message.role == "assistant" and message.content == text == expected.text
+    assert whole.choices[0].token_ids == tokens == expected.output_token_ids
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert reasons[-1] == whole.choices[0].finish_reason == "length"
+    # Without token ids a stream sends only chunks that carry text (and the role, the end).
+    plain = list(
+        client.chat.completions.create(
+            model=server.model, messages=messages, max_tokens=10, stream=True, temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    middle = [chunk.choices[0].delta.content for chunk in plain[1:-1]]
+    assert all(middle) and "".join(middle) == expected.text
+
+
+def test_stop_strings_and_stop_tokens_end_the_reply(server, client, offline):
+    (full,) = reference(offline, [PROMPTS[5]], 24)
+    text = full.text
+    start = next(i for i in range(4, len(text)) if "\ufffd" not in text[i : i + 2])
+    stop = text[start : start + 2]
+    for stream in (False, True):
+        response = client.completions.create(
+            model=server.model, prompt=PROMPTS[5], max_tokens=24, stop=[stop], stream=stream,
+            **GREEDY,
+        )  # fmt: skip
+        if stream:
+            got, _, reasons, _ = stream_pieces(response)
+            reason = reasons[-1]
+        else:
+            got, reason = response.choices[0].text, response.choices[0].finish_reason
+        assert (got, reason) == (text[: text.find(stop)], "stop")
+    # A stop token id ends the reply with it; its text is not part of the reply.
+    tokens = full.output_token_ids
+    stop_id = tokens[6]
+    response = client.completions.create(
+        model=server.model, prompt=PROMPTS[5], max_tokens=24,
+        extra_body={**GREEDY["extra_body"], "stop_token_ids": [stop_id]}, temperature=0,
+    )  # fmt: skip
+    first = tokens.index(stop_id)
+    choice = response.choices[0]
+    assert choice.token_ids == tokens[: first + 1] and choice.finish_reason == "stop"
+    assert choice.text == server.server.limits.tokenizer.decode(tokens[:first])
+
+
+def test_64_concurrent_streams_are_each_answered_once(server, offline):
+    expected = [o.output_token_ids for o in reference(offline, PROMPTS, 8)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: list[int]) -> tuple[list[int], list]:
+        stream = await client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=8, stream=True, **GREEDY
+        )
+        tokens, reasons, ids = [], [], set()
+        async for chunk in stream:
+            ids.add(chunk.id)
+            tokens += chunk.choices[0].token_ids
+            reasons.append(chunk.choices[0].finish_reason)
+        assert len(ids) == 1
+        return tokens, reasons
+
+    async def run_all():
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120
+        ) as client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+    results = asyncio.run(run_all())
+    assert [tokens for tokens, _ in results] == expected
+    assert all([r for r in reasons if r] == ["length"] for _, reasons in results)
+    wait_for(lambda: server.server.frontend.num_open == 0)
+
+
+def test_a_client_that_hangs_up_frees_its_blocks(server, client):
+    (idle,) = server.stats()
+    assert idle.num_free_blocks == idle.num_usable_blocks
+    stream = client.completions.create(
+        model=server.model, prompt=PROMPTS[9], max_tokens=1000, stream=True, **GREEDY
+    )
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    (busy,) = server.stats()
+    assert busy.num_running == 1 and busy.num_free_blocks < busy.num_usable_blocks
+    stream.close()  # hang up mid-stream
+    wait_for(lambda: server.stats()[0].num_free_blocks == idle.num_usable_blocks)
+    (after,) = server.stats()
+    assert after.num_running == after.num_waiting == 0
+    # Well short of the 1000 tokens it asked for: it was aborted, not run to its end.
+    assert after.num_steps["decode"] - busy.num_steps["decode"] < 900
+    _, text = get(server, "/metrics")
+    assert 'finish_reason="abort"' in text
+    # A client that gives up on a whole (not streamed) reply is noticed too: the runner
+    # cancels the handler of a closed connection.
+    impatient = client.with_options(timeout=0.5)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(
+            model=server.model, prompt=PROMPTS[10], max_tokens=1000, **GREEDY
+        )
+    wait_for(lambda: server.stats()[0].num_free_blocks == idle.num_usable_blocks)
+    assert server.stats()[0].num_steps["decode"] - after.num_steps["decode"] < 900
+
+
+def test_the_pending_limit_answers_503_with_retry_after(server):
+    async def scenario():
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        body = {"model": server.model, "max_tokens": 300, "stream": True, "ignore_eos": True}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            responses = []
+            for prompt in PROMPTS[:MAX_PENDING]:
+                response = await session.post(
+                    f"{server.url}/v1/completions", json={**body, "prompt": prompt}
+                )
+                assert response.status == 200
+                responses.append(response)
+            over = await session.post(
+                f"{server.url}/v1/completions", json={**body, "prompt": [1, 2]}
+            )
+            refused = (over.status, over.headers.get("Retry-After"), await over.json())
+            for response in responses:
+                response.close()  # hang up: each request is aborted on its rank
+            return refused
+
+    status, retry_after, body = asyncio.run(scenario())
+    assert (status, retry_after) == (503, "1")
+    assert "server.max_pending_requests = 64" in body["error"]["message"]
+    wait_for(lambda: server.server.frontend.num_open == 0)
+    (after,) = server.stats()
+    assert after.num_free_blocks == after.num_usable_blocks
+
+
+# -- errors, security, endpoints ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"extra_body": {"top_k": "many"}}, "top_k"),
+        ({"extra_body": {"dp_rank": 1}}, "dp_rank"),
+        ({"extra_body": {"colour": "blue"}}, "colour"),
+        ({"prompt": [5, 100000]}, "prompt"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_field(server, client, kwargs, param):
+    kwargs = {"prompt": [1, 2, 3], **kwargs}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=server.model, **kwargs)
+    error = info.value.body
+    assert info.value.status_code == 400 and error["param"] == param
+    assert param in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_bad_chat_and_an_unknown_model(server, client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=server.model, messages=[{"role": "wizard", "content": "hi"}]
+        )
+    assert info.value.body["param"] == "messages[0].role"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert "'gpt-4' does not exist" in info.value.body["message"]
+
+
+def test_the_api_key_guards_everything_but_health(server):
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.completions.create(model=server.model, prompt="hi", max_tokens=2)
+    assert info.value.status_code == 401 and info.value.body["message"] == "incorrect API key"
+    body = json.dumps({"model": server.model, "prompt": "hi"}).encode()
+    request = urllib.request.Request(f"{server.url}/v1/completions", data=body)  # no key
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(request, timeout=30)
+    assert missing.value.code == 401 and "missing API key" in missing.value.read().decode()
+    for key in (None, "wrong-key"):
+        for path in ("/v1/models", "/metrics"):
+            status, text = get(server, path, key)
+            assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+    assert get(server, "/health", None) == (200, '{"status": "ok", "reason": "ok"}')
+
+
+def test_models_lists_the_served_model(server, client):
+    (model,) = client.models.list().data
+    assert model.id == server.model and model.owned_by == "lockstep"
+
+
+def metric_values(text: str) -> dict[tuple[str, tuple], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_parse_and_move(server, client):
+    status, text = get(server, "/metrics")
+    assert status == 200
+    before = metric_values(text)
+    client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=6, **GREEDY)
+    after = metric_values(get(server, "/metrics")[1])
+    model = (("model", server.model),)
+
+    def moved(name, labels=model):
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert moved("lockstep_generation_tokens_total") == 6
+    assert moved("lockstep_prompt_tokens_total") == len(PROMPTS[1])
+    assert moved("lockstep_time_to_first_token_seconds_count") == 1
+    assert moved("lockstep_inter_token_latency_seconds_count") == 5
+    assert moved("lockstep_e2e_request_latency_seconds_count") == 1
+    finished = (("endpoint", "completion"), ("finish_reason", "length"), ("model", server.model))
+    assert moved("lockstep_requests_finished_total", finished) == 1
+    rank0 = ("dp_rank", "0")
+    assert moved("lockstep_rank_steps_total", (rank0, ("kind", "decode"))) >= 5
+    assert moved("lockstep_rank_steps_total", (rank0, ("kind", "prefill"))) >= 1
+    assert sum(v for (n, _), v in after.items() if n == "lockstep_rank_votes_total") > 0
+    for name in ("running", "waiting", "kv_usage_ratio", "kv_free_blocks"):
+        assert (f"lockstep_rank_{name}", (rank0,)) in after
+    for name in ("preemptions_total", "prefix_cache_hit_tokens_total", "second_votes_total"):
+        assert (f"lockstep_rank_{name}", (rank0,)) in after
+    assert after[("lockstep_healthy", ())] == 1
+
+
+# -- shutting down ------------------------------------------------------------------------------
+def test_a_drain_that_times_out_ends_open_requests_with_an_error(model_dir):
+    config = ServerConfig(port=0, drain_timeout_s=0.5)
+    instance = ServerThread(engine_config(model_dir), config)
+    try:
+        client = openai.OpenAI(base_url=f"{instance.url}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(
+            model=instance.model, prompt=[1, 2, 3], max_tokens=1000, stream=True, **GREEDY
+        )
+        chunks = iter(stream)
+        next(chunks)
+        stopping = asyncio.run_coroutine_threadsafe(instance.server.stop(), instance.loop)
+        with pytest.raises(openai.APIError, match=r"drain timeout 0.5 s"):
+            for _ in chunks:
+                pass
+        stopping.result(60)
+        instance.server_stopped = True
+        assert instance.server.frontend.num_open == 0
+    finally:
+        instance.stop()
