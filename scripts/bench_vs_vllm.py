@@ -110,12 +110,18 @@ def vllm_worker(model: str) -> None:
     serve(llm, generate)
 
 
-def lockstep_worker(model: str, dp_size: int) -> None:
+def lockstep_worker(model: str, dp_size: int, settings: dict[str, Any] | None = None) -> None:
     from launcher import LLM, SamplingParams
 
     start = time.perf_counter()
     launcher = "local" if dp_size == 1 else "ray"
-    llm = LLM(model=model, dp_size=dp_size, launcher=launcher, max_model_len=MAX_MODEL_LEN)
+    llm = LLM(
+        model=model,
+        dp_size=dp_size,
+        launcher=launcher,
+        max_model_len=MAX_MODEL_LEN,
+        **(settings or {}),
+    )
     scheduler = llm.config.scheduler
     settings = {
         "max_num_seqs": scheduler.max_num_seqs,
@@ -362,10 +368,11 @@ if __name__ == "__main__":
         worker_args.add_argument("--worker", choices=["vllm", "lockstep"])
         worker_args.add_argument("--model", required=True)
         worker_args.add_argument("--dp", type=int, default=1)
+        worker_args.add_argument("--settings", default="{}", help="JSON: LLM keyword settings")
         parsed = worker_args.parse_args()
         if parsed.worker == "vllm":
             vllm_worker(parsed.model)
         else:
-            lockstep_worker(parsed.model, parsed.dp)
+            lockstep_worker(parsed.model, parsed.dp, json.loads(parsed.settings))
     else:
         main()

@@ -250,7 +250,15 @@ def test_step_counters_sort_steps_and_votes():
     ]:
         counters.record(item)
     assert counters.steps == {"prefill": 1, "decode": 1, "placeholder": 2, "known_empty": 1}
-    assert counters.votes == {"all": 1, "any": 1, "idle": 1, "drain": 0, "every": 0}
+    assert counters.votes == {
+        "all": 1,
+        "any": 1,
+        "idle": 1,
+        "drain": 0,
+        "every": 0,
+        "follow": 0,
+        "due": 0,
+    }
     assert counters.num_second_votes == 2
 
 
