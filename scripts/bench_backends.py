@@ -1,7 +1,7 @@
 """The backend table: what `auto` timed on this host, what it chose, and whether the choice
 holds end to end against every fixed choice.
 
-    .venv/bin/python scripts/bench_backends.py [--rounds 3] [--out bench_results/backends.json]
+    .venv/bin/python scripts/bench_backends.py [--rounds 5] [--out bench_results/backends.json]
 
 (from the repository root, with the package installed editable)
 
@@ -48,7 +48,7 @@ SETTINGS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workload", default="mixed")
     parser.add_argument("--out", default="bench_results/backends.json")
     args = parser.parse_args()
@@ -76,6 +76,8 @@ def main() -> None:
             workers[name] = Worker(name, argv, env)
             print(f"{name:20s} {workers[name].settings['backends']}", flush=True)
         decisions = json.loads(next(Path(cache).rglob("autotune/*.json")).read_text())
+        for worker in workers.values():  # untimed warm-up pass
+            worker.run(workload)
         order = list(workers)
         for _ in range(args.rounds):
             for name in order:
