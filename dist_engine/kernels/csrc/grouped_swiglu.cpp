@@ -76,14 +76,34 @@ inline void gemm_block(const float* A, int64_t lda, const float* B, int64_t ldb,
   }
 }
 
-// C[MR, N] = A[MR, K] @ B[K, N]: columns in blocks of 64 (four vectors), then 32, then 16,
-// then one at a time.
+// The widest column block the target's registers hold with 6 rows. AVX-512: 32 registers of
+// 16 lanes, so 6 x 64 columns (24 accumulators + 4 vectors of B). Otherwise (AVX2: 16
+// registers of 8 lanes, a v16 takes two) 6 x 16 columns (12 + 2 registers) is the most that
+// stays in registers. On an AVX2 host (bench_vs_vllm's model) the 6 x 64 block spilled and the
+// kernel ran 3x (decode) to 14x (prefill) slower than PyTorch's expert path; with 6 x 16 it is
+// 1.6x / 5.6x slower: still behind, so `auto` measures and takes PyTorch's paths there.
+#if defined(__AVX512F__)
+constexpr int kBlockVectors = 4;
+#else
+constexpr int kBlockVectors = 1;
+#endif
+
+// C[MR, N] = A[MR, K] @ B[K, N]: columns in blocks of kBlockVectors vectors, then narrower
+// ones, then one at a time.
 template <int MR>
 void gemm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
                int64_t K, int64_t N) {
   int64_t j = 0;
-  for (; j + 4 * kLanes <= N; j += 4 * kLanes) gemm_block<MR, 4>(A, lda, B + j, ldb, C + j, ldc, K);
-  for (; j + 2 * kLanes <= N; j += 2 * kLanes) gemm_block<MR, 2>(A, lda, B + j, ldb, C + j, ldc, K);
+  if constexpr (kBlockVectors >= 4) {
+    for (; j + 4 * kLanes <= N; j += 4 * kLanes) {
+      gemm_block<MR, 4>(A, lda, B + j, ldb, C + j, ldc, K);
+    }
+  }
+  if constexpr (kBlockVectors >= 2) {
+    for (; j + 2 * kLanes <= N; j += 2 * kLanes) {
+      gemm_block<MR, 2>(A, lda, B + j, ldb, C + j, ldc, K);
+    }
+  }
   for (; j + kLanes <= N; j += kLanes) gemm_block<MR, 1>(A, lda, B + j, ldb, C + j, ldc, K);
   for (; j < N; ++j) {
     for (int r = 0; r < MR; ++r) {
