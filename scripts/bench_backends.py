@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_vllm import Worker, make_workload, processor, write_model
+from bench_vs_vllm import Worker, make_workload, processor, run_phase, write_model
 
 SETTINGS = {
     "auto": {},
@@ -76,17 +76,11 @@ def main() -> None:
             workers[name] = Worker(name, argv, env)
             print(f"{name:20s} {workers[name].settings['backends']}", flush=True)
         decisions = json.loads(next(Path(cache).rglob("autotune/*.json")).read_text())
-        for worker in workers.values():  # untimed warm-up pass
-            worker.run(workload)
-        order = list(workers)
-        for _ in range(args.rounds):
-            for name in order:
-                result = workers[name].run(workload)
-                count = sum(len(t) for t in result["tokens"])
-                runs.setdefault(name, []).append(count / result["seconds"])
-                tokens.setdefault(name, result["tokens"])
-                print(f"  {name:20s} {runs[name][-1]:8.1f} tok/s", flush=True)
-            order = order[1:] + order[:1]
+        collected: list[dict] = []
+        run_phase(workers, {args.workload: workload}, args.rounds, collected)
+        for run in collected:
+            runs.setdefault(run["contender"], []).append(run["tok_s"])
+            tokens.setdefault(run["contender"], run["tokens"])
     finally:
         for worker in workers.values():
             worker.close()

@@ -1,6 +1,6 @@
 """Lockstep against vLLM's CPU backend: offline generation, same checkpoint, same prompts.
 
-    .venv/bin/python scripts/bench_vs_vllm.py [--rounds 5] [--out bench_results/vs_vllm.json]
+    .venv/bin/python scripts/bench_vs_vllm.py [--rounds 6] [--passes 2] [--out ...json]
 
 (from the repository root, with the package installed editable; not part of the test suite)
 
@@ -14,10 +14,12 @@ by seeds, random token ids, greedy, EOS ignored (every request produces exactly 
   mixed         48 prompts of 16-128 tokens, outputs of 16-96 tokens;
   decode_heavy  64 prompts of 16-32 tokens, outputs of 128-192 tokens.
 
-Contenders are long-lived worker processes (engine start-up is excluded and reported apart),
-each warmed up with one untimed pass of every workload, then driven in turn: every round runs
-every workload on every contender, the contenders' order rotated per round, so the machine's
-noise hits them alike:
+Each contender is a worker process that starts its engine (start-up is excluded and reported
+apart), runs one untimed pass of every workload, then its share of the rounds, and exits; the
+contenders take turns this way (`--passes` times each, in rotating order), so no idle engine
+sits beside a running one. (With every contender alive at once, an idle engine's periodic
+wake-ups steal the core a spinning OpenMP thread waits on, on a 2-core machine: medians moved
+10-20% between runs; pausing the idle ones with SIGSTOP slowed vLLM's own runs instead.)
   vllm          vllm.LLM(skip_tokenizer_init=True, enable_prefix_caching=False), its defaults
                 otherwise (vLLM gives its model worker its own OpenMP thread(s) and keeps its
                 scheduler in a second process);
@@ -220,6 +222,45 @@ class Worker:
                 self.process.kill()
 
 
+def run_phase(
+    workers: dict[str, Worker],
+    workloads: dict[str, dict],
+    rounds: int,
+    runs: list[dict],
+    first_round: int = 0,
+) -> None:
+    """An untimed warm-up pass of every workload on every worker (first-call costs are
+    start-up, not speed), then `rounds` rounds of every workload on every worker, their order
+    rotated per round."""
+    for worker in workers.values():
+        for workload in workloads.values():
+            worker.run(workload)
+    order = list(workers)
+    for round_index in range(first_round, first_round + rounds):
+        for workload_name, workload in workloads.items():
+            for name in order:
+                load_before = os.getloadavg()[0]
+                result = workers[name].run(workload)
+                load_after = os.getloadavg()[0]
+                tokens = sum(len(t) for t in result["tokens"])
+                runs.append(
+                    {
+                        "round": round_index,
+                        "workload": workload_name,
+                        "contender": name,
+                        "seconds": result["seconds"],
+                        "output_tokens": tokens,
+                        "tok_s": tokens / result["seconds"],
+                        "load_before": load_before,
+                        "load_after": load_after,
+                        "tokens": result["tokens"],
+                    }
+                )
+                print(f"  round {round_index} {workload_name:12s} {name:13s} "
+                      f"{tokens / result['seconds']:8.1f} tok/s", flush=True)  # fmt: skip
+        order = order[1:] + order[:1]
+
+
 def processor() -> dict[str, Any]:
     model, flags = platform.processor(), []
     try:
@@ -240,7 +281,8 @@ def processor() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per contender")
+    parser.add_argument("--passes", type=int, default=2, help="turns per contender")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--contenders", nargs="+", default=["vllm", "lockstep dp1", "lockstep dp2"])
     parser.add_argument("--out", default="bench_results/vs_vllm.json")
@@ -257,42 +299,22 @@ def main() -> None:
         "lockstep dp1": [sys.executable, me, "--worker", "lockstep", "--dp", "1", "--model", model],
         "lockstep dp2": [sys.executable, me, "--worker", "lockstep", "--dp", "2", "--model", model],
     }
+    runs: list[dict[str, Any]] = []
     workers: dict[str, Worker] = {}
-    try:
-        for name in args.contenders:
-            print(f"starting {name} ...", flush=True)
-            workers[name] = Worker(name, argv[name], env)
-            print(f"  up in {workers[name].startup_s:.1f} s: {workers[name].settings}")
-        for worker in workers.values():  # untimed: first-call costs are start-up, not speed
-            for workload in workloads.values():
-                worker.run(workload)
-        runs = []
-        order = list(workers)
-        for round_index in range(args.rounds):
-            for workload_name, workload in workloads.items():
-                for name in order:
-                    load_before = os.getloadavg()[0]
-                    result = workers[name].run(workload)
-                    tokens = sum(len(t) for t in result["tokens"])
-                    runs.append(
-                        {
-                            "round": round_index,
-                            "workload": workload_name,
-                            "contender": name,
-                            "seconds": result["seconds"],
-                            "output_tokens": tokens,
-                            "tok_s": tokens / result["seconds"],
-                            "load_before": load_before,
-                            "load_after": os.getloadavg()[0],
-                            "tokens": result["tokens"],
-                        }
-                    )
-                    print(f"  round {round_index} {workload_name:12s} {name:13s} "
-                          f"{tokens / result['seconds']:8.1f} tok/s", flush=True)  # fmt: skip
-            order = order[1:] + order[:1]
-    finally:
-        for worker in workers.values():
-            worker.close()
+    per_pass = -(-args.rounds // args.passes)
+    order = list(args.contenders)
+    for pass_index in range(args.passes):
+        for name in order:
+            print(f"pass {pass_index}: starting {name} ...", flush=True)
+            worker = workers[name] = Worker(name, argv[name], env)
+            print(f"  up in {worker.startup_s:.1f} s: {worker.settings}", flush=True)
+            try:
+                run_phase(
+                    {name: worker}, workloads, per_pass, runs, first_round=pass_index * per_pass
+                )
+            finally:
+                worker.close()
+        order = order[1:] + order[:1]
     report(args, runs, workers, workloads)
 
 
