@@ -18,7 +18,7 @@ Two ways to run it:
         --rates 2,4,8,inf --num-requests 64
 
     # start `lockstep serve` once per sync policy on a free port, bench it, stop it (SIGTERM)
-    python scripts/bench_serving.py --config job.yaml --sync-policies vote,every_step \
+    python scripts/bench_serving.py --config job.yaml --sync-policies deadline,vote,every_step \
         --set dp_size=2 --rates 2,4,8,inf --num-requests 64
 
 Writes a table to stdout, `--out` (JSON, with the settings and the machine) and `--plot`
@@ -294,7 +294,7 @@ def main() -> int:
         "--config", help="start `lockstep serve --config CONFIG` per sync policy ('' = built-in)"
     )
     parser.add_argument("--label", default="server", help="with --url: what the server runs")
-    parser.add_argument("--sync-policies", default="vote,every_step")
+    parser.add_argument("--sync-policies", default="deadline,vote,every_step")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--api-key", default=os.environ.get("LOCKSTEP_API_KEY"))
     parser.add_argument("--rates", type=parse_rates, default=parse_rates("2,4,8,inf"))
