@@ -30,10 +30,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dist_engine.kernels.build import cache_root, cpu_flags
+from moe import ExpertPlacement
+
+if TYPE_CHECKING:
+    from dist_engine.models.config import ModelConfig
 
 DECODE_CONTEXT = 256  # cached tokens per sequence in the decode attention timing
 PREFILL_PROMPT = 256  # the longest prompt in the prefill timing
@@ -58,6 +63,34 @@ class TuneShapes:
     prefill_tokens: int  # max_num_batched_tokens
     block_size: int
     attention_kind: str  # ModelConfig.attention_kind: "gqa" is what the attention backends time
+
+    @classmethod
+    def for_model(
+        cls,
+        model: ModelConfig,
+        dtype: str,
+        ep_size: int,
+        decode_tokens: int,
+        prefill_tokens: int,
+        block_size: int,
+    ) -> TuneShapes:
+        """The shapes of `model` on one rank of an EP group of `ep_size`, whose decode steps
+        hold `decode_tokens` sequences and prefill steps `prefill_tokens` tokens."""
+        return cls(
+            dtype=dtype,
+            hidden_size=model.hidden_size,
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            num_local_experts=ExpertPlacement.even(model.num_experts, ep_size).slots_per_rank,
+            moe_intermediate_size=model.moe_intermediate_size,
+            top_k=model.top_k,
+            ep_size=ep_size,
+            decode_tokens=decode_tokens,
+            prefill_tokens=prefill_tokens,
+            block_size=block_size,
+            attention_kind=model.attention_kind,
+        )
 
 
 @dataclass(frozen=True)

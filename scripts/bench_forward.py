@@ -5,6 +5,9 @@
 
 (from the repository root, with the package installed editable)
 
+Ours runs the backends the engine would pick on this host (`--backend auto`: timed by
+dist_engine/autotune.py at these step sizes, the choice printed) or one named everywhere.
+
 One process, float32, tiny-but-not-trivial random checkpoints written by `make_tiny_checkpoint`
 (`MODELS`): a Qwen3-MoE (hidden 256, 4 layers, 16 experts top-4, expert intermediate 256,
 vocab 2048, 8 query / 4 kv heads of 32) and a DeepSeek-V3 with DeepSeek-V3's MLA proportions
@@ -43,6 +46,9 @@ import torch
 
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.attention.mla_torch import TorchMLA
+from dist_engine.autotune import TuneShapes
+from dist_engine.backends import BACKEND_KEYS, Backends, resolve_backends
+from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
@@ -96,6 +102,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument(
+        "--backend",
+        choices=["auto", "native", "torch", "grouped_mm"],
+        default="auto",
+        help="ours: every backend setting (grouped_mm: the experts'; auto: timed on this "
+        "host at these step sizes, as the engine does)",
+    )
+    parser.add_argument(
         "--hf-experts", default=None, help="transformers experts_implementation (its default)"
     )
     parser.add_argument("--warmup", type=int, default=2)
@@ -104,15 +117,28 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def load_both(model_dir: Path, args: argparse.Namespace) -> tuple[MoECausalLM, Any]:
+def load_both(model_dir: Path, args: argparse.Namespace) -> tuple[MoECausalLM, Any, Backends]:
     from transformers import AutoModelForCausalLM
 
-    ours = load_model(model_dir, dtype=torch.float32)
+    config = ModelConfig.from_pretrained(model_dir)
+    shapes = TuneShapes.for_model(
+        config,
+        "float32",
+        ep_size=1,
+        decode_tokens=args.decode_seqs,
+        prefill_tokens=args.prefill_seqs * args.prefill_len,
+        block_size=args.block_size,
+    )
+    settings = dict.fromkeys(BACKEND_KEYS, args.backend)
+    if args.backend == "grouped_mm":
+        settings = {"expert_backend": "grouped_mm"}
+    backends = resolve_backends(settings, torch.float32, None, shapes=shapes)
+    ours = load_model(model_dir, dtype=torch.float32, backends=backends)
     options = {} if args.hf_experts is None else {"experts_implementation": args.hf_experts}
     reference = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, local_files_only=True, **options
     )
-    return ours, reference.eval()
+    return ours, reference.eval(), backends
 
 
 class PagedBatch:
@@ -260,6 +286,7 @@ def print_table(args, name: str, run: dict[str, Any]) -> None:
     sizes = " ".join(f"{key}={value}" for key, value in MODELS[name].items())
     print(f"\n{name}: {sizes}")
     print(f"transformers experts_implementation={run['transformers_experts_implementation']}")
+    print(f"ours: {run['backends']}")
     header = ("step", "batch", "ours ms", "HF ms", "ours tok/s", "HF tok/s", "speedup", "max err")
     print(f"{header[0]:<8} {header[1]:>9}" + "".join(f" {title:>10}" for title in header[2:]))
     shapes = {
@@ -287,10 +314,11 @@ def print_table(args, name: str, run: dict[str, Any]) -> None:
 def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_checkpoint(name, tmp, seed=0, **MODELS[name])
-        ours, reference = load_both(model_dir, args)
+        ours, reference, backends = load_both(model_dir, args)
     run: dict[str, Any] = {
         "model": MODELS[name],
         "transformers_experts_implementation": reference.config._experts_implementation,
+        "backends": backends.describe(),
         "rows": {
             "prefill": bench_prefill(ours, reference, args),
             "decode": bench_decode(ours, reference, args),

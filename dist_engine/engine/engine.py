@@ -159,23 +159,13 @@ class DPEngine:
 
     def _tune_shapes(self, sched_config) -> TuneShapes:
         """What `auto` backends are timed on: this rank's model and steps (autotune.py)."""
-        model = self.model_config
-        return TuneShapes(
-            dtype=self.config.dtype,
-            hidden_size=model.hidden_size,
-            num_heads=model.num_heads,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            num_local_experts=ExpertPlacement.even(
-                model.num_experts, self.world_size
-            ).slots_per_rank,
-            moe_intermediate_size=model.moe_intermediate_size,
-            top_k=model.top_k,
-            ep_size=self.world_size,
+        return TuneShapes.for_model(
+            self.model_config,
+            self.config.dtype,
+            self.world_size,
             decode_tokens=sched_config.max_num_seqs,
             prefill_tokens=sched_config.max_num_batched_tokens,
             block_size=sched_config.block_size,
-            attention_kind=model.attention_kind,
         )
 
     def _resolve_max_model_len(self, sched_config):
