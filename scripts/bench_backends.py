@@ -68,6 +68,7 @@ def main() -> None:
     workers: dict[str, Worker] = {}
     runs: dict[str, list[float]] = {}
     tokens: dict[str, list[list[int]]] = {}
+    loads: list[float] = []
     try:
         # One process per setting (each engine its own OpenMP pool), started one at a time.
         for name, settings in SETTINGS.items():
@@ -81,14 +82,15 @@ def main() -> None:
         for run in collected:
             runs.setdefault(run["contender"], []).append(run["tok_s"])
             tokens.setdefault(run["contender"], run["tokens"])
+            loads += [run["load_before"], run["load_after"]]
     finally:
         for worker in workers.values():
             worker.close()
     backends = {name: worker.settings["backends"] for name, worker in workers.items()}
-    report(args, decisions, runs, tokens, backends)
+    report(args, decisions, runs, tokens, backends, loads)
 
 
-def report(args, decisions, runs, tokens, backends) -> None:
+def report(args, decisions, runs, tokens, backends, loads) -> None:
     timing_lines = [
         "| op | regime | candidate (ms per call) | auto's choice |",
         "| --- | --- | --- | --- |",
@@ -115,10 +117,11 @@ def report(args, decisions, runs, tokens, backends) -> None:
     cpu = processor()
     print("\n" + "\n".join(timing_lines) + "\n\n" + "\n".join(e2e_lines) + "\n\n" + verdict)
     print(f"processor: {cpu['model']}, AVX-512 {cpu['avx512'] or 'none'}; "
-          f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+          f"load average {min(loads):.2f}-{max(loads):.2f}")  # fmt: skip
     record = {
         "command": " ".join(sys.argv),
         "processor": cpu,
+        "load_average_range": [min(loads), max(loads)],
         "threads": decisions.get("threads"),
         "decisions": decisions,
         "end_to_end_tok_s": runs,
