@@ -11,9 +11,10 @@ from ranges (default 128 requests, prompts 16–256, outputs 16–128 tokens), r
 greedy, EOS ignored, so every contender produces exactly the requested tokens.
 
 Contenders, all alive at once and run interleaved (one full workload each per round):
-  ours dpN default — `LLM(launcher="ray", dp_size=N)`, `generate(all prompts)`, the vote
-                     policy at its default prefill attempt intervals (70 / 100); round-robin
-                     routing over the ranks.
+  ours dpN default — `LLM(launcher="ray", dp_size=N)`, `generate(all prompts)`, with
+                     `sync_policy: vote` (the seed's policy) at its default prefill attempt
+                     intervals (70 / 100); round-robin routing over the ranks. (The engine's
+                     default policy is `deadline`; bench_sync.py compares the three.)
   ours dpN tuned   — the same with smaller prefill attempt intervals (offline batch setting).
   ours dp1 … 1 core — DP=1 with `threads_per_rank=1`: the cores of one DP=2 rank (every other
                      rank of ours gets cpu_count // DP torch threads, so DP=1 and DP=2 both

@@ -7,13 +7,15 @@
 For each tokens-per-rank size every rank maps its own hidden states [T, D] to the MoE output
 [T, D]; every contender starts from hidden states and includes its router (a Linear, softmax,
 top-k, renormalise), because DeepSpeed's layer cannot skip its gate. Contenders over the group:
-  EP normal / EP LL — `MoELayer.forward` in each dispatch mode (LL capacity C = T), as the
-                      runtime runs a float32 CPU model on one host: the compiled SwiGLU expert
-                      kernel, and the all-to-alls through the shared-memory exchange
-                      (`parallel.moe_exchange: auto`, dist_engine/shm_exchange.py);
+  EP normal / EP LL — `MoELayer.forward` in each dispatch mode (LL capacity C = T) with the
+                      compiled SwiGLU expert kernel (`expert_backend: native`; `auto` takes it
+                      only on hosts where it times fastest, see bench_backends.py), and the
+                      all-to-alls through the shared-memory exchange (`parallel.moe_exchange:
+                      auto` on one host, dist_engine/distributed/shm_exchange.py);
   normal gloo / LL gloo — the same with the all-to-alls on the gloo group instead
                       (`parallel.moe_exchange: process_group`, what multi-host groups use);
-  normal pt         — EP normal with the experts on the PyTorch path instead (torch.mm/bmm);
+  normal pt         — EP normal with the experts on the PyTorch path instead
+                      (`expert_backend: torch`);
   DeepSpeed         — `deepspeed.moe.layer.MoE` (`drop_tokens=False`, so capacity is the largest
                       expert count in the group: dropless), when `import deepspeed` works.
 They run interleaved (one call of each per repeat, a barrier before each), so machine noise
