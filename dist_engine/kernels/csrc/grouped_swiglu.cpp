@@ -47,24 +47,48 @@ using lockstep::v16;
 using lockstep::vexp;
 constexpr int64_t kPrefetchRows = 16;
 
-// C[MR, NV * 16] = A[MR, K] @ B[K, NV * 16], row-major with leading dimensions lda, ldb, ldc:
-// the MR x NV accumulator vectors stay in registers for the whole k loop.
+// The GEMM's vector: the target's own register width. AVX-512: 16 lanes, 32 registers, so a
+// 6 x 64 block (24 accumulators + 4 vectors of B). Otherwise 8 lanes (AVX2's 256-bit
+// registers, 16 of them): a 6 x 16 block (12 + 2). A 16-lane vector there is two registers
+// that GCC keeps in memory between operations: on an AVX2 host (2 threads, one layer of
+// bench_vs_vllm's model: 16 experts, D 256, I 128) the kernel took 5.2 ms per decode step
+// (256 rows) and 130 ms per 2048-token prefill against PyTorch's 4.0 / 23; with 8-lane
+// vectors, 1.6 / 25 against PyTorch's 3.3 / 32.
+#if defined(__AVX512F__)
+typedef float vgemm __attribute__((vector_size(64)));
+constexpr int kBlockVectors = 4;
+#else
+typedef float vgemm __attribute__((vector_size(32)));
+constexpr int kBlockVectors = 2;
+#endif
+constexpr int64_t kGemmLanes = sizeof(vgemm) / sizeof(float);
+
+inline vgemm load_g(const float* p) {
+  vgemm v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store_g(float* p, vgemm v) { std::memcpy(p, &v, sizeof(v)); }
+
+// C[MR, NV * L] = A[MR, K] @ B[K, NV * L] (L = kGemmLanes), row-major with leading dimensions
+// lda, ldb, ldc: the MR x NV accumulator vectors stay in registers for the whole k loop.
 template <int MR, int NV>
 inline void gemm_block(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                        int64_t ldc, int64_t K) {
-  v16 acc[MR][NV];
+  vgemm acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
+    for (int v = 0; v < NV; ++v) acc[r][v] = vgemm{};
   }
   const float* b = B;
   for (int64_t k = 0; k < K; ++k, b += ldb) {
     // B is walked down a column block: ask for the piece kPrefetchRows rows ahead (10-15%
     // faster than leaving it to the hardware prefetcher; a prefetch past the end of B is a
     // no-op, never a fault).
-    v16 bv[NV];
+    vgemm bv[NV];
     for (int v = 0; v < NV; ++v) {
-      __builtin_prefetch(b + kPrefetchRows * ldb + v * kLanes);
-      bv[v] = load16(b + v * kLanes);
+      __builtin_prefetch(b + kPrefetchRows * ldb + v * kGemmLanes);
+      bv[v] = load_g(b + v * kGemmLanes);
     }
     for (int r = 0; r < MR; ++r) {
       const float a = A[r * lda + k];
@@ -72,39 +96,22 @@ inline void gemm_block(const float* A, int64_t lda, const float* B, int64_t ldb,
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < NV; ++v) store16(C + r * ldc + v * kLanes, acc[r][v]);
+    for (int v = 0; v < NV; ++v) store_g(C + r * ldc + v * kGemmLanes, acc[r][v]);
   }
 }
-
-// The widest column block the target's registers hold with 6 rows. AVX-512: 32 registers of
-// 16 lanes, so 6 x 64 columns (24 accumulators + 4 vectors of B). Otherwise (AVX2: 16
-// registers of 8 lanes, a v16 takes two) 6 x 16 columns (12 + 2 registers) is the most that
-// stays in registers. On an AVX2 host (bench_vs_vllm's model) the 6 x 64 block spilled and the
-// kernel ran 3x (decode) to 14x (prefill) slower than PyTorch's expert path; with 6 x 16 it is
-// 1.6x / 5.6x slower: still behind, so `auto` measures and takes PyTorch's paths there.
-#if defined(__AVX512F__)
-constexpr int kBlockVectors = 4;
-#else
-constexpr int kBlockVectors = 1;
-#endif
 
 // C[MR, N] = A[MR, K] @ B[K, N]: columns in blocks of kBlockVectors vectors, then narrower
 // ones, then one at a time.
 template <int MR>
 void gemm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
                int64_t K, int64_t N) {
+  constexpr int64_t L = kGemmLanes;
   int64_t j = 0;
   if constexpr (kBlockVectors >= 4) {
-    for (; j + 4 * kLanes <= N; j += 4 * kLanes) {
-      gemm_block<MR, 4>(A, lda, B + j, ldb, C + j, ldc, K);
-    }
+    for (; j + 4 * L <= N; j += 4 * L) gemm_block<MR, 4>(A, lda, B + j, ldb, C + j, ldc, K);
   }
-  if constexpr (kBlockVectors >= 2) {
-    for (; j + 2 * kLanes <= N; j += 2 * kLanes) {
-      gemm_block<MR, 2>(A, lda, B + j, ldb, C + j, ldc, K);
-    }
-  }
-  for (; j + kLanes <= N; j += kLanes) gemm_block<MR, 1>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j + 2 * L <= N; j += 2 * L) gemm_block<MR, 2>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j + L <= N; j += L) gemm_block<MR, 1>(A, lda, B + j, ldb, C + j, ldc, K);
   for (; j < N; ++j) {
     for (int r = 0; r < MR; ++r) {
       float acc = 0.0f;
