@@ -12,12 +12,14 @@
 // buffer, the two GEMMs with the activation between, results into a per-pair buffer; then each
 // output row sums its pairs in k order (so the result does not depend on the thread count).
 //
-// Why not torch's GEMMs: one call per slot and projection costs a dispatch each, and on the CPUs
-// this project runs on (AMD EPYC with AVX-512) a plain register-blocked loop compiled for the
-// host (-march=native) is as fast or faster on these shapes. Measured with one thread, D = 256,
-// I = 512: 99 GFLOP/s at 256 rows per slot including the activation, where torch.mm reaches
-// 90-94 on the gate/up GEMM alone and a loop of nothing but FMAs 110; this 6 x 64 blocking is
-// 1.2-1.3x the previous 8 x 32 one at 2-32 rows per slot (decode), 1.05x at 128-256.
+// Why not torch's GEMMs: one call per slot and projection costs a dispatch each, and a plain
+// register-blocked loop compiled for the host (-march=native) is as fast or faster on these
+// shapes where it was measured. On an AMD EPYC with AVX-512, one thread, D = 256, I = 512:
+// 99 GFLOP/s at 256 rows per slot including the activation, where torch.mm reaches 90-94 on
+// the gate/up GEMM alone and a loop of nothing but FMAs 110; the 6 x 64 blocking there is
+// 1.2-1.3x an 8 x 32 one at 2-32 rows per slot (decode), 1.05x at 128-256. On an AVX2 EPYC
+// (8-lane blocks, below) it is about twice PyTorch's speed at decode sizes with two threads and
+// 7-21% behind it with one thread at I = 512: `expert_backend: auto` times it on each host.
 //
 // Work is split by slot: slots are dealt to threads largest first, each to the least loaded
 // thread, and a thread runs its slots' two GEMMs and the activation in between on its own
