@@ -222,6 +222,13 @@ def test_item4_the_cli_writes_results_as_they_finish_and_names_a_dead_rank(tmp_p
     assert len(finished) >= 10 and all(len(r["output_token_ids"]) == 24 for r in finished)
 
 
+def _sigint_at_default() -> None:
+    """In the job's process before it starts: SIGINT at its default, as Ctrl-C in a terminal
+    finds it. A suite started from a background shell has SIGINT ignored, and a child inherits
+    that (Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_item4_ctrl_c_keeps_the_results_finished_so_far(tmp_path, model_dir):
     config, jsonl = _job_files(tmp_path, model_dir, "local", 1)
     out = tmp_path / "out.jsonl"
@@ -229,15 +236,17 @@ def test_item4_ctrl_c_keeps_the_results_finished_so_far(tmp_path, model_dir):
         [LOCKSTEP, "run", "--config", str(config), "--prompts", str(jsonl), "--output", str(out),
          "--quiet"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_sigint_at_default,
     )  # fmt: skip
     try:
         _wait_for_lines(out, 5, job, limit_s=120)
+        lines_at_signal = len(out.read_text().splitlines())
         job.send_signal(signal.SIGINT)
         _, err = job.communicate(timeout=60)
     finally:
         if job.poll() is None:
             job.kill()
-    assert job.returncode == 130, err
+    assert job.returncode == 130, (lines_at_signal, err)
     assert "interrupted" in err
     records = _check_records(out)
     assert 5 <= len(records) < 200
