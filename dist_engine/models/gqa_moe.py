@@ -8,6 +8,8 @@ model here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dist_engine.attention.kv_cache import PagedKVSpec
@@ -16,7 +18,15 @@ from dist_engine.layers.attention import GQAttention
 from dist_engine.layers.mlp import DenseMLP
 from dist_engine.layers.moe import ExpertParallelContext, MoEBlock
 from dist_engine.layers.rotary import RotaryEmbedding
-from dist_engine.models.config import ModelConfig
+from dist_engine.models.config import (
+    ModelConfig,
+    check_default_rope_and_silu,
+    eos_token_ids_of,
+    head_dim_of,
+    num_experts_of,
+    refuse_sliding_window,
+    rope_theta_of,
+)
 from dist_engine.models.decoder import DecoderLayer, MoECausalLM
 
 
@@ -76,4 +86,39 @@ def build_gqa_moe(
         dtype,
         device,
         ops.norm,
+    )
+
+
+def qwen_moe_config(model_type: str, hf: dict[str, Any], **fields: Any) -> ModelConfig:
+    """The config keys Qwen2-MoE and Qwen3-MoE read alike (sliding window only when
+    `use_sliding_window`, dense layers by `mlp_only_layers` and `decoder_sparse_step`, rope
+    theta 1e4, eps 1e-6); `fields` are the architecture's own (attention norms and biases,
+    shared experts)."""
+    check_default_rope_and_silu(hf)
+    refuse_sliding_window(hf.get("sliding_window") if hf.get("use_sliding_window") else None)
+    mlp_only_layers = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only_layers, list):
+        raise ValueError(f"config key 'mlp_only_layers' must be a list, got {mlp_only_layers!r}")
+    num_heads = hf["num_attention_heads"]
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads", num_heads),
+        head_dim=head_dim_of(hf),
+        rope_theta=rope_theta_of(hf, default=1e4),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        num_experts=num_experts_of(hf),
+        top_k=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf.get("moe_intermediate_size", 0),
+        intermediate_size=hf.get("intermediate_size", 0),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(mlp_only_layers),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_token_ids_of(hf),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        **fields,
     )
