@@ -18,6 +18,7 @@ from typing import Any
 from dist_engine.layers.mla import MLADims
 from dist_engine.layers.rotary import YarnScaling
 from moe import SOFTMAX_TOPK, RoutingMethod
+from moe.routing import check_group_limits
 
 # Keys every supported architecture must state; the others have HF defaults.
 REQUIRED_KEYS = (
@@ -320,3 +321,14 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, list) and all(isinstance(v, int) for v in value):
         return tuple(value)
     raise ValueError(f"config key 'eos_token_id' must be an int or a list of ints, got {value!r}")
+
+
+def check_routing_groups(num_experts: int, top_k: int, routing: RoutingMethod) -> None:
+    """Grouped routing's `n_group` / `topk_group` against the experts, as an error naming the
+    config keys (DeepSeek-V3/V2, GLM-4.5)."""
+    try:
+        check_group_limits(num_experts, top_k, routing.num_groups, routing.topk_groups)
+    except ValueError as error:
+        raise ValueError(
+            f"config keys 'n_group' and 'topk_group' do not fit the experts: {error}"
+        ) from None

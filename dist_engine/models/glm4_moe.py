@@ -11,6 +11,7 @@ from typing import Any
 from dist_engine.models.base import Architecture
 from dist_engine.models.config import (
     ModelConfig,
+    check_routing_groups,
     eos_token_ids_of,
     head_dim_of,
     num_experts_of,
@@ -19,7 +20,6 @@ from dist_engine.models.config import (
 )
 from dist_engine.models.gqa_moe import build_gqa_moe
 from moe import RoutingMethod
-from moe.routing import check_group_limits
 
 # transformers' Glm4MoeConfig defaults, for keys a config.json may leave out.
 DEFAULTS = {
@@ -60,12 +60,7 @@ class Glm4Moe(Architecture):
             routed_scaling_factor=float(get("routed_scaling_factor")),
             correction_bias=True,
         )
-        try:
-            check_group_limits(num_experts, top_k, routing.num_groups, routing.topk_groups)
-        except ValueError as error:
-            raise ValueError(
-                f"config keys 'n_group' and 'topk_group' do not fit the experts: {error}"
-            ) from None
+        check_routing_groups(num_experts, top_k, routing)
         num_layers, first_dense = hf["num_hidden_layers"], get("first_k_dense_replace")
         moe_size = get("moe_intermediate_size")
         num_heads = hf["num_attention_heads"]

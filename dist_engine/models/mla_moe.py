@@ -24,11 +24,16 @@ from dist_engine.layers.mla import MLADims, MLAttention
 from dist_engine.layers.mlp import DenseMLP
 from dist_engine.layers.moe import ExpertParallelContext, MoEBlock
 from dist_engine.layers.rotary import RotaryEmbedding
-from dist_engine.models.config import ModelConfig, eos_token_ids_of, num_experts_of, rope_of
+from dist_engine.models.config import (
+    ModelConfig,
+    check_routing_groups,
+    eos_token_ids_of,
+    num_experts_of,
+    rope_of,
+)
 from dist_engine.models.decoder import DecoderLayer, MoECausalLM
 from dist_engine.models.weights import CheckpointLayout, layer_prefix
 from moe import RoutingMethod
-from moe.routing import check_group_limits
 
 # transformers builds q_a_layernorm and kv_a_layernorm with RMSNorm's default epsilon, whatever
 # rms_norm_eps says (so did DeepSeek's own code).
@@ -76,12 +81,7 @@ def parse_mla_moe(
             f"config key 'n_shared_experts' must be an integer >= 0, got {num_shared!r}"
         )
     num_experts, top_k = hf.get("n_routed_experts") or num_experts_of(hf), hf["num_experts_per_tok"]
-    try:
-        check_group_limits(num_experts, top_k, routing.num_groups, routing.topk_groups)
-    except ValueError as error:
-        raise ValueError(
-            f"config keys 'n_group' and 'topk_group' do not fit the experts: {error}"
-        ) from None
+    check_routing_groups(num_experts, top_k, routing)
     return ModelConfig(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
