@@ -305,16 +305,8 @@ class LLM:
     @staticmethod
     def _failed_output(request: tuple, reason: str, rank: int | None = None) -> RequestOutput:
         request_id, tokens, _, pin = request
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=list(tokens),
-            output_token_ids=[],
-            new_token_ids=[],
-            finished=True,
-            finish_reason=f"error: {reason}",
-            dp_rank=rank if rank is not None else (pin or 0),
-            arrival_time=0.0,
-        )
+        dp_rank = rank if rank is not None else (pin or 0)
+        return RequestOutput.failed(request_id, list(tokens), reason, dp_rank, arrival_time=0.0)
 
     def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

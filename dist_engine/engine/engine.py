@@ -433,15 +433,8 @@ class DPEngine:
     def _reject(self, seq: Sequence, reason: str) -> None:
         """Answer a request the scheduler never took (its id may belong to a live request)."""
         self._deliver(
-            RequestOutput(
-                request_id=seq.request_id,
-                prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=[],
-                new_token_ids=[],
-                finished=True,
-                finish_reason=f"error: {reason}",
-                dp_rank=self.rank,
-                arrival_time=seq.arrival_time,
+            RequestOutput.failed(
+                seq.request_id, seq.prompt_token_ids, reason, self.rank, seq.arrival_time
             )
         )
 

@@ -31,6 +31,28 @@ class RequestOutput:
         return self.first_token_time - self.arrival_time
 
     @classmethod
+    def failed(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        reason: str,
+        dp_rank: int,
+        arrival_time: float,
+    ) -> RequestOutput:
+        """The terminal output of a request that ended with an error before any token:
+        finish reason ``"error: <reason>"``."""
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=[],
+            new_token_ids=[],
+            finished=True,
+            finish_reason=f"error: {reason}",
+            dp_rank=dp_rank,
+            arrival_time=arrival_time,
+        )
+
+    @classmethod
     def of(cls, seq: Sequence, dp_rank: int, num_sent: int) -> RequestOutput:
         """The state of ``seq``; ``num_sent`` output tokens were already streamed."""
         outputs = seq.output_token_ids

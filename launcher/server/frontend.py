@@ -254,15 +254,8 @@ class EngineFrontend:
         for request_id, entry in list(self._open.items()):
             self._close(request_id)
             entry.queue.put_nowait(
-                RequestOutput(
-                    request_id=request_id,
-                    prompt_token_ids=entry.prompt_token_ids,
-                    output_token_ids=[],
-                    new_token_ids=[],
-                    finished=True,
-                    finish_reason=f"error: {reason}",
-                    dp_rank=entry.rank,
-                    arrival_time=time.monotonic(),
+                RequestOutput.failed(
+                    request_id, entry.prompt_token_ids, reason, entry.rank, time.monotonic()
                 )
             )
 
