@@ -15,23 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_harness import run_cli
 from model_fixtures import TINY_SIZES
 
 from dist_engine.kernels import build
 from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
-from launcher.cli import main
 
 LOCAL = dict(launcher="local", dp_size=1, max_model_len=128, num_blocks=128, block_size=4)
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_harness import run_cli
 
 from dist_engine.engine.config import EngineConfig
 from launcher import LLM, SamplingParams
@@ -39,16 +40,6 @@ def config_path(model_dir, tmp_path_factory) -> str:
         "scheduler: {max_num_seqs: 8, max_model_len: 128, num_blocks: 128, block_size: 4}\n"
     )
     return str(path)
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """Run `lockstep ARGV` in-process: (exit code, stdout, stderr); argparse exits count too."""
-    try:
-        code = main(list(argv))
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def write_jsonl(path: Path, lines: list[object]) -> str:
