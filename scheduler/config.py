@@ -48,6 +48,13 @@ class SchedulerConfig:
     # deadline policy: the most decode steps a ready head of waiting (schedulable, under the
     # watermark, admissible now) sits out before the group prefills.
     prefill_deadline_steps: int = 2
+    # Mixed steps: a prompt step also carries one decode token for every running sequence, so
+    # prompts never pause decoding; while any rank of the group decodes, a rank's prompt chunks
+    # in one step total at most mixed_prompt_tokens (the head always gets its minimum chunk),
+    # which bounds how much a prompt step stretches the decoders' token gap. None: on under
+    # deadline and every_step, off under vote (the reference's protocol, kept exact).
+    mixed_steps: bool | None = None
+    mixed_prompt_tokens: int = 256
     vocab_size: int | None = None  # when set, prompts with out-of-range ids are failed
 
     def __post_init__(self) -> None:
@@ -58,6 +65,7 @@ class SchedulerConfig:
             "prefill_attempt_interval",
             "prefill_any_attempt_interval",
             "prefill_deadline_steps",
+            "mixed_prompt_tokens",
             "cp_size",
         ):
             _require_int(name, getattr(self, name), minimum=1)
@@ -77,6 +85,13 @@ class SchedulerConfig:
         ):
             raise ValueError(f"prefill_watermark must be in (0, 1], got {self.prefill_watermark!r}")
         _require_choice("sync_policy", self.sync_policy, SYNC_POLICIES)
+        if self.mixed_steps is not None and not isinstance(self.mixed_steps, bool):
+            raise ValueError(f"mixed_steps must be true, false or null, got {self.mixed_steps!r}")
+        if self.mixed_steps and self.sync_policy == "vote":
+            raise ValueError(
+                "mixed_steps needs sync_policy deadline or every_step: vote is the reference's "
+                "protocol, whose prompt steps carry prompts only"
+            )
         _require_choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
         if (
             self.max_model_len is not None
@@ -97,6 +112,11 @@ class SchedulerConfig:
                 f"prefill_max_sum_seqlen_k ({self.prefill_max_sum_seqlen_k}) must be >= "
                 f"max_model_len ({self.max_model_len}) or None"
             )
+        if self.mixed_prompt_tokens % self.cp_align:
+            raise ValueError(
+                f"with cp_size={self.cp_size}, mixed_prompt_tokens ({self.mixed_prompt_tokens}) "
+                f"must be a multiple of {self.cp_align}"
+            )
         if self.max_num_batched_tokens % self.cp_align:
             # Chunks are charged in whole units: an unaligned budget could leave a prompt that
             # fits the budget unable to fit it once aligned.
@@ -109,6 +129,13 @@ class SchedulerConfig:
     def cp_align(self) -> int:
         """Chunk lengths are multiples of this: context parallelism splits each chunk zigzag."""
         return 2 * self.cp_size if self.cp_size > 1 else 1
+
+    @property
+    def mixed(self) -> bool:
+        """Whether prompt steps also decode (``mixed_steps`` resolved against the policy)."""
+        if self.mixed_steps is None:
+            return self.sync_policy != "vote"
+        return self.mixed_steps
 
     @property
     def min_chunk_tokens(self) -> int:

@@ -19,7 +19,7 @@ from scheduler.vote import AttemptPoint, GroupView
 class StepKind(enum.Enum):
     """What the whole group does in a step; the same on every rank."""
 
-    PREFILL = "prefill"  # prompt tokens; MoE layers dispatch in normal mode
+    PREFILL = "prefill"  # prompt tokens (and, in a mixed step, decode tokens); normal dispatch
     DECODE = "decode"  # one token per running sequence; low-latency dispatch
     EMPTY = "empty"  # known-empty: the last vote proved no rank has a token, so no forward
 
@@ -46,6 +46,9 @@ class SchedulerOutputs:
     any_scheduled: bool | None = None  # vote 2, when taken
     # Every rank knows no rank has a token this step: nobody runs a forward.
     known_empty: bool = False
+    # Mixed steps: the last this-many scheduled sequences of a prompt step are running
+    # sequences taking their one decode token (seqlen_q 1); the ones before are prompt chunks.
+    num_decode_seqs: int = 0
 
     @property
     def kind(self) -> StepKind:

@@ -74,7 +74,15 @@ def assemble_prefill(
     kv: KvManager,
     config: SchedulerConfig,
     terminate: Callable[[Sequence, SequenceStatus], None],
+    token_budget: int | None = None,
 ) -> PrefillBatch:
+    """Take sequences from the head of ``waiting`` while every check passes.
+
+    ``token_budget`` (default ``max_num_batched_tokens``) caps the prompt tokens of the batch;
+    the head's chunk alone may use the full ``max_num_batched_tokens`` when the cap would
+    leave it none, so a head that is ready (``Scheduler._ready_head``) is always taken.
+    """
+    budget = config.max_num_batched_tokens if token_budget is None else token_budget
     seqs: list[Sequence] = []
     seqlens_q: list[int] = []
     num_batched = 0
@@ -108,7 +116,9 @@ def assemble_prefill(
             if plan.status is AllocStatus.LATER:
                 break
             start = len(plan.cached_blocks) * kv.block_size
-        seqlen_q = chunk_length(seq, start, config.max_num_batched_tokens - num_batched, config)
+        seqlen_q = chunk_length(seq, start, budget - num_batched, config)
+        if seqlen_q == 0 and not seqs:
+            seqlen_q = chunk_length(seq, start, config.max_num_batched_tokens, config)
         if seqlen_q == 0:
             break
         # Every check passed: from here on, side effects.

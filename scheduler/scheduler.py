@@ -6,9 +6,12 @@ One step is ``schedule()`` then, once the model has run, ``process_outputs()``. 
     on whether any rank got one; otherwise (and between attempt points) decode.
 
 Which steps are attempt points and what the group decides there depends on ``sync_policy``
-(``vote``, ``every_step``, ``deadline``; see ``scheduler/vote.py``). ``decode_step``,
-``next_vote`` and the previous vote are identical on every rank, so every rank reaches the
-same attempt points and takes the same collectives. Not thread-safe: one engine thread owns it.
+(``vote``, ``every_step``, ``deadline``; see ``scheduler/vote.py``). With mixed steps (the
+default outside ``vote``) a prompt step also carries a decode token for every running sequence,
+so the step kind still decides the MoE dispatch mode but prompts no longer pause decoding.
+``decode_step``, ``next_vote`` and the previous vote are identical on every rank, so every rank
+reaches the same attempt points and takes the same collectives. Not thread-safe: one engine
+thread owns it.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Scheduler:
         self._ready_seq: Sequence | None = None
         self._ready_wait = 0
         self._deadline = config.sync_policy == "deadline"
+        self._mixed = config.mixed
         # Set by the engine before schedule(); carried in the vote vector.
         self.wake_epoch = 0
         self.shutdown_requested = False
@@ -169,7 +173,7 @@ class Scheduler:
         if point is not AttemptPoint.NONE:
             view = self._vote_group()
             if self._group_prefills(point, view):
-                outputs = self._try_prefill()
+                outputs = self._try_prefill(view)
                 any_scheduled = outputs is not None
         if outputs is None:
             outputs = self._decode(known_empty=view is not None and view.none_running)
@@ -321,25 +325,46 @@ class Scheduler:
             default=0,
         )
 
-    def _try_prefill(self) -> SchedulerOutputs | None:
+    def _try_prefill(self, view: GroupView) -> SchedulerOutputs | None:
+        """The group prefills: assemble this rank's prompt batch. None when vote 2 finds that
+        no rank assembled one (then the step decodes).
+
+        Mixed steps, while some rank of the group decodes: the running sequences are scheduled
+        first (they keep their claim on free blocks, and a preemption frees blocks before any
+        new prompt is admitted), then prompt chunks of at most ``mixed_prompt_tokens``.
+        """
+        config = self.config
+        decode = None
+        budget = config.max_num_batched_tokens
+        if self._mixed and not view.none_running:
+            decode = self._decode(known_empty=False)
+            if config.chunked_prefill:
+                budget = min(budget, config.mixed_prompt_tokens)
         batch = assemble_prefill(
-            self.waiting, len(self.running), self.kv, self.config, self._terminate
+            self.waiting, len(self.running), self.kv, config, self._terminate, budget
         )
         # Vote 2: if no rank assembled anything, a prompt step would be empty everywhere and
         # the next step would vote again: the empty-prefill livelock. Decode instead.
         any_scheduled = self.vote.allreduce_min([0 if batch.seqs else 1])[0] == 0
         if not any_scheduled:
             assert not batch.seqs
-            return None
-        return self._prompt_outputs(batch)
+            return decode
+        return self._prompt_outputs(batch, decode)
 
     @staticmethod
-    def _prompt_outputs(batch: PrefillBatch) -> SchedulerOutputs:
+    def _prompt_outputs(batch: PrefillBatch, decode: SchedulerOutputs | None) -> SchedulerOutputs:
+        seqs, seqlens_q, num_tokens = batch.seqs, batch.seqlens_q, batch.num_batched_tokens
+        num_decode = decode.num_seqs if decode is not None else 0
+        if num_decode:
+            seqs = seqs + decode.scheduled_seqs
+            seqlens_q = seqlens_q + decode.seqlens_q
+            num_tokens += decode.num_batched_tokens
         return SchedulerOutputs(
             prompt_run=True,
-            scheduled_seqs=batch.seqs,
-            seqlens_q=batch.seqlens_q,
-            num_batched_tokens=batch.num_batched_tokens,
+            scheduled_seqs=seqs,
+            seqlens_q=seqlens_q,
+            num_batched_tokens=num_tokens,
+            num_decode_seqs=num_decode,
         )
 
     def _decode(self, *, known_empty: bool) -> SchedulerOutputs:
@@ -371,18 +396,22 @@ class Scheduler:
                 f"step {outputs.step_index} scheduled {len(seqs)} sequences but got "
                 f"{len(sampled_token_ids)} sampled tokens"
             )
-        if outputs.prompt_run:
-            return self._account_prefill(outputs, sampled_token_ids)
-        return self._account_decode(seqs, sampled_token_ids)
+        if not outputs.prompt_run:
+            return self._account_decode(seqs, sampled_token_ids)
+        num_prompt = len(seqs) - outputs.num_decode_seqs
+        finished = []
+        if outputs.num_decode_seqs:  # a mixed step: its decode tokens first, as assembled
+            finished = self._account_decode(seqs[num_prompt:], sampled_token_ids[num_prompt:])
+        return finished + self._account_prefill(
+            seqs[:num_prompt], outputs.seqlens_q[:num_prompt], sampled_token_ids[:num_prompt]
+        )
 
     def _account_prefill(
-        self, outputs: SchedulerOutputs, sampled_token_ids: list[int]
+        self, seqs: list[Sequence], seqlens_q: list[int], sampled_token_ids: list[int]
     ) -> list[Sequence]:
         finished: list[Sequence] = []
         now = time.monotonic()
-        for seq, seqlen_q, token in zip(
-            outputs.scheduled_seqs, outputs.seqlens_q, sampled_token_ids, strict=True
-        ):
+        for seq, seqlen_q, token in zip(seqs, seqlens_q, sampled_token_ids, strict=True):
             seq.in_flight = False
             if seq.is_finished:  # ended while in flight; its release was deferred to now
                 self.kv.release(seq)

@@ -35,6 +35,11 @@ def make_seq(request_id: str, prompt_len: int, max_tokens: int = 8, **kwargs) ->
     return Sequence(request_id, prompt, params, **kwargs)
 
 
+def prompt_part(outputs: SchedulerOutputs) -> list[Sequence]:
+    """The prompt chunks of a prompt step (a mixed step lists its decode tokens after them)."""
+    return outputs.scheduled_seqs[: outputs.num_seqs - outputs.num_decode_seqs]
+
+
 def run_step(sched: Scheduler) -> tuple[SchedulerOutputs, list[Sequence]]:
     outputs = sched.schedule()
     sampled = [fake_token(seq) for seq in outputs.scheduled_seqs]

@@ -56,7 +56,9 @@ def case(request, tmp_path_factory):
     return model_dir, load_model(model_dir), prompts, expected
 
 
-def generate(model, prompts, **overrides) -> tuple[list[list[int]], Scheduler]:
+def generate(model, prompts, riders=None, **overrides) -> tuple[list[list[int]], Scheduler]:
+    """Greedy tokens of every prompt; ``riders``, when a list, gets each prompt step's count of
+    decode tokens that rode in it (mixed steps)."""
     settings = dict(
         max_num_seqs=16,
         max_num_batched_tokens=512,
@@ -77,6 +79,8 @@ def generate(model, prompts, **overrides) -> tuple[list[list[int]], Scheduler]:
         if sched.num_unfinished == 0:
             break
         outputs = sched.schedule()
+        if riders is not None and outputs.prompt_run:
+            riders.append(outputs.num_decode_seqs)
         sched.process_outputs(outputs, runner.execute(outputs)[0])
         sched.check_integrity()
     assert all(seq.finish_reason == "length" for seq in seqs), [s.finish_reason for s in seqs]
@@ -115,6 +119,25 @@ def test_chunked_prompts_give_the_same_tokens(case):
     assert tokens == expected["random"]
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "separate"])
+def test_mixed_and_separate_prompt_steps_give_the_same_tokens(case, mixed):
+    """Few sequence slots and small budgets: prompts are admitted (in chunks) while others
+    decode. Mixed steps run the decode tokens through the prompt path, beside chunks."""
+    _, model, prompts, expected = case
+    counts: list[int] = []
+    tokens, _ = generate(
+        model,
+        prompts["random"],
+        counts,
+        max_num_seqs=5,
+        max_num_batched_tokens=24,
+        mixed_prompt_tokens=8,
+        mixed_steps=mixed,
+    )
+    assert tokens == expected["random"]
+    assert (max(counts) > 0) is mixed, counts
+
+
 def test_recompute_preemption_gives_the_same_tokens(case):
     _, model, prompts, expected = case
     # 40 usable blocks of 4 tokens for 12 sequences of up to 64 tokens.
@@ -145,3 +168,30 @@ def test_placeholder_and_known_empty_steps(case):
     for prompt_run in (True, False):
         placeholder = SchedulerOutputs(prompt_run, [], [], 0)
         assert placeholder.is_placeholder and runner.execute(placeholder) == ([], [])
+
+
+def test_mla_mixed_steps_give_transformers_tokens(tmp_path):
+    """DeepSeek-V3 (MLA over the latent cache): decode tokens riding in prompt steps take the
+    expanded prompt path beside chunks over a cached prefix; greedy tokens stay transformers'."""
+    model_dir = make_tiny_checkpoint(
+        "deepseek_v3", tmp_path, seed=3, **TINY_SIZES, num_layers=2, n_shared_experts=1
+    )
+    prompts = random_prompts(6, TINY_SIZES["vocab_size"], 2, 30, seed=9)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = hf_model(model_dir)
+        expected = [hf_greedy(reference, prompt, NUM_NEW_TOKENS) for prompt in prompts]
+        counts: list[int] = []
+        tokens, _ = generate(
+            load_model(model_dir),
+            prompts,
+            counts,
+            max_num_seqs=3,
+            max_num_batched_tokens=16,
+            mixed_prompt_tokens=8,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert max(counts) > 0, counts
+    assert tokens == expected

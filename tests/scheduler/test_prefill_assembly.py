@@ -1,7 +1,7 @@
 from collections import deque
 
 import pytest
-from sched_helpers import make_scheduler, make_seq, run_step
+from sched_helpers import make_scheduler, make_seq, prompt_part, run_step
 
 from scheduler import SchedulerConfig, SequenceStatus
 from scheduler.prefill import chunk_length
@@ -32,7 +32,8 @@ def test_sequence_count_limit_includes_running():
     for rid in "cd":
         sched.add_sequence(make_seq(rid, 3))
     outputs, _ = run_step(sched)  # decode_step 0: an ALL point
-    assert outputs.prompt_run and [s.request_id for s in outputs.scheduled_seqs] == ["c"]
+    assert outputs.prompt_run and [s.request_id for s in prompt_part(outputs)] == ["c"]
+    assert [s.request_id for s in outputs.scheduled_seqs[1:]] == ["b", "a"]  # mixed: decoded
 
 
 def test_sum_k_limit_stops_the_batch():
@@ -75,7 +76,7 @@ def test_without_chunking_a_prompt_waits_for_a_step_with_room():
     outputs, _ = run_step(sched)
     assert outputs.seqlens_q == [300]  # b does not fit the rest of the budget
     outputs, _ = run_step(sched)
-    assert outputs.prompt_run and outputs.seqlens_q == [300]
+    assert outputs.prompt_run and outputs.seqlens_q == [300, 1]  # b, and a's decode token
 
 
 def test_prompt_limits_ignore_with_reason():
@@ -189,3 +190,40 @@ def test_watermark_does_not_stall_a_chunked_prompt_holding_its_blocks():
     lengths = [run_step(sched)[0].seqlens_q for _ in range(3)]
     assert lengths == [[16], [16], [1]]
     assert sched.num_unfinished == 0
+
+
+def test_mixed_step_caps_prompt_tokens_only_while_someone_decodes():
+    sched = make_scheduler(max_num_batched_tokens=256, mixed_prompt_tokens=32)
+    sched.add_sequence(make_seq("long", 100, max_tokens=50))
+    outputs, _ = run_step(sched)  # nobody decodes: the full budget
+    assert outputs.seqlens_q == [100] and outputs.num_decode_seqs == 0
+    sched.add_sequence(make_seq("next", 100))
+    lengths = []
+    for _ in range(4):
+        outputs, _ = run_step(sched)
+        assert outputs.prompt_run and outputs.num_decode_seqs == 1  # "long" decodes every step
+        lengths.append([seq.request_id for seq in prompt_part(outputs)] + outputs.seqlens_q)
+    assert lengths == [["next", 32, 1]] * 3 + [["next", 4, 1]]
+    assert sched.get_sequence("long").num_output_tokens == 5  # no step left it out
+
+
+def test_mixed_cap_never_leaves_a_ready_head_without_a_chunk():
+    # The cap is under the minimum chunk: the head still gets the chunk the full budget allows.
+    sched = make_scheduler(mixed_prompt_tokens=4, lookahead_tokens=8)
+    sched.add_sequence(make_seq("a", 10, max_tokens=20))
+    run_step(sched)
+    sched.add_sequence(make_seq("b", 40))
+    sched.add_sequence(make_seq("c", 10))
+    outputs, _ = run_step(sched)
+    assert [seq.request_id for seq in prompt_part(outputs)] == ["b"]
+    assert outputs.seqlens_q == [40, 1]
+
+
+def test_mixed_steps_resolve_against_the_policy():
+    assert SchedulerConfig().mixed and SchedulerConfig(sync_policy="every_step").mixed
+    assert not SchedulerConfig(sync_policy="vote").mixed
+    assert not SchedulerConfig(mixed_steps=False).mixed
+    with pytest.raises(ValueError, match="mixed_steps needs sync_policy"):
+        SchedulerConfig(sync_policy="vote", mixed_steps=True)
+    with pytest.raises(ValueError, match="mixed_prompt_tokens"):
+        SchedulerConfig(mixed_prompt_tokens=0)

@@ -10,14 +10,14 @@ def _seq(request_id, tokens, max_tokens=2):
 def test_shared_prefix_is_reused_by_reference():
     sched = make_scheduler(enable_prefix_caching=True, block_size=4)
     shared = list(range(1, 13))  # three full blocks
-    sched.add_sequence(_seq("a", [*shared, 50, 51]))
+    sched.add_sequence(_seq("a", [*shared, 50, 51], max_tokens=4))
     outputs, _ = run_step(sched)
     a = outputs.scheduled_seqs[0]
     sched.add_sequence(_seq("b", [*shared, 60]))
     outputs, _ = run_step(sched)
     # b reuses a's three full blocks and computes only its last token.
     b = outputs.scheduled_seqs[0]
-    assert b.request_id == "b" and outputs.seqlens_q == [1]
+    assert b.request_id == "b" and outputs.seqlens_q == [1, 1]  # b's last token, a's decode
     assert b.num_cached_prefix_tokens == 12 and b.block_table[:3] == a.block_table[:3]
     assert all(sched.kv.blocks.ref_counts[blk] == 2 for blk in a.block_table[:3])
     sched.check_integrity()
