@@ -6,7 +6,9 @@ Real: N ``scheduler.Scheduler`` objects, one per DP rank, each with its own queu
 pool, coupled by a MIN vote exactly as the engine couples them. Their ``schedule()`` takes the
 votes, picks the step kind and assembles the batch; ``process_outputs()`` does the accounting
 (prompt chunks, stop rules, releases). The sync policy under test is the scheduler's own
-(``vote`` with ALL/ANY intervals, ``every_step``, or ``deadline``).
+(``vote`` with ALL/ANY intervals, ``every_step``, or ``deadline``), with prompt steps that
+carry prompts only (``every_step`` and ``deadline``) or, suffixed ``+mixed``, mixed steps
+(a prompt step also decodes every running sequence; ``mixed_prompt_tokens`` caps its chunks).
 
 Modelled: the model and the network. No forward runs; every scheduled sequence gets a
 deterministic token that is never a stop token, so every request ends by ``max_tokens``. Time is
@@ -14,14 +16,18 @@ simulated, per group step (every rank takes the same step, so the slowest rank s
 
     prefill step     a + b * (most prompt tokens any rank batched)           [ms]
     decode step      c + d * (most sequences any rank decodes)               [ms]
+    mixed step       c + max over ranks of (d * decode tokens + b * max(0, prompt tokens - k))
     known-empty      v                  (no forward: the step only votes)    [ms]
     plus, on every step, each vote collective taken:  v * log2(N)            [ms]
 
-Defaults (a=5, b=0.02, c=8, d=0.02, v=0.05) are plausible for one GPU per rank and a small-vector
-allreduce over a tree/ring; every parameter is a CLI flag. A request arrives at a simulated time;
-it joins its rank's queue at the first step that starts at or after that time. Where the vote
-shows that no rank has any work, the group sleeps and the clock jumps to the next arrival (the
-engine's idle/wake; waking is modelled as free).
+A mixed step is a decode step plus its prompt tokens at the prompt rate, less ``k`` tokens that
+ride free: the slack of a memory-bound decode step, whose weights are read once however many
+tokens use them. ``k`` = 0 (the default) is the pessimistic reading, where no token rides free.
+Defaults (a=5, b=0.02, c=8, d=0.02, v=0.05, k=0) are plausible for one GPU per rank and a
+small-vector allreduce over a tree/ring; every parameter is a CLI flag. A request arrives at a
+simulated time; it joins its rank's queue at the first step that starts at or after that time.
+Where the vote shows that no rank has any work, the group sleeps and the clock jumps to the next
+arrival (the engine's idle/wake; waking is modelled as free).
 
 The lock-step driver (and why)
 ------------------------------
@@ -50,8 +56,9 @@ Limits, honestly
 - Step costs are a linear stand-in; real MoE steps depend on expert load, all-to-all volume and
   attention context lengths, none of which is modelled. Placeholder forwards cost the same as the
   slowest rank's work, which is the point of lock-step, but their own cost is not modelled.
-- Prefill and decode never overlap; there is no CPU/GPU overlap, no speculative decoding and no
-  request routing (a request's rank is fixed by the workload, which is how skew is expressed).
+- Prefill and decode share a step only in mixed steps; there is no CPU/GPU overlap, no
+  speculative decoding and no request routing (a request's rank is fixed by the workload, which
+  is how skew is expressed).
 - One step's host-side scheduling time is assumed hidden; at N=256 it is not on this machine,
   which is why wall time is reported separately from simulated time.
 - The arrival process is open-loop and finite; throughput is output tokens over the span from
@@ -89,7 +96,8 @@ from scheduler import (
 )
 
 WORKLOADS = ("uniform", "skewed", "bursty")
-POLICIES = ("vote", "every_step", "deadline")
+# A policy with "+mixed" runs mixed steps; the others' prompt steps carry prompts only.
+POLICIES = ("vote", "every_step", "deadline", "every_step+mixed", "deadline+mixed")
 DEFAULT_RANKS = (8, 16, 32, 64, 128, 256)
 QUICK_RANKS = (8, 16, 32)
 
@@ -106,10 +114,18 @@ class CostModel:
     c: float = 8.0  # decode step fixed cost, ms
     d: float = 0.02  # decode cost per sequence of the largest rank batch, ms
     v: float = 0.05  # vote: one step's host cost, and per log2(N) hop of a collective, ms
+    k: float = 0.0  # prompt tokens a mixed step carries at no cost (decode's memory-bound slack)
 
     def step_ms(self, kind: str, outputs: list[SchedulerOutputs], collectives: int) -> float:
         hops = math.log2(len(outputs)) if len(outputs) > 1 else 0.0
         votes = collectives * self.v * hops
+        if kind == "prefill" and any(o.num_decode_seqs for o in outputs):
+            work = max(
+                self.d * o.num_decode_seqs
+                + self.b * max(0.0, o.num_batched_tokens - o.num_decode_seqs - self.k)
+                for o in outputs
+            )
+            return self.c + work + votes
         if kind == "prefill":
             return self.a + self.b * max(o.num_batched_tokens for o in outputs) + votes
         if kind == "decode":
@@ -390,6 +406,14 @@ def sample_token(seq: Sequence) -> int:
     return 1 + (len(seq.token_ids) * 7919) % 30_000
 
 
+def policy_config(config: SchedulerConfig, policy: str) -> SchedulerConfig:
+    """``policy`` is a sync policy, optionally suffixed ``+mixed`` for mixed steps."""
+    name, _, variant = policy.partition("+")
+    if variant not in ("", "mixed"):
+        raise ValueError(f"unknown policy variant {policy!r}; known: {POLICIES}")
+    return replace(config, sync_policy=name, mixed_steps=variant == "mixed")
+
+
 def simulate(
     num_ranks: int,
     workload: str,
@@ -399,7 +423,7 @@ def simulate(
     cost: CostModel,
     max_steps: int = 1_000_000,
 ) -> RunResult:
-    config = replace(config, sync_policy=policy)
+    config = policy_config(config, policy)
     result = RunResult(num_ranks, workload, policy)
     stats, tracks = _Stats(), {}
     now, next_arrival = 0.0, 0
@@ -620,14 +644,15 @@ GOAL_TTFT_VS_EVERY_STEP = 1.25  # TTFT p99 at most this times every_step's
 GOAL_ITL_VS_VOTE = 1.1  # ITL p99 at most this times vote's
 
 
-def goal_check(results: list[RunResult]) -> list[dict[str, object]]:
-    """deadline against vote and every_step, per (workload, N) where all three ran."""
+def goal_check(results: list[RunResult], policy: str = "deadline+mixed") -> list[dict[str, object]]:
+    """``policy`` against vote and every_step (prompt-only steps, as the goals were set), per
+    (workload, N) where all three ran."""
     cells = {(r.workload, r.num_ranks, r.policy): r.metrics for r in results}
     checks = []
     for workload, num_ranks in dict.fromkeys((r.workload, r.num_ranks) for r in results):
         try:
             new, vote, every = (
-                cells[(workload, num_ranks, p)] for p in ("deadline", "vote", "every_step")
+                cells[(workload, num_ranks, p)] for p in (policy, "vote", "every_step")
             )
         except KeyError:
             continue
@@ -637,6 +662,7 @@ def goal_check(results: list[RunResult]) -> list[dict[str, object]]:
         itl = new["itl_ms_p99"] / vote["itl_ms_p99"]
         checks.append(
             {
+                "policy": policy,
                 "workload": workload,
                 "num_ranks": num_ranks,
                 "ttft_p99_vs_every_step": ttft,
@@ -694,7 +720,9 @@ def write_plot(results: list[RunResult], path: Path) -> bool:
     )
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     # Colour = policy (the comparison), line and marker = workload.
-    colors = dict(zip(POLICIES, ("tab:blue", "tab:red", "tab:green"), strict=True))
+    colors = dict(
+        zip(POLICIES, ("tab:blue", "tab:red", "tab:green", "tab:orange", "tab:purple"), strict=True)
+    )
     styles = dict(zip(WORKLOADS, (("-", "o"), ("--", "s"), (":", "^")), strict=True))
     for ax, (key, title, log_y) in zip(axes.flat, panels, strict=True):
         for workload in WORKLOADS:
@@ -714,7 +742,7 @@ def write_plot(results: list[RunResult], path: Path) -> bool:
         ax.grid(True, alpha=0.3)
     axes.flat[0].legend(fontsize=7)
     fig.suptitle(
-        "Lockstep step policies vote, every_step and deadline, simulated "
+        "Lockstep step policies vote, every_step and deadline (+mixed: mixed steps), simulated "
         "(real schedulers, modelled time)"
     )
     fig.tight_layout()
@@ -756,6 +784,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--num-blocks", type=int, default=8192)
     s.add_argument("--all-interval", type=int, default=70)
     s.add_argument("--any-interval", type=int, default=100)
+    s.add_argument("--mixed-prompt-tokens", type=int, default=SchedulerConfig.mixed_prompt_tokens)
+    s.add_argument(
+        "--goal-policy", choices=POLICIES, default="deadline+mixed", help="the policy checked"
+    )
     return p.parse_args(argv)
 
 
@@ -780,6 +812,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, CostModel
         num_blocks=args.num_blocks,
         prefill_attempt_interval=args.all_interval,
         prefill_any_attempt_interval=args.any_interval,
+        mixed_prompt_tokens=args.mixed_prompt_tokens,
     )
     return spec, cost, config
 
@@ -820,7 +853,7 @@ def main(argv: list[str] | None = None) -> None:
     results = run_all(ranks, args.workloads, args.policies, spec, cost, config)
     wall_s = time.perf_counter() - started
     print(f"\n{format_table(results)}\n\ntotal wall time {wall_s:.1f} s")
-    table, checks = markdown_table(results), goal_check(results)
+    table, checks = markdown_table(results), goal_check(results, args.goal_policy)
     print(f"\n{table}\n\n{goals_markdown(checks)}")
     payload = {
         "command": " ".join(["python", "scripts/simulate_vote.py", *(argv or sys.argv[1:])]),

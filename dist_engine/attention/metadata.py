@@ -97,6 +97,10 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
+    def parts(self) -> tuple[tuple[AttentionMetadata, slice], ...]:
+        """The batch as one part: every row, attended in this step's regime."""
+        return ((self, slice(0, None)),)
+
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
@@ -193,6 +197,51 @@ def _check_sequences(
                 f"sequence {b}: context of {cached + new} tokens needs {needed} blocks of "
                 f"{block_size}, but its block table has {len(table)}: {list(table)}"
             )
+
+
+@dataclass(frozen=True, eq=False)
+class MixedMetadata:
+    """A mixed step: prompt chunks in rows ``[0, P)`` of the flat batch, then one decode token
+    per running sequence in rows ``[P, T)``. Each part is its own ``AttentionMetadata`` and is
+    attended by its own regime's backend (``parts()``), so the decode tokens keep the decode
+    kernels while the step's other layers run over every row at once. The step-level fields
+    are the parts' joined in row order.
+    """
+
+    prompt: AttentionMetadata
+    decode: AttentionMetadata
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    is_prefill: bool = True
+
+    @classmethod
+    def join(cls, prompt: AttentionMetadata, decode: AttentionMetadata) -> MixedMetadata:
+        if not prompt.is_prefill or decode.is_prefill or decode.max_query_len > 1:
+            raise ValueError("a mixed step joins a prompt part and a one-token decode part")
+        starts = (prompt.query_start_loc, decode.query_start_loc[1:] + prompt.num_tokens)
+        return cls(
+            prompt=prompt,
+            decode=decode,
+            positions=torch.cat((prompt.positions, decode.positions)),
+            slot_mapping=torch.cat((prompt.slot_mapping, decode.slot_mapping)),
+            query_start_loc=torch.cat(starts),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.prompt.num_seqs + self.decode.num_seqs
+
+    def parts(self) -> tuple[tuple[AttentionMetadata, slice], ...]:
+        split = self.prompt.num_tokens
+        return ((self.prompt, slice(0, split)), (self.decode, slice(split, None)))
+
+
+StepMetadata = AttentionMetadata | MixedMetadata
 
 
 PREFILL_BUCKET_RATIO = 0.5

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata, StepMetadata
 from dist_engine.engine.sampler import Sampler, SamplingState
 from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
@@ -59,14 +59,7 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, start, count in zip(seqs, cached, new, strict=True):
             input_ids.extend(seq.token_ids[start : start + count])
-        attn = AttentionMetadata.build(
-            [seq.block_table for seq in seqs],
-            cached,
-            new,
-            self.block_size,
-            is_prefill=outputs.prompt_run,
-            device=self.device,
-        )
+        attn = self._metadata(seqs, cached, new, outputs)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, attn.positions, attn, mode)
         # Only a sequence whose step reaches the end of its tokens needs logits.
@@ -83,6 +76,26 @@ class ModelRunner:
             for b, token in self._sample(logits, [seqs[b] for b in rows], failures):
                 tokens[rows[b]] = token
         return tokens, failures
+
+    def _metadata(
+        self, seqs: list[Sequence], cached: list[int], new: list[int], outputs: SchedulerOutputs
+    ) -> StepMetadata:
+        """The step's attention metadata; a mixed step's decode tokens get a part of their own,
+        attended by the decode backend."""
+        tables = [seq.block_table for seq in seqs]
+        split = len(seqs) - outputs.num_decode_seqs
+        if not outputs.prompt_run or outputs.num_decode_seqs == 0 or split == 0:
+            return AttentionMetadata.build(
+                tables, cached, new, self.block_size, outputs.prompt_run, self.device
+            )
+        return MixedMetadata.join(
+            AttentionMetadata.build(
+                tables[:split], cached[:split], new[:split], self.block_size, True, self.device
+            ),
+            AttentionMetadata.build(
+                tables[split:], cached[split:], new[split:], self.block_size, False, self.device
+            ),
+        )
 
     def _sample(
         self, logits: torch.Tensor, seqs: list[Sequence], failures: list[tuple[Sequence, str]]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dist_engine.attention import AttentionBackend
-from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.attention.metadata import StepMetadata
 from dist_engine.layers.linear import Linear
 from dist_engine.layers.norm import NormKernel, RMSNorm
 from dist_engine.layers.rotary import apply_rotary
@@ -73,7 +73,7 @@ class GQAttention(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: StepMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """hidden: [T, D]; cos, sin: [T, rotary_dim]; kv_cache: this layer's (K, V), each
@@ -86,15 +86,17 @@ class GQAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         key_cache, value_cache = kv_cache
-        if self.rotary_dim == self.head_dim:
-            query = self.backend.rotate_and_store(
-                query, key, value, cos, sin, key_cache, value_cache, attn
-            )
-        else:
-            # Partial rotary (GLM-4.5): the backends rotate whole heads, so rotate here.
-            query, key = _rotate_leading(query, cos, sin), _rotate_leading(key, cos, sin)
-            self.backend.store(key, value, key_cache, value_cache, attn)
-        out = self.backend.attend(query, key_cache, value_cache, attn)
+        outs = []
+        for part, rows in attn.parts():  # one part, or a mixed step's prompt and decode rows
+            q, k, v, c, s = query[rows], key[rows], value[rows], cos[rows], sin[rows]
+            if self.rotary_dim == self.head_dim:
+                q = self.backend.rotate_and_store(q, k, v, c, s, key_cache, value_cache, part)
+            else:
+                # Partial rotary (GLM-4.5): the backends rotate whole heads, so rotate here.
+                q, k = _rotate_leading(q, c, s), _rotate_leading(k, c, s)
+                self.backend.store(k, v, key_cache, value_cache, part)
+            outs.append(self.backend.attend(q, key_cache, value_cache, part))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

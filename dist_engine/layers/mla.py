@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.attention.metadata import StepMetadata
 from dist_engine.attention.mla_backend import MLABackend
 from dist_engine.layers.linear import Linear
 from dist_engine.layers.norm import NormKernel, RMSNorm
@@ -102,7 +102,7 @@ class MLAttention(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: StepMetadata,
         kv_cache: tuple[torch.Tensor],
     ) -> torch.Tensor:
         """hidden: [T, D]; cos, sin: [T, R]; kv_cache: this layer's (entries [NB, BS, C + R],)
@@ -121,7 +121,12 @@ class MLAttention(nn.Module):
         q_rope = self.rotate(q_rope, cos, sin)
         rope_key = self.rotate(rope_key.unsqueeze(1), cos, sin).squeeze(1)
         (cache,) = kv_cache
-        self.backend.store(latent, rope_key, cache, attn)
         kv_up = self.kv_b_proj.weight.view(self.num_heads, -1, dims.kv_lora_rank)
-        out = self.backend.attend(q_nope, q_rope, cache, kv_up, attn, self.scale)
+        outs = []
+        for part, rows in attn.parts():  # one part, or a mixed step's prompt and decode rows
+            self.backend.store(latent[rows], rope_key[rows], cache, part)
+            outs.append(
+                self.backend.attend(q_nope[rows], q_rope[rows], cache, kv_up, part, self.scale)
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * dims.v_head_dim))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_engine.attention.kv_cache import KVSpec, PagedCache
-from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.attention.metadata import StepMetadata
 from dist_engine.layers.linear import Linear, empty_parameter
 from dist_engine.layers.norm import NormKernel, RMSNorm
 from dist_engine.layers.rotary import RotaryEmbedding
@@ -63,7 +63,7 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: StepMetadata,
         kv_cache: tuple[torch.Tensor, ...],
         mode: DispatchMode,
     ) -> torch.Tensor:
@@ -148,7 +148,7 @@ class MoECausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: StepMetadata,
         mode: DispatchMode,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 → final-normed hidden states [T, D].

@@ -57,16 +57,27 @@ def test_simulation_invariants_at_n8(workload):
     assert every["collectives_per_step"] >= max(1.0, vote["collectives_per_step"])
     # The deadline policy bounds TTFT in steps (every request here is ready at intake): the
     # deadline, the prompt step, and one more for a request behind a full prompt batch.
-    deadline = runs["deadline"].metrics
-    assert deadline["ttft_steps_p99"] <= CONFIG.prefill_deadline_steps + 2
-    assert 0.0 <= deadline["itl_interrupted_frac"] <= 1.0
-    assert deadline["itl_ms_max"] >= deadline["itl_ms_p99"]
+    # Mixed steps change what a prompt step carries, not when the group takes one.
+    for name in ("deadline", "deadline+mixed"):
+        deadline = runs[name].metrics
+        assert deadline["ttft_steps_p99"] <= CONFIG.prefill_deadline_steps + 2, name
+        assert 0.0 <= deadline["itl_interrupted_frac"] <= 1.0
+        assert deadline["itl_ms_max"] >= deadline["itl_ms_p99"]
     (check,) = sim.goal_check(list(runs.values()))
+    assert check["policy"] == "deadline+mixed"
     assert check["workload"] == workload and check["num_ranks"] == 8
     assert check["ttft_met"] == (
         deadline["ttft_ms_p99"] <= sim.GOAL_TTFT_VS_EVERY_STEP * every["ttft_ms_p99"]
     )
     assert sim.markdown_table(list(runs.values())).count("\n") == 1 + len(runs)
+
+
+def test_mixed_step_cost_adds_prompt_tokens_to_the_decode_step():
+    cost = sim.CostModel(a=5.0, b=0.5, c=8.0, d=0.25, v=0.0)
+    mixed = sim.SchedulerOutputs(True, [], [], 9, num_decode_seqs=4)  # 5 prompt + 4 decode
+    alone = sim.SchedulerOutputs(True, [], [], 6)  # a rank with prompt tokens only
+    assert cost.step_ms("prefill", [mixed, alone], 0) == pytest.approx(8.0 + max(1 + 2.5, 3))
+    assert cost.step_ms("prefill", [alone, alone], 0) == pytest.approx(5.0 + 3)
 
 
 def test_driver_reports_diverged_step_state():
