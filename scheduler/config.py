@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 # vote: the reference's ALL/ANY attempt points. every_step: vote every step (vLLM/SGLang style).
 # deadline: vote when a waiting prompt falls due; no ready head waits over prefill_deadline_steps.
 SYNC_POLICIES = ("vote", "every_step", "deadline")
 PREEMPTION_ORDERS = ("lcfs", "fcfs")
+# The contenders the sync benchmarks compare: vote (prompt-only steps, the reference), and the
+# two other policies with prompt-only ("+separate") or mixed ("+mixed", the default) steps.
+POLICY_VARIANTS = (
+    "vote",
+    "every_step+separate",
+    "every_step+mixed",
+    "deadline+separate",
+    "deadline+mixed",
+)
 
 # Settings every DP rank must share: a difference would put the ranks' attempt points, step
 # kinds or block arithmetic out of step, which shows up as a hang inside a collective.
@@ -147,6 +156,14 @@ class SchedulerConfig:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def policy_variant(config: SchedulerConfig, variant: str) -> SchedulerConfig:
+    """``config`` under one of ``POLICY_VARIANTS`` (``vote``, or ``<policy>+mixed|separate``)."""
+    if variant not in POLICY_VARIANTS:
+        raise ValueError(f"unknown policy variant {variant!r}; known: {list(POLICY_VARIANTS)}")
+    policy, _, steps = variant.partition("+")
+    return replace(config, sync_policy=policy, mixed_steps=steps == "mixed" if steps else None)
 
 
 def _require_int(name: str, value: object, *, minimum: int) -> None:

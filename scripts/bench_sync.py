@@ -1,5 +1,5 @@
 """What step synchronisation costs a DP group: sync policies ``vote``, ``every_step`` and
-``deadline``.
+``deadline``, the latter two with prompt-only (``+separate``) or mixed (``+mixed``) prompt steps.
 
 The same seeded workloads run under each policy at DP=2 and DP=4, in real multi-process gloo
 groups (one spawned process per rank, CPU, float32) serving a small random Qwen3-MoE written by
@@ -15,8 +15,8 @@ Runs (``--runs``):
 - ``skewed``: Poisson arrivals with rank skew on purpose: rank 0 gets more and longer work, odd
   ranks get nothing during an opening burst, and every rank pauses mid-run so the group drains,
   sleeps and wakes again.
-- ``online``: first a capacity probe (``deadline``; every rank gets a batch of requests at once;
-  capacity = requests / (last token - first submit), per rank), then uniform Poisson arrivals
+- ``online``: first a capacity probe (``deadline+mixed``; every rank gets a batch of requests at
+  once; capacity = requests / (last token - first submit), per rank), then uniform Poisson arrivals
   on every rank at 50% and 90% of that capacity. This is the online run the engines serve the
   way ``LLM.generate_stream`` would, minus the launcher: ``generate_stream`` takes every prompt
   up front (an offline call), so it cannot play arrivals at given times; here each rank's driver
@@ -46,7 +46,7 @@ Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outpu
 - output tok/s: all ranks' output tokens over the time from the first arrival to the last token.
 
     .venv/bin/python scripts/bench_sync.py [--quick] [--runs skewed online]
-        [--policies vote every_step deadline] [--dp 2 4] [--out bench_results/sync.json]
+        [--policies vote deadline+mixed ...] [--dp 2 4] [--out bench_results/sync.json]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ from dist_engine.engine.engine import DPEngine
 from dist_engine.engine.outputs import RequestOutput
 from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, SchedulerConfig
-from scheduler.config import SYNC_POLICIES
+from scheduler.config import POLICY_VARIANTS, policy_variant
 from scheduler.vote import VOTE_VECTOR_LEN
 
 MODEL_SIZES = dict(
@@ -98,11 +98,11 @@ SCHEDULER = dict(
     block_size=16,
     num_blocks=320,
 )
-POLICIES = SYNC_POLICIES
+POLICIES = POLICY_VARIANTS
 WORLD_SIZES = (2, 4)
 RUNS = ("skewed", "online")
 ONLINE_LOADS = (0.5, 0.9)  # fractions of the measured capacity
-PROBE_POLICY = "deadline"
+PROBE_POLICY = "deadline+mixed"
 COLLECTIVE_TIMEOUT_S = 60.0
 BARE_CALLS = 200
 
@@ -182,7 +182,7 @@ class Collector:
 
 
 def _engine_config(model_dir: str, world: int, policy: str) -> EngineConfig:
-    scheduler = SchedulerConfig(**SCHEDULER, sync_policy=policy)
+    scheduler = policy_variant(SchedulerConfig(**SCHEDULER), policy)
     return EngineConfig(
         model=model_dir,
         dtype="float32",
@@ -502,24 +502,25 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def compare(rows: list[dict[str, Any]]) -> list[str]:
-    """Per run and DP: the deadline policy against the other two, on the issue's terms (TTFT
-    p99 vs every_step, ITL p99 vs vote, output rate and placeholder share vs the better)."""
+def compare(rows: list[dict[str, Any]], policy: str = "deadline+mixed") -> list[str]:
+    """Per run and DP: ``policy`` against vote and every_step with prompt-only steps, on the
+    issue's terms (TTFT p99 vs every_step's, ITL p99 vs vote's, output rate and placeholder
+    share vs the better)."""
     lines = []
     for run, world in sorted({(r["run"], r["dp"]) for r in rows}):
         cell = {r["policy"]: r for r in rows if r["run"] == run and r["dp"] == world}
-        if not {"vote", "every_step", "deadline"} <= set(cell):
+        if not {"vote", "every_step+separate", policy} <= set(cell):
             continue
-        new, vote, every = cell["deadline"], cell["vote"], cell["every_step"]
+        new, vote, every = cell[policy], cell["vote"], cell["every_step+separate"]
         lines.append(
-            f"{run} DP={world}: deadline TTFT p99 {new['ttft_ms_p99']:.0f} ms = "
-            f"{new['ttft_ms_p99'] / every['ttft_ms_p99']:.2f}x every_step's; ITL p99 "
+            f"{run} DP={world}: {policy} TTFT p99 {new['ttft_ms_p99']:.0f} ms = "
+            f"{new['ttft_ms_p99'] / every['ttft_ms_p99']:.2f}x every_step+separate's; ITL p99 "
             f"{new['itl_ms_p99']:.1f} ms = {new['itl_ms_p99'] / vote['itl_ms_p99']:.2f}x vote's; "
             f"{new['output_tok_per_s']:.0f} tok/s vs best "
             f"{max(vote['output_tok_per_s'], every['output_tok_per_s']):.0f}; placeholders "
             f"{new['placeholder_frac']:.1%} vs best "
             f"{min(vote['placeholder_frac'], every['placeholder_frac']):.1%}; sync "
-            f"{new['sync_frac']:.2%} (vote {vote['sync_frac']:.2%}, every_step "
+            f"{new['sync_frac']:.2%} (vote {vote['sync_frac']:.2%}, every_step+separate "
             f"{every['sync_frac']:.2%})"
         )
     return lines
@@ -607,6 +608,7 @@ def _write(
         "scheduler": SCHEDULER,
         "spec": asdict(spec),
         "prefill_deadline_steps": SchedulerConfig().prefill_deadline_steps,
+        "mixed_prompt_tokens": SchedulerConfig().mixed_prompt_tokens,
         "online_loads": ONLINE_LOADS,
         "capacity_requests_per_s_per_rank": capacities,
         "cpu_binding": cpu_binding,

@@ -6,9 +6,9 @@ Real: N ``scheduler.Scheduler`` objects, one per DP rank, each with its own queu
 pool, coupled by a MIN vote exactly as the engine couples them. Their ``schedule()`` takes the
 votes, picks the step kind and assembles the batch; ``process_outputs()`` does the accounting
 (prompt chunks, stop rules, releases). The sync policy under test is the scheduler's own
-(``vote`` with ALL/ANY intervals, ``every_step``, or ``deadline``), with prompt steps that
-carry prompts only (``every_step`` and ``deadline``) or, suffixed ``+mixed``, mixed steps
-(a prompt step also decodes every running sequence; ``mixed_prompt_tokens`` caps its chunks).
+(``vote`` with ALL/ANY intervals, ``every_step``, or ``deadline``), the latter two with prompt
+steps that carry prompts only (``+separate``) or mixed steps (``+mixed``: a prompt step also
+decodes every running sequence; ``mixed_prompt_tokens`` caps its chunks).
 
 Modelled: the model and the network. No forward runs; every scheduled sequence gets a
 deterministic token that is never a stop token, so every request ends by ``max_tokens``. Time is
@@ -81,7 +81,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -94,10 +94,10 @@ from scheduler import (
     SchedulerOutputs,
     Sequence,
 )
+from scheduler.config import POLICY_VARIANTS, policy_variant
 
 WORKLOADS = ("uniform", "skewed", "bursty")
-# A policy with "+mixed" runs mixed steps; the others' prompt steps carry prompts only.
-POLICIES = ("vote", "every_step", "deadline", "every_step+mixed", "deadline+mixed")
+POLICIES = POLICY_VARIANTS
 DEFAULT_RANKS = (8, 16, 32, 64, 128, 256)
 QUICK_RANKS = (8, 16, 32)
 
@@ -406,14 +406,6 @@ def sample_token(seq: Sequence) -> int:
     return 1 + (len(seq.token_ids) * 7919) % 30_000
 
 
-def policy_config(config: SchedulerConfig, policy: str) -> SchedulerConfig:
-    """``policy`` is a sync policy, optionally suffixed ``+mixed`` for mixed steps."""
-    name, _, variant = policy.partition("+")
-    if variant not in ("", "mixed"):
-        raise ValueError(f"unknown policy variant {policy!r}; known: {POLICIES}")
-    return replace(config, sync_policy=name, mixed_steps=variant == "mixed")
-
-
 def simulate(
     num_ranks: int,
     workload: str,
@@ -423,7 +415,7 @@ def simulate(
     cost: CostModel,
     max_steps: int = 1_000_000,
 ) -> RunResult:
-    config = policy_config(config, policy)
+    config = policy_variant(config, policy)
     result = RunResult(num_ranks, workload, policy)
     stats, tracks = _Stats(), {}
     now, next_arrival = 0.0, 0
@@ -645,14 +637,14 @@ GOAL_ITL_VS_VOTE = 1.1  # ITL p99 at most this times vote's
 
 
 def goal_check(results: list[RunResult], policy: str = "deadline+mixed") -> list[dict[str, object]]:
-    """``policy`` against vote and every_step (prompt-only steps, as the goals were set), per
+    """``policy`` against vote and every_step with prompt-only steps (the goals' terms), per
     (workload, N) where all three ran."""
     cells = {(r.workload, r.num_ranks, r.policy): r.metrics for r in results}
     checks = []
     for workload, num_ranks in dict.fromkeys((r.workload, r.num_ranks) for r in results):
         try:
             new, vote, every = (
-                cells[(workload, num_ranks, p)] for p in (policy, "vote", "every_step")
+                cells[(workload, num_ranks, p)] for p in (policy, "vote", "every_step+separate")
             )
         except KeyError:
             continue

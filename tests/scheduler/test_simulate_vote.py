@@ -53,12 +53,12 @@ def test_simulation_invariants_at_n8(workload):
         assert len(run.ttft_ms) == len(requests)
         assert min(run.ttft_ms) >= 0.0
         assert run.metrics["output_tokens"] == sum(req.max_tokens for req in requests)
-    every, vote = runs["every_step"].metrics, runs["vote"].metrics
+    every, vote = runs["every_step+separate"].metrics, runs["vote"].metrics
     assert every["collectives_per_step"] >= max(1.0, vote["collectives_per_step"])
     # The deadline policy bounds TTFT in steps (every request here is ready at intake): the
     # deadline, the prompt step, and one more for a request behind a full prompt batch.
     # Mixed steps change what a prompt step carries, not when the group takes one.
-    for name in ("deadline", "deadline+mixed"):
+    for name in ("deadline+separate", "deadline+mixed"):
         deadline = runs[name].metrics
         assert deadline["ttft_steps_p99"] <= CONFIG.prefill_deadline_steps + 2, name
         assert 0.0 <= deadline["itl_interrupted_frac"] <= 1.0
@@ -78,6 +78,15 @@ def test_mixed_step_cost_adds_prompt_tokens_to_the_decode_step():
     alone = sim.SchedulerOutputs(True, [], [], 6)  # a rank with prompt tokens only
     assert cost.step_ms("prefill", [mixed, alone], 0) == pytest.approx(8.0 + max(1 + 2.5, 3))
     assert cost.step_ms("prefill", [alone, alone], 0) == pytest.approx(5.0 + 3)
+
+
+def test_policy_variants_set_the_step_kind():
+    config = sim.policy_variant(CONFIG, "deadline+separate")
+    assert config.sync_policy == "deadline" and not config.mixed
+    assert sim.policy_variant(CONFIG, "every_step+mixed").mixed
+    assert not sim.policy_variant(CONFIG, "vote").mixed
+    with pytest.raises(ValueError, match="unknown policy variant"):
+        sim.policy_variant(CONFIG, "vote+mixed")
 
 
 def test_driver_reports_diverged_step_state():
