@@ -39,8 +39,11 @@ class KvManager:
     def usage(self) -> float:
         return self.blocks.usage()
 
-    def plan_admission(self, seq: Sequence) -> AdmissionPlan:
-        """What admitting a sequence with no blocks yet would take; changes nothing."""
+    def plan_admission(self, seq: Sequence, reserve: int = 0) -> AdmissionPlan:
+        """What admitting a sequence with no blocks yet would take; changes nothing.
+
+        ``reserve``: blocks others will take first (a mixed step's decode tokens), so the
+        sequence is admissible only beside them (LATER otherwise, never NEVER)."""
         total = self.num_blocks_for(len(seq.token_ids))
         cached: list[int] = []
         hashes: list[int] = []
@@ -52,6 +55,8 @@ class KvManager:
         # A cached block with no holder counts as free; reviving it takes it out of the free count.
         revived = self.prefix_cache.count_evictable(cached) if cached else 0
         status = self.blocks.can_allocate(num_new + revived)
+        if status is AllocStatus.OK and num_new + revived + reserve > self.blocks.num_free:
+            status = AllocStatus.LATER
         # Blocks without a slot is LATER, never NEVER: slots come back as sequences finish.
         if (
             status is AllocStatus.OK

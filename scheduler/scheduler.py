@@ -297,7 +297,8 @@ class Scheduler:
             if not seq.block_table:
                 if self.kv.usage() > config.prefill_watermark:
                     return None
-                plan = self.kv.plan_admission(seq)
+                # In a mixed step the running sequences take their blocks first.
+                plan = self.kv.plan_admission(seq, self.decode_block_demand() if self._mixed else 0)
                 if plan.status is AllocStatus.NEVER:
                     waiting.popleft()
                     seq.error_message = larger_than_pool(seq, self.kv)
@@ -310,6 +311,16 @@ class Scheduler:
                 return None
             return seq
         return None
+
+    def decode_block_demand(self) -> int:
+        """Blocks the next decode of the running sequences takes: one for each whose next
+        token starts a new block."""
+        block_size = self.config.block_size
+        return sum(
+            1
+            for seq in self.running
+            if not seq.is_finished and seq.num_tokens >= len(seq.block_table) * block_size
+        )
 
     def _max_remaining_tokens(self) -> int:
         """Most tokens any running sequence may still produce before a stop rule ends it."""

@@ -282,7 +282,8 @@ def test_head_larger_than_the_pool_is_ended_even_on_an_idle_group():
 # -- the bound, over random traffic -----------------------------------------------------------
 def ready_head(sched: Scheduler):
     """The head a prefill would start with now, by the bound's definition (not the policy's
-    bookkeeping): the first queued sequence that is neither ended nor doomed to be ended."""
+    bookkeeping): the first queued sequence that is neither ended nor doomed to be ended. In
+    mixed steps it must fit beside the blocks the running sequences' next tokens take."""
     config = sched.config
     running = sum(not seq.is_finished for seq in sched.running)
     for seq in sched.waiting:
@@ -294,7 +295,8 @@ def ready_head(sched: Scheduler):
             return seq
         if sched.kv.usage() > config.prefill_watermark:
             return None
-        status = sched.kv.plan_admission(seq).status
+        reserve = sched.decode_block_demand() if config.mixed else 0
+        status = sched.kv.plan_admission(seq, reserve).status
         if status is AllocStatus.NEVER:
             continue  # ended by the next schedule()
         return seq if status is AllocStatus.OK else None
@@ -323,6 +325,8 @@ pools = st.fixed_dictionaries(
         "stop_preempted_request": st.booleans(),
         "prefill_watermark": st.sampled_from([0.6, 0.9, 1.0]),
         "prefill_deadline_steps": st.integers(1, 6),
+        "mixed_steps": st.booleans(),
+        "mixed_prompt_tokens": st.sampled_from([4, 8, 64]),
     }
 )
 

@@ -37,10 +37,12 @@ configs = st.fixed_dictionaries(
         "prefill_any_attempt_interval": st.integers(2, 12),
         "sync_policy": st.sampled_from(["vote", "every_step", "deadline"]),
         "prefill_deadline_steps": st.integers(1, 8),
+        "mixed_steps": st.sampled_from([None, True, False]),
+        "mixed_prompt_tokens": st.sampled_from([4, 8, 256]),
         "cp_size": st.sampled_from([1, 2]),
         "lookahead_tokens": st.sampled_from([0, 3]),
     }
-)
+).filter(lambda c: not (c["sync_policy"] == "vote" and c["mixed_steps"]))
 
 
 def _simulate(config: SchedulerConfig, workload, max_steps=1500):
