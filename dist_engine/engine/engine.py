@@ -76,6 +76,7 @@ class StepTrace:
     sync_s: float  # time inside vote and lock-step collectives
     step_s: float
     slept_s: float
+    num_decode_seqs: int = 0  # a mixed step's decode tokens (their sequences) on this rank
 
 
 def check_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> None:
@@ -396,6 +397,7 @@ class DPEngine:
             any_scheduled=outputs.any_scheduled,
             num_seqs=outputs.num_seqs,
             num_tokens=outputs.num_batched_tokens,
+            num_decode_seqs=outputs.num_decode_seqs,
             forward_s=forward_s,
             sync_s=self.vote.take_seconds() if self.vote is not None else 0.0,
             step_s=time.perf_counter() - start - slept_s,

@@ -16,10 +16,11 @@ from scheduler import AttemptPoint, StepKind
 if TYPE_CHECKING:
     from dist_engine.engine.engine import DPEngine, StepTrace
 
-# How a step is counted: a forward with tokens (prefill, decode), a forward with none because
-# the group steps and this rank has nothing (placeholder), or no forward at all because the
-# last vote proved the whole group empty (known_empty).
-STEP_COUNT_KINDS = ("prefill", "decode", "placeholder", "known_empty")
+# How a step is counted: a forward with tokens (prefill: prompt tokens only; mixed: prompt
+# tokens and this rank's decode tokens; decode), a forward with none because the group steps
+# and this rank has nothing (placeholder), or no forward at all because the last vote proved
+# the whole group empty (known_empty).
+STEP_COUNT_KINDS = ("prefill", "mixed", "decode", "placeholder", "known_empty")
 VOTE_POINTS = tuple(point.value for point in AttemptPoint if point is not AttemptPoint.NONE)
 
 
@@ -40,6 +41,8 @@ class StepCounters:
             kind = "known_empty"
         elif trace.num_seqs == 0:
             kind = "placeholder"
+        elif trace.num_decode_seqs:
+            kind = "mixed"
         else:
             kind = trace.kind.value
         self.steps[kind] += 1

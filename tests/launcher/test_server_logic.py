@@ -237,8 +237,10 @@ def test_serve_splits_the_yaml_and_the_overrides(model_dir, tmp_path, monkeypatc
 def test_step_counters_sort_steps_and_votes():
     view = GroupView(False, True, False, False, 0, False, 3)
 
-    def trace(kind, num_seqs, point=AttemptPoint.NONE, group=None, second=None):
-        return StepTrace(0, kind, point, group, second, num_seqs, num_seqs, 0.0, 0.0, 0.0, 0.0)
+    def trace(kind, num_seqs, point=AttemptPoint.NONE, group=None, second=None, decoding=0):
+        return StepTrace(
+            0, kind, point, group, second, num_seqs, num_seqs, 0.0, 0.0, 0.0, 0.0, decoding
+        )
 
     counters = StepCounters()
     for item in [
@@ -247,19 +249,26 @@ def test_step_counters_sort_steps_and_votes():
         trace(StepKind.DECODE, 0),  # the group decodes, this rank has nothing: a placeholder
         trace(StepKind.PREFILL, 0, AttemptPoint.ALL, view, True),
         trace(StepKind.EMPTY, 0, AttemptPoint.IDLE, view),
+        trace(StepKind.PREFILL, 3, AttemptPoint.FOLLOW, view, True, decoding=2),  # mixed
     ]:
         counters.record(item)
-    assert counters.steps == {"prefill": 1, "decode": 1, "placeholder": 2, "known_empty": 1}
+    assert counters.steps == {
+        "prefill": 1,
+        "mixed": 1,
+        "decode": 1,
+        "placeholder": 2,
+        "known_empty": 1,
+    }
     assert counters.votes == {
         "all": 1,
         "any": 1,
         "idle": 1,
         "drain": 0,
         "every": 0,
-        "follow": 0,
+        "follow": 1,
         "due": 0,
     }
-    assert counters.num_second_votes == 2
+    assert counters.num_second_votes == 3
 
 
 def test_serve_refuses_bad_settings_before_starting_anything(model_dir, tmp_path, capsys):
