@@ -117,23 +117,41 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def load_ours(
+    model_dir: Path,
+    settings: dict[str, str],
+    *,
+    decode_tokens: int,
+    prefill_tokens: int,
+    block_size: int,
+) -> tuple[MoECausalLM, Backends]:
+    """Ours in float32, backend `settings` resolved as the engine would for these step sizes
+    (`auto` times the candidates on this host)."""
+    shapes = TuneShapes.for_model(
+        ModelConfig.from_pretrained(model_dir),
+        "float32",
+        ep_size=1,
+        decode_tokens=decode_tokens,
+        prefill_tokens=prefill_tokens,
+        block_size=block_size,
+    )
+    backends = resolve_backends(settings, torch.float32, None, shapes=shapes)
+    return load_model(model_dir, dtype=torch.float32, backends=backends), backends
+
+
 def load_both(model_dir: Path, args: argparse.Namespace) -> tuple[MoECausalLM, Any, Backends]:
     from transformers import AutoModelForCausalLM
 
-    config = ModelConfig.from_pretrained(model_dir)
-    shapes = TuneShapes.for_model(
-        config,
-        "float32",
-        ep_size=1,
+    settings = dict.fromkeys(BACKEND_KEYS, args.backend)
+    if args.backend == "grouped_mm":
+        settings = {"expert_backend": "grouped_mm"}
+    ours, backends = load_ours(
+        model_dir,
+        settings,
         decode_tokens=args.decode_seqs,
         prefill_tokens=args.prefill_seqs * args.prefill_len,
         block_size=args.block_size,
     )
-    settings = dict.fromkeys(BACKEND_KEYS, args.backend)
-    if args.backend == "grouped_mm":
-        settings = {"expert_backend": "grouped_mm"}
-    backends = resolve_backends(settings, torch.float32, None, shapes=shapes)
-    ours = load_model(model_dir, dtype=torch.float32, backends=backends)
     options = {} if args.hf_experts is None else {"experts_implementation": args.hf_experts}
     reference = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, local_files_only=True, **options

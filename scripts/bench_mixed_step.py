@@ -32,13 +32,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench_forward import MODELS, VOCAB_SIZE
+from bench_forward import MODELS, VOCAB_SIZE, load_ours
 
 from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata
-from dist_engine.autotune import TuneShapes
-from dist_engine.backends import BACKEND_KEYS, resolve_backends
-from dist_engine.models.config import ModelConfig
-from dist_engine.models.loader import load_model
+from dist_engine.backends import BACKEND_KEYS
 from dist_engine.models.make_model import make_tiny_checkpoint
 from moe import DispatchMode
 
@@ -120,19 +117,13 @@ def main() -> None:
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_checkpoint("qwen3_moe", tmp, seed=0, **MODELS["qwen3_moe"])
-        config = ModelConfig.from_pretrained(model_dir)
-        shapes = TuneShapes.for_model(
-            config,
-            "float32",
-            ep_size=1,
+        model, backends = load_ours(
+            model_dir,
+            dict.fromkeys(BACKEND_KEYS, "auto"),
             decode_tokens=args.decode_seqs,
             prefill_tokens=max(args.chunks),
             block_size=args.block_size,
         )
-        backends = resolve_backends(
-            dict.fromkeys(BACKEND_KEYS, "auto"), torch.float32, None, shapes=shapes
-        )
-        model = load_model(model_dir, dtype=torch.float32, backends=backends)
     steps = Steps(model, args)
     with torch.no_grad():  # the mixed step's logits are the separate steps' logits
         for length in args.chunks:
