@@ -124,9 +124,10 @@ def load_ours(
     decode_tokens: int,
     prefill_tokens: int,
     block_size: int,
+    device: str = "cpu",
 ) -> tuple[MoECausalLM, Backends]:
-    """Ours in float32, backend `settings` resolved as the engine would for these step sizes
-    (`auto` times the candidates on this host)."""
+    """Ours in float32 on `device`, backend `settings` resolved as the engine would for these
+    step sizes (`auto` times the candidates on this host)."""
     shapes = TuneShapes.for_model(
         ModelConfig.from_pretrained(model_dir),
         "float32",
@@ -135,8 +136,9 @@ def load_ours(
         prefill_tokens=prefill_tokens,
         block_size=block_size,
     )
-    backends = resolve_backends(settings, torch.float32, None, shapes=shapes)
-    return load_model(model_dir, dtype=torch.float32, backends=backends), backends
+    backends = resolve_backends(settings, torch.float32, device, shapes=shapes)
+    model = load_model(model_dir, dtype=torch.float32, device=device, backends=backends)
+    return model, backends
 
 
 def load_both(model_dir: Path, args: argparse.Namespace) -> tuple[MoECausalLM, Any, Backends]:

@@ -46,6 +46,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-context", type=int, default=256, help="cached tokens per seq")
     parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (times with a sync)")
+    parser.add_argument(
+        "--model-sizes", default="{}", help="JSON: make_tiny_checkpoint sizes over the default"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default="bench_results/mixed_step.json")
@@ -56,7 +60,7 @@ class Steps:
     """The three steps over one paged cache: S decoding sequences and one prompt sequence."""
 
     def __init__(self, model, args: argparse.Namespace) -> None:
-        self.model, self.bs = model, args.block_size
+        self.model, self.bs, self.device = model, args.block_size, args.device
         self.num_seqs, self.context = args.decode_seqs, args.decode_context
         per_seq = -(-(self.context + 1) // self.bs)
         prompt_blocks = -(-max(args.chunks) // self.bs)
@@ -65,11 +69,13 @@ class Steps:
         ]
         first = 1 + self.num_seqs * per_seq
         self.prompt_table = list(range(first, first + prompt_blocks))
-        model.attach_kv_cache(model.new_kv_cache(first + prompt_blocks, self.bs))
+        model.attach_kv_cache(model.new_kv_cache(first + prompt_blocks, self.bs, self.device))
         gen = torch.Generator().manual_seed(3)
         context = torch.randint(0, VOCAB_SIZE, (self.num_seqs, self.context), generator=gen)
         self.next_ids = torch.randint(0, VOCAB_SIZE, (self.num_seqs,), generator=gen)
         self.prompt = torch.randint(0, VOCAB_SIZE, (max(args.chunks),), generator=gen)
+        context = context.to(self.device)
+        self.next_ids, self.prompt = self.next_ids.to(self.device), self.prompt.to(self.device)
         with torch.no_grad():  # fill the decoding sequences' context
             attn = self._build(
                 self.tables, [0] * self.num_seqs, [self.context] * self.num_seqs, True
@@ -77,7 +83,7 @@ class Steps:
             model(context.reshape(-1), attn.positions, attn, DispatchMode.NORMAL)
 
     def _build(self, tables, cached, new, is_prefill) -> AttentionMetadata:
-        return AttentionMetadata.build(tables, cached, new, self.bs, is_prefill)
+        return AttentionMetadata.build(tables, cached, new, self.bs, is_prefill, self.device)
 
     def _decode_meta(self) -> AttentionMetadata:
         n = self.num_seqs
@@ -101,13 +107,16 @@ class Steps:
         return self._run(ids, attn, DispatchMode.NORMAL)
 
 
-def medians(calls: dict[str, callable], warmup: int, repeats: int) -> dict[str, float]:
+def medians(calls: dict[str, callable], warmup: int, repeats: int, device: str) -> dict[str, float]:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     times: dict[str, list[float]] = {name: [] for name in calls}
     with torch.no_grad():
         for repeat in range(warmup + repeats):
             for name, call in calls.items():
+                sync()
                 start = time.perf_counter()
                 call()
+                sync()
                 if repeat >= warmup:
                     times[name].append(time.perf_counter() - start)
     return {name: 1e3 * statistics.median(values) for name, values in times.items()}
@@ -116,13 +125,15 @@ def medians(calls: dict[str, callable], warmup: int, repeats: int) -> dict[str, 
 def main() -> None:
     args = parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_checkpoint("qwen3_moe", tmp, seed=0, **MODELS["qwen3_moe"])
+        sizes = {**MODELS["qwen3_moe"], **json.loads(args.model_sizes)}
+        model_dir = make_tiny_checkpoint("qwen3_moe", tmp, seed=0, **sizes)
         model, backends = load_ours(
             model_dir,
             dict.fromkeys(BACKEND_KEYS, "auto"),
             decode_tokens=args.decode_seqs,
             prefill_tokens=max(args.chunks),
             block_size=args.block_size,
+            device=args.device,
         )
     steps = Steps(model, args)
     with torch.no_grad():  # the mixed step's logits are the separate steps' logits
@@ -135,7 +146,7 @@ def main() -> None:
     for length in args.chunks:
         calls[f"prefill{length}"] = lambda n=length: steps.prefill(n)
         calls[f"mixed{length}"] = lambda n=length: steps.mixed(n)
-    ms = medians(calls, args.warmup, args.repeats)
+    ms = medians(calls, args.warmup, args.repeats, args.device)
     rows = []
     for length in args.chunks:
         added = ms[f"mixed{length}"] - ms["decode"]
@@ -174,11 +185,12 @@ def main() -> None:
     meta = {
         "machine": platform.platform(),
         "processor_flags": _flags(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "load_avg": load,
         "backends": backends.describe(),
-        "model": MODELS["qwen3_moe"],
+        "model": {**MODELS["qwen3_moe"], **json.loads(args.model_sizes)},
         "args": vars(args),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
