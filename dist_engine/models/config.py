@@ -274,6 +274,23 @@ def rope_of(hf: dict[str, Any], default_theta: float) -> tuple[float, YarnScalin
     return theta, scaling
 
 
+def gqa_shape_of(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields every GQA architecture reads alike from `config.json`: vocabulary,
+    widths, layer and head counts (kv heads default to the query heads), head dim, tied
+    embeddings and EOS ids."""
+    num_heads = hf["num_attention_heads"]
+    return {
+        "vocab_size": hf["vocab_size"],
+        "hidden_size": hf["hidden_size"],
+        "num_layers": hf["num_hidden_layers"],
+        "num_heads": num_heads,
+        "num_kv_heads": hf.get("num_key_value_heads", num_heads),
+        "head_dim": head_dim_of(hf),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "eos_token_ids": eos_token_ids_of(hf),
+    }
+
+
 def eos_token_ids_of(hf: dict[str, Any]) -> tuple[int, ...]:
     return _eos_ids(hf.get("eos_token_id"))
 

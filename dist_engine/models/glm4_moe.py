@@ -12,8 +12,7 @@ from dist_engine.models.base import Architecture
 from dist_engine.models.config import (
     ModelConfig,
     check_routing_groups,
-    eos_token_ids_of,
-    head_dim_of,
+    gqa_shape_of,
     num_experts_of,
     num_mtp_layers_of,
     rope_of,
@@ -63,15 +62,9 @@ class Glm4Moe(Architecture):
         check_routing_groups(num_experts, top_k, routing)
         num_layers, first_dense = hf["num_hidden_layers"], get("first_k_dense_replace")
         moe_size = get("moe_intermediate_size")
-        num_heads = hf["num_attention_heads"]
         return ModelConfig(
             model_type=self.model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads", num_heads),
-            head_dim=head_dim_of(hf),
+            **gqa_shape_of(hf),
             rope_theta=theta,
             rms_norm_eps=float(get("rms_norm_eps")),
             num_experts=num_experts,
@@ -81,8 +74,6 @@ class Glm4Moe(Architecture):
             norm_topk_prob=bool(get("norm_topk_prob")),
             decoder_sparse_step=1,
             mlp_only_layers=tuple(range(min(first_dense, num_layers))),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_token_ids_of(hf),
             max_position_embeddings=get("max_position_embeddings"),
             use_qk_norm=bool(hf.get("use_qk_norm", False)),
             attention_bias=bool(hf.get("attention_bias", False)),

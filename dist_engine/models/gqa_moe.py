@@ -21,8 +21,7 @@ from dist_engine.layers.rotary import RotaryEmbedding
 from dist_engine.models.config import (
     ModelConfig,
     check_default_rope_and_silu,
-    eos_token_ids_of,
-    head_dim_of,
+    gqa_shape_of,
     num_experts_of,
     refuse_sliding_window,
     rope_theta_of,
@@ -99,15 +98,9 @@ def qwen_moe_config(model_type: str, hf: dict[str, Any], **fields: Any) -> Model
     mlp_only_layers = hf.get("mlp_only_layers") or []
     if not isinstance(mlp_only_layers, list):
         raise ValueError(f"config key 'mlp_only_layers' must be a list, got {mlp_only_layers!r}")
-    num_heads = hf["num_attention_heads"]
     return ModelConfig(
         model_type=model_type,
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads", num_heads),
-        head_dim=head_dim_of(hf),
+        **gqa_shape_of(hf),
         rope_theta=rope_theta_of(hf, default=1e4),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         num_experts=num_experts_of(hf),
@@ -117,8 +110,6 @@ def qwen_moe_config(model_type: str, hf: dict[str, Any], **fields: Any) -> Model
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         decoder_sparse_step=hf.get("decoder_sparse_step", 1),
         mlp_only_layers=tuple(mlp_only_layers),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        eos_token_ids=eos_token_ids_of(hf),
         max_position_embeddings=hf.get("max_position_embeddings", 32768),
         **fields,
     )

@@ -11,8 +11,7 @@ from dist_engine.models.base import Architecture
 from dist_engine.models.config import (
     ModelConfig,
     check_default_rope_and_silu,
-    eos_token_ids_of,
-    head_dim_of,
+    gqa_shape_of,
     num_experts_of,
     refuse_sliding_window,
     rope_theta_of,
@@ -53,15 +52,9 @@ class Mixtral(Architecture):
     def parse_config(self, hf: dict[str, Any]) -> ModelConfig:
         check_default_rope_and_silu(hf)
         refuse_sliding_window(hf.get("sliding_window"))
-        num_heads = hf["num_attention_heads"]
         return ModelConfig(
             model_type=self.model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads", num_heads),
-            head_dim=head_dim_of(hf),
+            **gqa_shape_of(hf),
             rope_theta=rope_theta_of(hf, default=1e6),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             num_experts=num_experts_of(hf),
@@ -72,8 +65,6 @@ class Mixtral(Architecture):
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=(),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_token_ids_of(hf),
             max_position_embeddings=hf.get("max_position_embeddings", 32768),
             use_qk_norm=False,
             attention_bias=False,
