@@ -297,8 +297,7 @@ class Scheduler:
             if not seq.block_table:
                 if self.kv.usage() > config.prefill_watermark:
                     return None
-                # In a mixed step the running sequences take their blocks first.
-                plan = self.kv.plan_admission(seq, self.decode_block_demand() if self._mixed else 0)
+                plan = self.kv.plan_admission(seq, self._mixed_reserve(seq))
                 if plan.status is AllocStatus.NEVER:
                     waiting.popleft()
                     seq.error_message = larger_than_pool(seq, self.kv)
@@ -311,6 +310,17 @@ class Scheduler:
                 return None
             return seq
         return None
+
+    def _mixed_reserve(self, seq: Sequence) -> int:
+        """Blocks that a mixed step's decode tokens take before ``seq`` could be admitted. The
+        count walks every running sequence, so it is taken only where it could matter: while
+        the free blocks are fewer than the prompt's blocks plus one per running sequence."""
+        if not self._mixed or not self.running:
+            return 0
+        kv = self.kv
+        if kv.blocks.num_free >= kv.num_blocks_for(len(seq.token_ids)) + len(self.running):
+            return 0
+        return self.decode_block_demand()
 
     def decode_block_demand(self) -> int:
         """Blocks the next decode of the running sequences takes: one for each whose next
