@@ -58,7 +58,8 @@ class AttentionMetadata:
     token_query_idx:   [T] int64 — the token's index within its sequence's query.
     attn_mask:         [B, 1, Lq, S] bool — True where query i of sequence b may attend key j
                        (causal over cached prefix + itself).
-    is_prefill:        the step kind the scheduler chose (selects the MoE dispatch mode upstream).
+    is_prefill:        the regime these rows are attended in (prompt chunks, or one decode token
+                       each); the MoE dispatch mode follows the step kind, set by the runner.
     max_query_len:     Lq; 1 selects the decode fast path.
     """
 

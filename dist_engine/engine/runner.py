@@ -80,13 +80,15 @@ class ModelRunner:
     def _metadata(
         self, seqs: list[Sequence], cached: list[int], new: list[int], outputs: SchedulerOutputs
     ) -> StepMetadata:
-        """The step's attention metadata; a mixed step's decode tokens get a part of their own,
-        attended by the decode backend."""
+        """The step's attention metadata. Decode tokens are attended in the decode regime in
+        every step: a mixed step's get a part of their own, or the whole batch where this rank
+        has no prompt chunk in it."""
         tables = [seq.block_table for seq in seqs]
         split = len(seqs) - outputs.num_decode_seqs
-        if not outputs.prompt_run or outputs.num_decode_seqs == 0 or split == 0:
+        if outputs.num_decode_seqs == 0 or split == 0:
+            is_prefill = outputs.prompt_run and outputs.num_decode_seqs == 0
             return AttentionMetadata.build(
-                tables, cached, new, self.block_size, outputs.prompt_run, self.device
+                tables, cached, new, self.block_size, is_prefill, self.device
             )
         return MixedMetadata.join(
             AttentionMetadata.build(

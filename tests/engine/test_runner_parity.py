@@ -170,9 +170,33 @@ def test_placeholder_and_known_empty_steps(case):
         assert placeholder.is_placeholder and runner.execute(placeholder) == ([], [])
 
 
+def test_decode_tokens_of_a_mixed_step_are_attended_in_the_decode_regime(case):
+    """A rank whose part of a mixed step holds decode tokens only (its prompts are elsewhere in
+    the group) attends them as a decode step would, and samples the decode step's tokens."""
+    from dataclasses import replace
+
+    _, model, prompts, _ = case
+    model.attach_kv_cache(model.new_kv_cache(64, BLOCK_SIZE))
+    runner = ModelRunner(model, BLOCK_SIZE)
+    sched = Scheduler(SchedulerConfig(max_model_len=128, block_size=BLOCK_SIZE, num_blocks=64))
+    for index, prompt in enumerate(prompts["random"][:3]):
+        sched.add_sequence(Sequence(f"r{index}", prompt, SamplingParams(max_tokens=8)))
+    first = sched.schedule()
+    sched.process_outputs(first, runner.execute(first)[0])
+    decode = sched.schedule()
+    assert not decode.prompt_run and decode.num_seqs == 3
+    riding = replace(decode, prompt_run=True, num_decode_seqs=decode.num_seqs)
+    seqs = decode.scheduled_seqs
+    cached = [seq.previous_num_tokens for seq in seqs]
+    attn = runner._metadata(seqs, cached, riding.seqlens_q, riding)
+    assert not attn.is_prefill and attn.max_query_len == 1
+    assert runner.execute(riding) == runner.execute(decode)  # the same slots, rewritten alike
+
+
 def test_mla_mixed_steps_give_transformers_tokens(tmp_path):
-    """DeepSeek-V3 (MLA over the latent cache): decode tokens riding in prompt steps take the
-    expanded prompt path beside chunks over a cached prefix; greedy tokens stay transformers'."""
+    """DeepSeek-V3 (MLA over the latent cache): decode tokens riding in prompt steps keep the
+    absorbed decode form beside chunks taking the expanded one; greedy tokens stay
+    transformers'."""
     model_dir = make_tiny_checkpoint(
         "deepseek_v3", tmp_path, seed=3, **TINY_SIZES, num_layers=2, n_shared_experts=1
     )
