@@ -139,8 +139,15 @@ class LocalClient:
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         return self.host.take(timeout_s)
 
-    def stats(self) -> list[RankStats]:
+    def stats(self, timeout_s: float | None = None) -> list[RankStats]:
+        """A snapshot taken on the caller's thread: it never waits on the engine's loop."""
         return [self.host.stats()]
+
+    def silent_ranks(self) -> dict[int, float]:
+        return {}  # in this process: a stopped rank is a stopped server
+
+    def stop_ranks(self) -> None:
+        self.host.shutdown(timeout_s=30.0)
 
     def shutdown(self) -> None:
         self.host.shutdown(timeout_s=30.0)

@@ -11,19 +11,30 @@ key the group uses lives under a random per-job namespace that only the driver a
 know (handed over by Ray, never through the store). gloo's own sockets listen on loopback too
 for a one-host group (GLOO_SOCKET_IFNAME=lo), else on the nodes' addresses.
 
-A rank whose actor dies raises `RankFailure` at once; one that stops answering (its process
-stopped, or hung) is declared failed after `collective_timeout_s + RANK_SILENCE_MARGIN_S`
-without a reply, and killed.
+The embedded Ray (one this launcher starts) takes only this job: it runs with Ray's token
+authentication, a token made for the job and handed to Ray's processes through their
+environment while Ray starts, then dropped from the driver's environment. A driver, job
+submission or RPC without it is refused; what still listens, and where, is in the README.
+
+A rank whose actor dies raises `RankFailure` at once. Every call into a rank has a timeout:
+one that stops answering (its process stopped, or hung) is declared failed once it has not
+answered for `collective_timeout_s + RANK_SILENCE_MARGIN_S`, and killed, whichever call
+notices it. Stats are asked with a short timeout of their own and never fail a rank: a silent
+rank's last stats come back with how long it has been silent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -34,13 +45,19 @@ from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
+from dist_engine.log import get_logger
 from launcher.clients import EngineHost, RankFailure, Submission
+
+log = get_logger()
 
 _STARTUP_TIMEOUT_S = 300.0
 _TAKE_S = 0.5  # how long a rank's outstanding `take` waits for outputs before returning empty
 # A rank not heard from for the collective timeout plus this long is declared failed: by then
 # its peers' collectives have timed out too, so the group is lost either way.
 RANK_SILENCE_MARGIN_S = 10.0
+STATS_TIMEOUT_S = 2.0  # how long `stats` waits for a rank before reporting its last stats
+# The environment through which Ray's processes get their authentication.
+_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
 @ray.remote(max_concurrency=8)
@@ -172,22 +189,60 @@ def start_reaper() -> subprocess.Popen:
 
 
 def connect_ray(num_cpus: int | None = None) -> bool:
-    """Connect to the cluster in RAY_ADDRESS, or start an embedded one. True if we started it."""
+    """Connect to the cluster in RAY_ADDRESS, or start an embedded one. True if we started it.
+
+    A cluster we join keeps its own authentication (the user's `RAY_AUTH_*` settings); one we
+    start takes only this job (`_job_token`).
+    """
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=False)
         return False
-    # Token auth breaks a local cluster's own node joins; a private embedded Ray needs none.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        address="local",  # a new private instance, even if another cluster runs on this host
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        object_store_memory=256 * 1024 * 1024,
-        log_to_driver=False,
-    )
+    with _job_token():
+        ray.init(
+            address="local",  # a new private instance, even if another cluster runs on this host
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=256 * 1024 * 1024,
+            log_to_driver=False,
+        )
     return True
+
+
+@contextlib.contextmanager
+def _job_token() -> Iterator[None]:
+    """Token authentication with a token made for this job, while an embedded Ray starts.
+
+    Ray's processes (GCS, raylet, agents, and the workers the raylet forks) read the mode and
+    token from the environment they start with, and this driver's core worker caches them
+    when it connects; afterwards the driver's environment gets its old values back, so
+    processes it starts later (the reaper, a user's subprocesses) do not carry the token.
+    A token file (`RAY_AUTH_TOKEN_PATH`, ~/.ray/auth_token) is never read or written.
+    """
+    saved = {name: os.environ.get(name) for name in _AUTH_ENV}
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    _reload_auth_settings()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _reload_auth_settings() -> None:
+    """Make this process's Ray read the authentication mode and token from the environment
+    again: Ray caches both per process, and a process may start several embedded Rays in
+    turn (each with its own token) or join a cluster of another mode in between."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 class RayClient:
@@ -207,6 +262,10 @@ class RayClient:
         self._takes: dict[int, Any] = {}
         self.failed: dict[int, str] = {}  # rank -> why; such a rank is never asked again
         self._silence_limit_s = config.parallel.collective_timeout_s + RANK_SILENCE_MARGIN_S
+        self._heard: dict[int, float] = {}  # rank -> when it last answered a call
+        self._last_stats: dict[int, RankStats] = {}
+        # poll, submit/abort and stats may each run on a thread of their own (the server).
+        self._lock = threading.Lock()
         try:
             try:
                 ray.get(self.pg.ready(), timeout=_STARTUP_TIMEOUT_S)
@@ -248,6 +307,8 @@ class RayClient:
             self.pids = {rank: pid for rank, (pid, *_) in enumerate(started)}
             self.node_ids = {rank: node for rank, (_, node, *_) in enumerate(started)}
             self.moe_exchange = started[0][2]  # a group decision: the same on every rank
+            for rank, pid in self.pids.items():
+                log.info("DP rank %d: pid %d, Ray node %s", rank, pid, self.node_ids[rank][:12])
             self.backends = describe_per_rank([backends for *_, backends in started])
         except BaseException:
             self.shutdown()
@@ -259,10 +320,30 @@ class RayClient:
     def abort(self, rank: int, request_id: str) -> None:
         self._get(rank, self._actor(rank).abort.remote(request_id))
 
-    def stats(self) -> list[RankStats]:
-        """Every rank's queues, KV pool and counters, in rank order."""
-        refs = [actor.stats.remote() for actor in self.actors]
-        return [self._get(rank, ref) for rank, ref in enumerate(refs)]
+    def stats(self, timeout_s: float = STATS_TIMEOUT_S) -> list[RankStats]:
+        """Every live rank's queues, KV pool and counters, in rank order.
+
+        A rank that does not answer within ``timeout_s`` is reported by its last stats with
+        `silent_s` set (or left out, if it never answered one); it is not failed here: the
+        calls that carry requests, and `poll`, decide that.
+        """
+        asked = {
+            rank: actor.stats.remote()
+            for rank, actor in enumerate(self.actors)
+            if rank not in self.failed
+        }
+        ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
+        done = set(ready)
+        stats: list[RankStats] = []
+        now = time.monotonic()
+        for rank, ref in asked.items():
+            if ref in done:
+                self._last_stats[rank] = self._get(rank, ref)
+                stats.append(self._last_stats[rank])
+            elif rank in self._last_stats:
+                silent_s = now - self._heard.get(rank, now)
+                stats.append(dataclasses.replace(self._last_stats[rank], silent_s=silent_s))
+        return stats
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         """Outputs from whichever ranks have some, waiting up to ``timeout_s``.
@@ -276,22 +357,30 @@ class RayClient:
         for rank, actor in enumerate(self.actors):
             if rank not in self._takes and rank not in self.failed:
                 self._takes[rank] = actor.take.remote(_TAKE_S)
-        if not self._takes:
+        takes = dict(self._takes)
+        if not takes:
             return []
-        ready, _ = ray.wait(list(self._takes.values()), num_returns=1, timeout=timeout_s)
+        ready, _ = ray.wait(list(takes.values()), num_returns=1, timeout=timeout_s)
         outputs: list[RequestOutput] = []
-        for rank, ref in list(self._takes.items()):
+        for rank, ref in takes.items():
             if ref in ready:
-                del self._takes[rank]
+                self._takes.pop(rank, None)
                 outputs.extend(self._get(rank, ref))
         now = time.monotonic()
         for rank in list(self._takes):
             silent_s = now - self._heard[rank]
             if silent_s > self._silence_limit_s:
-                self._declare_failed(rank, f"it stopped answering for {silent_s:.0f} s")
-                ray.kill(self.actors[rank], no_restart=True)  # a stopped process too
-                raise RankFailure(rank, self.failed[rank])
+                self._fail_silent(rank, silent_s)
         return outputs
+
+    def silent_ranks(self) -> dict[int, float]:
+        """Live ranks whose last answer is more than two heartbeats old: rank -> seconds."""
+        now = time.monotonic()
+        return {
+            rank: now - heard
+            for rank, heard in self._heard.items()
+            if rank not in self.failed and now - heard > 4 * _TAKE_S
+        }
 
     def _actor(self, rank: int) -> Any:
         if rank in self.failed:
@@ -299,25 +388,57 @@ class RayClient:
         return self.actors[rank]
 
     def _get(self, rank: int, ref: Any) -> Any:
+        """A rank's answer, waiting at most the silence limit; a rank that has not answered
+        anything for that long is failed (and killed), whichever call noticed."""
         try:
-            value = ray.get(ref)
+            value = ray.get(ref, timeout=self._silence_limit_s)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
             self._declare_failed(rank, f"its Ray actor is gone ({type(error).__name__})")
             raise RankFailure(rank, self.failed[rank]) from error
+        except ray.exceptions.GetTimeoutError:
+            self._fail_silent(rank, time.monotonic() - self._heard.get(rank, 0.0))
         self._heard[rank] = time.monotonic()
         return value
 
-    def _declare_failed(self, rank: int, why: str) -> None:
-        self.failed.setdefault(rank, why)
-        self._takes.pop(rank, None)
+    def _fail_silent(self, rank: int, silent_s: float) -> None:
+        """Declare a rank that stopped answering failed, kill it (a stopped process too) and
+        raise `RankFailure`."""
+        if self._declare_failed(rank, f"it stopped answering for {silent_s:.0f} s"):
+            log.error("DP rank %d has not answered for %.0f s: killing it", rank, silent_s)
+            ray.kill(self.actors[rank], no_restart=True)
+        raise RankFailure(rank, self.failed[rank])
+
+    def _declare_failed(self, rank: int, why: str) -> bool:
+        """Mark ``rank`` failed; True if this call did (another thread may have first)."""
+        with self._lock:
+            first = rank not in self.failed
+            self.failed.setdefault(rank, why)
+            self._takes.pop(rank, None)
+        return first
 
     def shutdown(self) -> None:
-        """Stop every rank, then kill the actors and free the placement group: nothing stays."""
+        """Stop every rank, free the placement group, and stop the embedded Ray if we
+        started it: nothing stays."""
+        self.stop_ranks()
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+            _reload_auth_settings()  # back to this environment's mode for a later ray.init
+        if self._reaper is not None:
+            self._reaper.terminate()
+            self._reaper.wait(timeout=10)
+            self._reaper = None
+
+    def stop_ranks(self) -> None:
+        """Stop every rank, then kill the actors and free the placement group; Ray itself
+        stays up. Ranks that have gone silent are killed without being asked (they would not
+        answer)."""
         if self.actors:
+            silent = self.silent_ranks() if self._heard else {}
             refs = [
                 actor.shutdown.remote(30.0)
                 for rank, actor in enumerate(self.actors)
-                if rank not in self.failed
+                if rank not in self.failed and rank not in silent
             ]
             # A dead actor's ref counts as ready; killing below is enough for it.
             ray.wait(refs, num_returns=len(refs), timeout=40.0)
@@ -327,13 +448,6 @@ class RayClient:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
-        if self.started_ray:
-            ray.shutdown()
-            self.started_ray = False
-        if self._reaper is not None:
-            self._reaper.terminate()
-            self._reaper.wait(timeout=10)
-            self._reaper = None
 
 
 def describe_per_rank(values: list[str]) -> str:

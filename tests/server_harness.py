@@ -46,7 +46,9 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
 
     def stats(self) -> list[Any]:
-        return self.run(self.server.frontend.stats())
+        """Every rank's stats, fresh (asked on this thread; the server's own are up to a
+        second old)."""
+        return self.client.stats()
 
     def stop(self, drain_timeout_s: float = 5.0) -> None:
         """Drain and stop the server (unless a test did), then end the loop's thread."""

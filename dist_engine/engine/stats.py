@@ -68,6 +68,9 @@ class RankStats:
     num_preemptions: int = 0
     num_prefix_cache_hit_tokens: int = 0
     error: str | None = None  # why the rank's loop stopped, if it failed
+    # Set by a client when the rank did not answer in time: these are its last stats, and it
+    # has not answered for this many seconds.
+    silent_s: float = 0.0
 
 
 def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:

@@ -4,10 +4,16 @@ A client (`LocalClient`, `RayClient`) is blocking, so two threads stand between 
 event loop:
 
 - the *poller* waits on `client.poll` and hands each batch of outputs to the loop, which puts
-  every output in its request's queue; once a second, between polls, it also asks every rank
-  for its stats, which is how a rank whose loop died without its process dying is noticed;
-- the *courier* carries submissions and aborts to the ranks in the order they were made
-  (batched per rank when several wait), so an abort never overtakes its request's submission.
+  every output in its request's queue;
+- one *courier* per rank carries submissions and aborts to its rank in the order they were
+  made (batched when several wait), so an abort never overtakes its request's submission,
+  and a rank that stops answering holds up only its own requests;
+- the *monitor* asks every rank for its stats once a second (with a short timeout), keeps the
+  latest for `/metrics`, and notices a rank whose loop died without its process dying.
+
+No request path waits on stats, and neither `/health` nor `/metrics` waits on a rank: both
+answer from what the threads last saw. Every call into a rank is bounded by the client (a rank
+silent past its limit is failed), so a stopped rank ends in a failed group, not a frozen one.
 
 Every request is submitted with streaming on, so the server sees each token when the rank
 reports it, whether or not the HTTP client streams. A request stays open here until its rank
@@ -38,8 +44,9 @@ from launcher.routing import Router
 from scheduler import SamplingParams
 
 _POLL_S = 0.05
-_RANK_CHECK_S = 1.0  # how often the poller asks the ranks for their stats
-_STATS_TIMEOUT_S = 5.0
+_RANK_CHECK_S = 1.0  # how often the monitor asks the ranks for their stats
+_STATS_TIMEOUT_S = 1.0
+_FRESH_STATS_TIMEOUT_S = 0.5  # /metrics: how long a scrape waits for fresh stats
 
 log = get_logger()
 
@@ -93,11 +100,13 @@ class EngineFrontend:
         self.latest_stats: list[RankStats] = []
         self._open: dict[str, _Open] = {}
         self._idle = asyncio.Event()
-        self._commands: queue.SimpleQueue[tuple[str, int, Any] | None] = queue.SimpleQueue()
+        # One queue per rank's courier: ("submit", Submission) or ("abort", request id).
+        self._commands: list[queue.SimpleQueue[tuple[str, Any] | None]] = [
+            queue.SimpleQueue() for _ in range(self.num_ranks)
+        ]
         self._stopping = threading.Event()
-        self._client_shut = threading.Lock()
-        self._client_is_shut = False
-        self._client_down = threading.Event()  # set once client.shutdown() has returned
+        self._ranks_stopping = threading.Event()  # set when a failure starts stopping the ranks
+        self._ranks_down = threading.Event()  # set once they are stopped
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
 
@@ -106,8 +115,14 @@ class EngineFrontend:
         """Start the poller and the courier; call from the event loop that will serve."""
         self._loop = asyncio.get_running_loop()
         self._idle.set()
-        for target, name in ((self._poll_loop, "poller"), (self._courier_loop, "courier")):
-            thread = threading.Thread(target=target, name=f"lockstep-{name}", daemon=True)
+        threads = [(self._poll_loop, (), "poller"), (self._monitor_loop, (), "monitor")]
+        threads += [
+            (self._courier_loop, (rank,), f"courier-{rank}") for rank in range(self.num_ranks)
+        ]
+        for target, args, name in threads:
+            thread = threading.Thread(
+                target=target, args=args, name=f"lockstep-{name}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
 
@@ -131,27 +146,34 @@ class EngineFrontend:
         return len(left)
 
     async def close(self) -> None:
-        """Stop the threads and shut the group down."""
+        """Stop the threads and shut the group down.
+
+        Waits on threads of its own, never the loop's executor: threads stuck in a call to a
+        silent rank (each bounded by the client) must not hold up the shutdown."""
         self._stopping.set()
-        self._commands.put(None)
-        loop = asyncio.get_running_loop()
-        for thread in self._threads:
-            await loop.run_in_executor(None, thread.join, 5.0)
-        await loop.run_in_executor(None, self._shutdown_client)
-        # A failure may have started the shutdown on another thread: wait for it too.
-        await loop.run_in_executor(None, self._client_down.wait, 120.0)
+        for commands in self._commands:
+            commands.put(None)
+        await _in_thread(lambda: [thread.join(5.0) for thread in self._threads])
+        if self._ranks_stopping.is_set():  # a failure began stopping the ranks: let it finish
+            await _in_thread(lambda: self._ranks_down.wait(120.0))
+        await _in_thread(self._shutdown_client)
 
     def _shutdown_client(self) -> None:
-        with self._client_shut:
-            if self._client_is_shut:
-                return
-            self._client_is_shut = True
         try:
             self.client.shutdown()
         except Exception as error:  # the group is going away anyway; say so and move on
             log.warning("shutting the DP group down failed: %s", error)
+
+    def _stop_ranks(self) -> None:
+        """After a failure: stop what is left of the group, keeping the client's runtime (an
+        embedded Ray) up until the server stops. Ray's shutdown resets the process's SIGTERM
+        handler, so shutting it down here would leave the server unable to stop cleanly."""
+        try:
+            self.client.stop_ranks()
+        except Exception as error:
+            log.warning("stopping the rest of the DP group failed: %s", error)
         finally:
-            self._client_down.set()
+            self._ranks_down.set()
 
     # -- requests (event loop thread) -------------------------------------------------------
     def open_request(
@@ -176,7 +198,7 @@ class EngineFrontend:
         self._open[request_id] = entry
         self._idle.clear()
         submission: Submission = (request_id, prompt_token_ids, params, True)
-        self._commands.put(("submit", rank, submission))
+        self._commands[rank].put(("submit", submission))
         return RequestStream(self, request_id, entry)
 
     def abort(self, request_id: str, reason: str | None = None) -> None:
@@ -185,31 +207,38 @@ class EngineFrontend:
             return
         if reason is not None:
             entry.abort_reason = reason
-        self._commands.put(("abort", entry.rank, request_id))
+        self._commands[entry.rank].put(("abort", request_id))
 
     @property
     def num_open(self) -> int:
         return len(self._open)
 
     def health(self) -> tuple[bool, str]:
+        """Never waits on a rank: the failure the threads recorded, or the ranks that have
+        not answered lately (still healthy until the client declares them failed)."""
         if self.failure is not None:
             return False, f"the DP group failed: {self.failure}"
         if self.draining:
             return False, "draining: the server is shutting down"
+        silent = self.client.silent_ranks()
+        if silent:
+            named = ", ".join(f"DP rank {r} for {s:.0f} s" for r, s in sorted(silent.items()))
+            return True, f"ok; not answering: {named}"
         return True, "ok"
 
-    async def stats(self) -> list[RankStats]:
-        """Every rank's stats, fresh when the group answers (else the last ones seen)."""
-        if self.failure is None and not self._client_is_shut:
-            loop = asyncio.get_running_loop()
+    async def stats(self, timeout_s: float = _FRESH_STATS_TIMEOUT_S) -> list[RankStats]:
+        """Every rank's stats: asked afresh, waiting at most ``timeout_s`` (the client's own
+        timeout bounds the thread that asks); else the monitor's latest, at most about a
+        second old (a silent rank's are its last, with `silent_s` set)."""
+        if self.failure is None and not self._stopping.is_set():
             try:
                 stats = await asyncio.wait_for(
-                    loop.run_in_executor(None, self.client.stats), _STATS_TIMEOUT_S
+                    _in_thread(lambda: self.client.stats(timeout_s)), timeout_s + 0.2
                 )
             except RankFailure as failure:
                 self._fail_group(str(failure))
             except (asyncio.TimeoutError, Exception) as error:
-                log.warning("the ranks did not report their stats: %r", error)
+                log.debug("fresh stats unavailable: %r", error)
             else:
                 self._check_stats(stats)
         return self.latest_stats
@@ -248,7 +277,8 @@ class EngineFrontend:
         log.error("the DP group failed: %s; ending %d open request(s)", message, len(self._open))
         self._end_all(message)
         # Free what is left of the group; the server keeps answering, unhealthy, until stopped.
-        threading.Thread(target=self._shutdown_client, name="lockstep-shutdown").start()
+        self._ranks_stopping.set()
+        threading.Thread(target=self._stop_ranks, name="lockstep-stop-ranks").start()
 
     def _end_all(self, reason: str) -> None:
         for request_id, entry in list(self._open.items()):
@@ -268,15 +298,11 @@ class EngineFrontend:
 
     # -- threads ----------------------------------------------------------------------------
     def _poll_loop(self) -> None:
-        last_check = time.monotonic()
         while not self._stopping.is_set() and self.failure is None:
             try:
                 outputs = self.client.poll(_POLL_S)
                 if outputs:
                     self._from_thread(self._deliver, outputs)
-                if time.monotonic() - last_check >= _RANK_CHECK_S:
-                    last_check = time.monotonic()
-                    self._from_thread(self._check_stats, self.client.stats())
             except RankFailure as failure:
                 self._from_thread(self._fail_group, str(failure))
                 return
@@ -286,30 +312,39 @@ class EngineFrontend:
                 self._from_thread(self._fail_group, f"polling the ranks failed: {error!r}")
                 return
 
-    def _courier_loop(self) -> None:
+    def _monitor_loop(self) -> None:
+        while not self._stopping.is_set() and self.failure is None:
+            try:
+                self._from_thread(self._check_stats, self.client.stats(_STATS_TIMEOUT_S))
+            except RankFailure as failure:
+                self._from_thread(self._fail_group, str(failure))
+                return
+            except Exception as error:
+                if not self._stopping.is_set():
+                    log.warning("the ranks did not report their stats: %r", error)
+            self._stopping.wait(_RANK_CHECK_S)
+
+    def _courier_loop(self, rank: int) -> None:
+        commands = self._commands[rank]
         while True:
-            command = self._commands.get()
-            batch = [command]
+            batch = [commands.get()]
             while True:
                 try:
-                    batch.append(self._commands.get_nowait())
+                    batch.append(commands.get_nowait())
                 except queue.Empty:
                     break
             if None in batch:
                 return
-            self._carry([c for c in batch if c is not None])
+            self._carry(rank, [c for c in batch if c is not None])
 
-    def _carry(self, batch: list[tuple[str, int, Any]]) -> None:
+    def _carry(self, rank: int, batch: list[tuple[str, Any]]) -> None:
         # Submissions first, then aborts: an abort in this batch may be for a request
         # submitted in it, never the other way round.
-        submissions: dict[int, list[Submission]] = {}
-        for kind, rank, payload in batch:
-            if kind == "submit":
-                submissions.setdefault(rank, []).append(payload)
+        submissions = [payload for kind, payload in batch if kind == "submit"]
         try:
-            for rank, items in submissions.items():
-                self.client.submit(rank, items)
-            for kind, rank, payload in batch:
+            if submissions:
+                self.client.submit(rank, submissions)
+            for kind, payload in batch:
                 if kind == "abort":
                     self.client.abort(rank, payload)
         except RankFailure as failure:
@@ -317,3 +352,30 @@ class EngineFrontend:
         except Exception as error:
             if not self._stopping.is_set():
                 self._from_thread(self._fail_group, f"reaching the ranks failed: {error!r}")
+
+
+async def _in_thread(function: Any) -> Any:
+    """Run a blocking call on a thread of its own (not the loop's executor, whose few threads
+    a stuck call could all hold) and await it."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = function()
+        except BaseException as error:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(_settle, done, None, error)
+        else:
+            loop.call_soon_threadsafe(_settle, done, result, None)
+
+    threading.Thread(target=run, name="lockstep-blocking", daemon=True).start()
+    return await done
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
