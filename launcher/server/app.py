@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,14 @@ from dist_engine.log import get_logger
 from dist_engine.models.config import ModelConfig
 from launcher.server.config import ServerConfig
 from launcher.server.frontend import EngineFrontend, RequestStream, Unavailable
+from launcher.server.http import (
+    OneLineLogger,
+    check_body_headers,
+    check_origin,
+    parse_json,
+    read_body,
+    set_server_header,
+)
 from launcher.server.metrics import ServerMetrics
 from launcher.server.protocol import (
     GenerationRequest,
@@ -44,6 +53,9 @@ from launcher.server.tokenization import IncrementalDetokenizer, ModelTokenizer
 
 log = get_logger()
 _SHUTDOWN_GRACE_S = 5.0  # after the drain: how long handlers get to write their last bytes
+# Threads that parse bodies, render chat templates and tokenize, off the event loop; requests
+# reach them only once admitted (server.max_pending_requests), so their queue is bounded.
+_PREPARE_WORKERS = 2
 # How a rank words the end of requests it holds when its group stops (engine.py: `_stop`,
 # `_describe_failure`): the service is gone, not the request at fault.
 _GROUP_STOPPED = ("DP group failed", "engine stopped", "engine shut down")
@@ -71,12 +83,14 @@ class LockstepServer:
         self.app = web.Application(
             middlewares=[self._middleware], client_max_size=config.max_body_bytes
         )
-        self.app.router.add_post("/v1/completions", self._completions)
-        self.app.router.add_post("/v1/chat/completions", self._chat)
+        self._prepare_pool = ThreadPoolExecutor(_PREPARE_WORKERS, "lockstep-prepare")
+        expect = self._expect_continue
+        self.app.router.add_post("/v1/completions", self._completions, expect_handler=expect)
+        self.app.router.add_post("/v1/chat/completions", self._chat, expect_handler=expect)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics)
-        self.app.on_response_prepare.append(_server_header)
+        self.app.on_response_prepare.append(set_server_header)
 
     # -- lifetime ---------------------------------------------------------------------------
     async def start(self) -> int:
@@ -87,6 +101,9 @@ class LockstepServer:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=_SHUTDOWN_GRACE_S,
+            # Also the time a new connection has to send its first request's headers.
+            keepalive_timeout=self.config.keepalive_timeout_s,
+            logger=OneLineLogger(logging.getLogger("aiohttp.server"), {}),
         )
         await runner.setup()
         self._runner = runner
@@ -105,12 +122,14 @@ class LockstepServer:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.frontend.close()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
 
     # -- middleware: authorization, errors as OpenAI JSON, response counts ------------------
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         status = 500
         try:
+            check_origin(request, self.config.host)
             if self.config.api_key is not None and request.path != "/health":
                 self._authorize(request)
             response = await handler(request)
@@ -139,7 +158,7 @@ class LockstepServer:
         except Exception as error:
             log.exception("%s %s failed", request.method, request.path)
             return web.json_response(
-                error_body(f"internal error: {type(error).__name__}: {error}", "server_error"),
+                error_body(f"internal error: {type(error).__name__}", "server_error"),
                 status=500,
             )
         finally:
@@ -155,8 +174,34 @@ class LockstepServer:
                 code="invalid_api_key",
             )
         assert self.config.api_key is not None
-        if not hmac.compare_digest(key.strip().encode(), self.config.api_key.encode()):
+        # aiohttp decodes header bytes that are not UTF-8 to lone surrogates; keep them as
+        # bytes, which can only fail to match.
+        sent = key.strip().encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(sent, self.config.api_key.encode()):
             raise RequestError("incorrect API key", status=401, code="invalid_api_key")
+
+    async def _expect_continue(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue`: the checks a body would fail run before the client is told
+        to send it."""
+        try:
+            check_origin(request, self.config.host)
+            if self.config.api_key is not None:
+                self._authorize(request)
+            check_body_headers(request, self.config.max_body_bytes)
+        except RequestError as error:
+            self.metrics.response(request.path, error.status)
+            response = _json_error(error)
+            response.force_close()  # the client may send the body anyway: don't read it
+            return response
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            return web.json_response(
+                error_body("only 'Expect: 100-continue' is understood", "invalid_request_error"),
+                status=417,
+            )
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # what follows is the reply's first byte
+        return None
 
     # -- endpoints --------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -191,12 +236,17 @@ class LockstepServer:
     # -- generation -------------------------------------------------------------------------
     async def _generate(self, request: web.Request, parse: Any, prefix: str) -> web.StreamResponse:
         arrival = time.monotonic()
-        body = await _read_json(request, self.config.max_body_bytes)
-        generation: GenerationRequest = parse(body, self.limits)
-        request_id = f"{prefix}{uuid.uuid4().hex}"
-        stream = self.frontend.open_request(
-            request_id, generation.prompt_token_ids, generation.params, generation.dp_rank
-        )
+        # Admitted first: a server at its limit refuses before reading or tokenizing anything.
+        with self.frontend.admission():
+            raw = await read_body(request, self.config.max_body_bytes, self.config.read_timeout_s)
+            loop = asyncio.get_running_loop()
+            generation: GenerationRequest = await loop.run_in_executor(
+                self._prepare_pool, _prepare, raw, parse, self.limits
+            )
+            request_id = f"{prefix}{uuid.uuid4().hex}"
+            stream = self.frontend.open_request(
+                request_id, generation.prompt_token_ids, generation.params, generation.dp_rank
+            )
         self.metrics.prompt_tokens.labels(self.limits.served_model_name).inc(
             len(generation.prompt_token_ids)
         )
@@ -371,22 +421,9 @@ class _Reply:
         self.metrics.requests_finished.labels(self.model, self.generation.endpoint, reason).inc()
 
 
-async def _read_json(request: web.Request, limit: int) -> Any:
-    try:
-        raw = await request.read()  # aiohttp stops reading past the app's client_max_size
-    except web.HTTPRequestEntityTooLarge:
-        raise RequestError(
-            f"the request body is larger than server.max_body_bytes ({limit} bytes)",
-            status=413,
-        ) from None
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise RequestError(f"the request body is not valid JSON: {error}") from None
-
-
-async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    response.headers["Server"] = "lockstep"  # not aiohttp's, which names its version
+def _prepare(raw: bytes, parse: Any, limits: ModelLimits) -> GenerationRequest:
+    """On a prepare thread: the body parsed, validated, rendered and tokenized."""
+    return parse(parse_json(raw), limits)
 
 
 def _json_error(error: RequestError) -> web.Response:

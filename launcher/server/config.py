@@ -9,6 +9,9 @@
       max_pending_requests: 256    # open requests (queued or running) before 503 + Retry-After
       max_body_bytes: 1048576      # larger request bodies get 413
       drain_timeout_s: 30          # on SIGTERM: how long in-flight requests may take to finish
+      read_timeout_s: 30           # how long a request's body may take to arrive (else 408)
+      keepalive_timeout_s: 5       # how long a connection may sit idle, or take to send its
+                                   # request's headers, before it is closed
       routing: least_loaded        # or round_robin (launcher/routing.py)
 
 The engine's sections are left to `EngineConfig`; nothing here reaches a rank.
@@ -32,6 +35,8 @@ class ServerConfig:
     max_pending_requests: int = 256
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
+    read_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 5.0
     routing: str = "least_loaded"
 
     def __post_init__(self) -> None:
@@ -54,14 +59,16 @@ class ServerConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"server.{name} must be an int >= 1, got {value!r}")
-        if (
-            not isinstance(self.drain_timeout_s, (int, float))
-            or isinstance(self.drain_timeout_s, bool)
-            or self.drain_timeout_s < 0
-        ):
+        for name, low in (("drain_timeout_s", 0), ("read_timeout_s", 0.1)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low:
+                raise ValueError(
+                    f"server.{name} must be a number of seconds >= {low}, got {value!r}"
+                )
+        value = self.keepalive_timeout_s
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ValueError(
-                f"server.drain_timeout_s must be a number of seconds >= 0, "
-                f"got {self.drain_timeout_s!r}"
+                f"server.keepalive_timeout_s must be a number of seconds > 0, got {value!r}"
             )
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(

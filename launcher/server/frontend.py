@@ -33,6 +33,7 @@ import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,7 @@ class EngineFrontend:
         self.draining = False
         self.latest_stats: list[RankStats] = []
         self._open: dict[str, _Open] = {}
+        self._num_admitted = 0  # requests being read and tokenized (see `admission`)
         self._idle = asyncio.Event()
         # One queue per rank's courier: ("submit", Submission) or ("abort", request id).
         self._commands: list[queue.SimpleQueue[tuple[str, Any] | None]] = [
@@ -176,6 +178,31 @@ class EngineFrontend:
             self._ranks_down.set()
 
     # -- requests (event loop thread) -------------------------------------------------------
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[None]:
+        """Hold a place for a request while its body is read and tokenized: it counts toward
+        `max_pending_requests` from before its first byte is read until it is open (or
+        refused), so a flood of large bodies waits in no unbounded queue."""
+        self._check_available()
+        num_held = len(self._open) + self._num_admitted
+        if num_held >= self.max_pending_requests:
+            raise Unavailable(
+                f"{num_held} requests are open, which is the limit "
+                f"(server.max_pending_requests = {self.max_pending_requests}); retry later",
+                retry_after_s=1,
+            )
+        self._num_admitted += 1
+        try:
+            yield
+        finally:
+            self._num_admitted -= 1
+
+    def _check_available(self) -> None:
+        if self.failure is not None:
+            raise Unavailable(f"the DP group failed: {self.failure}")
+        if self.draining:
+            raise Unavailable("the server is shutting down")
+
     def open_request(
         self,
         request_id: str,
@@ -183,16 +210,8 @@ class EngineFrontend:
         params: SamplingParams,
         dp_rank: int | None,
     ) -> RequestStream:
-        if self.failure is not None:
-            raise Unavailable(f"the DP group failed: {self.failure}")
-        if self.draining:
-            raise Unavailable("the server is shutting down")
-        if len(self._open) >= self.max_pending_requests:
-            raise Unavailable(
-                f"{len(self._open)} requests are open, which is the limit "
-                f"(server.max_pending_requests = {self.max_pending_requests}); retry later",
-                retry_after_s=1,
-            )
+        """Open an admitted request (see `admission`) on a rank."""
+        self._check_available()  # the group may have failed while the request was prepared
         rank = self.router.assign(request_id, len(prompt_token_ids) + params.max_tokens, dp_rank)
         entry = _Open(rank, prompt_token_ids, asyncio.Queue())
         self._open[request_id] = entry

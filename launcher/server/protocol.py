@@ -149,6 +149,7 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
         text = limits.tokenizer.render_chat(messages)
     except ValueError as error:
         raise RequestError(str(error), param="messages") from None
+    _check_text_fits(text, limits, "messages")
     prompt = limits.tokenizer.encode(text, add_special_tokens=False)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     if key is not None and body.get("max_tokens") is not None:
@@ -168,10 +169,11 @@ def _generation(
 ) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str):
-        raise RequestError(f"model must be a string, got {model!r}", param="model")
+        raise RequestError(f"model must be a string, got {shorten(model)}", param="model")
     if model != limits.served_model_name:
         raise RequestError(
-            f"the model {model!r} does not exist; this server serves {limits.served_model_name!r}",
+            f"the model {shorten(model)} does not exist; this server serves "
+            f"{limits.served_model_name!r}",
             param="model",
             status=404,
             code="model_not_found",
@@ -180,7 +182,8 @@ def _generation(
         if name in body and not any(_same(body[name], value) for value in neutral):
             allowed = " or ".join(repr(v) for v in neutral if v is not None)
             raise RequestError(
-                f"{name}={body[name]!r} is not supported by this server (allowed: {allowed})",
+                f"{name}={shorten(body[name])} is not supported by this server "
+                f"(allowed: {allowed})",
                 param=name,
             )
     room = limits.max_model_len - len(prompt)
@@ -214,7 +217,7 @@ def _generation(
     dp_rank = body.get("dp_rank")
     if dp_rank is not None and (not _is_int(dp_rank) or not 0 <= dp_rank < limits.num_ranks):
         raise RequestError(
-            f"dp_rank must be an int in [0, {limits.num_ranks}) or null, got {dp_rank!r}",
+            f"dp_rank must be an int in [0, {limits.num_ranks}) or null, got {shorten(dp_rank)}",
             param="dp_rank",
         )
     return GenerationRequest(
@@ -242,7 +245,9 @@ def _sampling_params(
     _int(top_k, "top_k", minimum=0)
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise RequestError(f"seed must be an int in [0, 2**63) or null, got {seed!r}", param="seed")
+        raise RequestError(
+            f"seed must be an int in [0, 2**63) or null, got {shorten(seed)}", param="seed"
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(temperature),
@@ -264,13 +269,13 @@ def _stops(body: dict[str, Any], limits: ModelLimits) -> tuple[tuple[str, ...], 
         strings = list(stop)
     else:
         raise RequestError(
-            f"stop must be a string or a list of strings, got {stop!r} "
+            f"stop must be a string or a list of strings, got {shorten(stop)} "
             "(token ids go in stop_token_ids)",
             param="stop",
         )
     if len(strings) > MAX_STOP_STRINGS or any(not s for s in strings):
         raise RequestError(
-            f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {strings!r}",
+            f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {shorten(strings)}",
             param="stop",
         )
     if strings and limits.tokenizer is None:
@@ -280,7 +285,8 @@ def _stops(body: dict[str, Any], limits: ModelLimits) -> tuple[tuple[str, ...], 
         ids = []
     if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < limits.vocab_size for t in ids):
         raise RequestError(
-            f"stop_token_ids must be a list of token ids in [0, {limits.vocab_size}), got {ids!r}",
+            f"stop_token_ids must be a list of token ids in [0, {limits.vocab_size}), "
+            f"got {shorten(ids)}",
             param="stop_token_ids",
         )
     return tuple(strings), set(ids)
@@ -294,13 +300,13 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
         raise RequestError("stream_options needs stream: true", param="stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise RequestError(
-            f"stream_options must be an object with include_usage, got {options!r}",
+            f"stream_options must be an object with include_usage, got {shorten(options)}",
             param="stream_options",
         )
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise RequestError(
-            f"stream_options.include_usage must be true or false, got {include!r}",
+            f"stream_options.include_usage must be true or false, got {shorten(include)}",
             param="stream_options.include_usage",
         )
     return include
@@ -317,6 +323,7 @@ def _completion_prompt(body: dict[str, Any], limits: ModelLimits) -> list[int]:
             raise RequestError(
                 "text prompts need the model's tokenizer.json; send token ids", param="prompt"
             )
+        _check_text_fits(prompt, limits, "prompt")
         tokens = limits.tokenizer.encode(prompt)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
@@ -334,7 +341,7 @@ def _completion_prompt(body: dict[str, Any], limits: ModelLimits) -> list[int]:
         )
     else:
         raise RequestError(
-            f"prompt must be a string or a list of token ids, got {_short(prompt)}",
+            f"prompt must be a string or a list of token ids, got {shorten(prompt)}",
             param="prompt",
         )
     if not tokens:
@@ -346,20 +353,20 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(
-            f"messages must be a non-empty list, got {_short(messages)}", param="messages"
+            f"messages must be a non-empty list, got {shorten(messages)}", param="messages"
         )
     result = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
         if not isinstance(message, dict):
-            raise RequestError(f"{where} must be an object, got {_short(message)}", param=where)
+            raise RequestError(f"{where} must be an object, got {shorten(message)}", param=where)
         unknown = sorted(set(message) - {"role", "content", "name"})
         if unknown:
-            raise RequestError(f"{where} has unsupported field(s) {unknown}", param=where)
+            raise RequestError(f"{where} has unsupported field(s) {shorten(unknown)}", param=where)
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise RequestError(
-                f"{where}.role must be one of {list(CHAT_ROLES)}, got {role!r}",
+                f"{where}.role must be one of {list(CHAT_ROLES)}, got {shorten(role)}",
                 param=f"{where}.role",
             )
         result.append({"role": role, "content": _content(message.get("content"), where)})
@@ -380,21 +387,33 @@ def _content(content: Any, where: str) -> str:
             ):
                 raise RequestError(
                     f"{where}.content[{index}] must be a text part "
-                    f'{{"type": "text", "text": "..."}}, got {_short(part)}',
+                    f'{{"type": "text", "text": "..."}}, got {shorten(part)}',
                     param=f"{where}.content[{index}]",
                 )
             texts.append(part["text"])
         return "".join(texts)
     raise RequestError(
-        f"{where}.content must be a string or a list of text parts, got {_short(content)}",
+        f"{where}.content must be a string or a list of text parts, got {shorten(content)}",
         param=f"{where}.content",
     )
 
 
 # -- small checks -------------------------------------------------------------------------------
+def _check_text_fits(text: str, limits: ModelLimits, param: str) -> None:
+    """Refuse text too long for max_model_len before paying for its encoding."""
+    assert limits.tokenizer is not None
+    at_least = limits.tokenizer.min_num_tokens(text)
+    if at_least >= limits.max_model_len:
+        raise RequestError(
+            f"the prompt's {len(text)} characters make at least {at_least} tokens; "
+            f"max_model_len is {limits.max_model_len}, which leaves no room for output",
+            param=param,
+        )
+
+
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {_short(body)}")
+        raise RequestError(f"the request body must be a JSON object, got {shorten(body)}")
     return body
 
 
@@ -402,14 +421,14 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise RequestError(
-            f"unrecognized request argument(s): {unknown}; supported: {sorted(allowed)}",
-            param=unknown[0],
+            f"unrecognized request argument(s): {shorten(unknown)}; supported: {sorted(allowed)}",
+            param=unknown[0][:80],
         )
 
 
 def _int(value: Any, name: str, *, minimum: int) -> None:
     if not _is_int(value) or value < minimum:
-        raise RequestError(f"{name} must be an int >= {minimum}, got {value!r}", param=name)
+        raise RequestError(f"{name} must be an int >= {minimum}, got {shorten(value)}", param=name)
 
 
 def _number(body: dict[str, Any], name: str, default: float, *, low: float, high: float) -> float:
@@ -422,7 +441,9 @@ def _number(body: dict[str, Any], name: str, default: float, *, low: float, high
         or not math.isfinite(value)
         or not low <= value <= high
     ):
-        raise RequestError(f"{name} must be a number in [{low}, {high}], got {value!r}", param=name)
+        raise RequestError(
+            f"{name} must be a number in [{low}, {high}], got {shorten(value)}", param=name
+        )
     return float(value)
 
 
@@ -431,7 +452,7 @@ def _optional_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
+        raise RequestError(f"{name} must be true or false, got {shorten(value)}", param=name)
     return value
 
 
@@ -444,6 +465,10 @@ def _same(value: Any, neutral: Any) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def shorten(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages that echo what a client
+    sent: a 1 MB field must not come back in full."""
     text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 20]}... ({len(text)} characters)"

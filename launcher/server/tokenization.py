@@ -45,6 +45,15 @@ class ModelTokenizer:
             eos.add(self.tokenizer.token_to_id(self.eos_token))
         self.eos_token_ids = frozenset(eos)
         self._template: Any = None
+        self._max_chars_per_token = _max_chars_per_token(self.tokenizer, directory)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, found without encoding: no token covers
+        more characters than its vocabulary entry spells (times what the normalizer may
+        merge). 0 when the tokenizer's normalizer could shrink text without such a bound."""
+        if self._max_chars_per_token is None:
+            return 0
+        return len(text) // self._max_chars_per_token
 
     @staticmethod
     def load(model_dir: str | Path) -> ModelTokenizer | None:
@@ -142,6 +151,46 @@ class IncrementalDetokenizer:
             self.text = self.text[: min(found)]
             self.stopped = True
         self._searched = len(self.text)
+
+
+# Normalizers by how many characters they may merge into one (NFC/NFKC compose at most three
+# code points, Hangul jamo); any other kind (strip, strip accents, precompiled maps) can
+# shrink text without bound, and then no lower bound is claimed.
+_NORMALIZER_MERGE = {"NFC": 3, "NFKC": 3, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+
+
+def _max_chars_per_token(tokenizer: Any, directory: Path) -> int | None:
+    """Characters of text one token can cover at most, or None if that cannot be bounded."""
+    settings = _read_json(directory / "tokenizer.json")
+    merge = _normalizer_merge(settings.get("normalizer"))
+    if merge is None:
+        return None
+    longest = max((len(piece) for piece in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return max(1, longest) * merge
+
+
+def _normalizer_merge(normalizer: Any) -> int | None:
+    if normalizer is None:
+        return 1
+    if not isinstance(normalizer, dict):
+        return None
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        total = 1
+        for part in normalizer.get("normalizers") or []:
+            merge = _normalizer_merge(part)
+            if merge is None:
+                return None
+            total *= merge
+        return total
+    if kind == "Replace":
+        pattern = normalizer.get("pattern") or {}
+        found = pattern.get("String") if isinstance(pattern, dict) else None
+        content = normalizer.get("content")
+        if isinstance(found, str) and isinstance(content, str) and found:
+            return max(1, -(-len(found) // max(1, len(content))))
+        return None
+    return _NORMALIZER_MERGE.get(kind)
 
 
 def _compile_template(source: str) -> Any:
