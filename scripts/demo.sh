@@ -4,5 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh ""
-export RAY_AUTH_MODE=disabled
 .venv/bin/lockstep run "$@"

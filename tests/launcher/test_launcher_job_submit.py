@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.multirank
 
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT_S = 240
+TOKEN = secrets.token_hex(32)  # the test cluster's
 
 PROMPTS = [
     {"prompt_token_ids": [(3 * i + 7 * j) % 383 + 1 for j in range(2 + 2 * i)], "max_tokens": 3 + i}
@@ -111,11 +113,15 @@ def reference(job_files) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def head():
-    """A Ray head with the job server on free loopback ports; torn down and checked gone."""
+    """A Ray head with the job server on free loopback ports, with token authentication as
+    the README sets a cluster up (every process of the cluster and every client gets the
+    token through its environment); torn down and checked gone."""
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     assert not ray.is_initialized()
+    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+    ray_launcher._reload_auth_settings()
     port = _free_port()
     cluster = Cluster(
         initialize_head=True,
@@ -140,6 +146,12 @@ def head():
         yield {"url": url, "address": cluster.address}
     finally:
         cluster.shutdown()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        ray_launcher._reload_auth_settings()
     deadline = time.monotonic() + 30
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -152,7 +164,10 @@ def _wait_for_job_server(url: str, cluster) -> None:
     deadline = time.monotonic() + 60
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/api/version", timeout=2) as reply:
+            request = urllib.request.Request(
+                f"{url}/api/version", headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+            with urllib.request.urlopen(request, timeout=2) as reply:
                 assert json.load(reply)["ray_version"] == ray.__version__
             return
         except OSError as error:
@@ -165,7 +180,7 @@ def _wait_for_job_server(url: str, cluster) -> None:
 
 def _ray_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_AUTH_MODE"] = "disabled"
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
     return subprocess.run(
         [str(BIN / "ray"), *args], env=env, capture_output=True, text=True, timeout=timeout
     )
