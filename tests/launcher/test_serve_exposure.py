@@ -9,6 +9,7 @@ then SIGTERM of the failed server (a clean stop).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import queue
@@ -140,14 +141,23 @@ except Exception as error:
 
 def test_embedded_ray_refuses_a_driver_without_the_jobs_token(serve):
     (gcs_port,) = {port for _, port in serve.listeners("gcs_server")}
-    target = f"127.0.0.1:{gcs_port}"
-    for env in (
+    # The stranger gives up after 2 s of retries (Ray's default is 10 s): an open GCS lets a
+    # driver in on its first try, so a short wait cannot hide a breach.
+    base = {"TARGET": f"127.0.0.1:{gcs_port}", "RAY_gcs_server_port_wait_time_s": "2"}
+    envs = [
         {"RAY_AUTH_MODE": "disabled"},  # what an unauthenticated cluster's driver sends
         {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},  # a wrong token
-    ):
-        result = stranger(STRANGER_DRIVER, {"TARGET": target, **env})
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(envs)) as pool:
+        results = list(pool.map(lambda env: stranger(STRANGER_DRIVER, {**base, **env}), envs))
+    for env, result in zip(envs, results, strict=True):
         assert "JOINED" not in result.stdout, (env, result.stdout, result.stderr[-2000:])
         assert "REFUSED" in result.stdout, (env, result.stdout, result.stderr[-2000:])
+        assert "Unauthenticated" in result.stderr or "AuthenticationError" in result.stdout, (
+            env,
+            result.stdout,
+            result.stderr[-2000:],
+        )
 
 
 def test_embedded_ray_refuses_job_submission_without_the_token(serve):
@@ -234,7 +244,10 @@ def test_stopped_rank_ends_every_stream_within_the_silence_limit(serve):
             client.completions.create(model="tiny", prompt=[1], max_tokens=2)
         assert time.monotonic() - start < 1.0
         # The stopped rank was killed, not left stopped.
-        psutil.Process(serve.rank_pids[1]).wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(serve.rank_pids[1]):
+            assert time.monotonic() < deadline, "the stopped rank is still there"
+            time.sleep(0.2)
     finally:
         if psutil.pid_exists(serve.rank_pids[1]):
             os.kill(serve.rank_pids[1], signal.SIGCONT)
