@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -18,7 +19,45 @@ from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.stats import RankStats
 from scheduler import SamplingParams
 
-Submission = tuple[str, list[int], SamplingParams, bool]  # id, prompt, params, stream
+
+@dataclass(frozen=True)
+class Submission:
+    """A request handed to a rank."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool  # report new tokens as they come, not only the terminal result
+
+
+class Client(Protocol):
+    """How a front end (the `LLM`, the server) reaches its group's ranks. Every call returns
+    within a bound: a rank that stops answering is failed (`RankFailure`), never waited on
+    forever."""
+
+    num_ranks: int
+    moe_exchange: str  # how the MoE all-to-alls travel (`LLM.moe_exchange`)
+    backends: str  # the backends the ranks resolved (`LLM.backends`)
+
+    def submit(self, rank: int, batch: list[Submission]) -> None: ...
+
+    def abort(self, rank: int, request_id: str) -> None: ...
+
+    def poll(self, timeout_s: float) -> list[RequestOutput]:
+        """Outputs from any rank, waiting up to ``timeout_s`` for the first."""
+        ...
+
+    def stats(self, timeout_s: float | None = None) -> list[RankStats]: ...
+
+    def silent_ranks(self) -> dict[int, float]:
+        """Live ranks that have not answered lately: rank -> seconds."""
+        ...
+
+    def stop_ranks(self) -> None:
+        """Stop the ranks, leaving the client's runtime up (after a failure)."""
+        ...
+
+    def shutdown(self) -> None: ...
 
 
 class RankFailure(RuntimeError):
@@ -95,8 +134,10 @@ class EngineHost:
             self.error = f"{type(error).__name__}: {error}"
 
     def submit(self, batch: list[Submission]) -> None:
-        for request_id, prompt, params, stream in batch:
-            self.engine.submit(request_id, prompt, params, stream=stream)
+        for item in batch:
+            self.engine.submit(
+                item.request_id, item.prompt_token_ids, item.params, stream=item.stream
+            )
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -25,10 +25,10 @@ from tqdm import tqdm
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import check_max_model_len
-from dist_engine.engine.outputs import RequestOutput
-from dist_engine.errors import LockstepError
+from dist_engine.engine.outputs import ErrorKind, RequestOutput
+from dist_engine.errors import GroupFailedError, LockstepError
 from dist_engine.models.loader import check_checkpoint
-from launcher.clients import LocalClient, RankFailure, Submission
+from launcher.clients import Client, LocalClient, RankFailure, Submission
 from launcher.routing import Router
 from scheduler import SamplingParams
 
@@ -42,6 +42,16 @@ class Completion(RequestOutput):
     text: str | None = None
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """One prompt of a `generate` call, tokenized and named, before it is routed."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    dp_rank: int | None  # pinned by the caller, or None
+
+
 class _GroupFailure(Exception):
     """Raised by `LLM._run` after every request ended, when ranks failed: rank -> reason
     (rank -1: a failure not tied to one rank)."""
@@ -49,7 +59,6 @@ class _GroupFailure(Exception):
     def __init__(self, failed: dict[int, str]) -> None:
         super().__init__(_describe(failed))
         self.ranks = {rank for rank in failed if rank >= 0}
-        self.first_rank = min(self.ranks) if self.ranks else None
         self.reason = _describe(failed)
 
 
@@ -82,6 +91,7 @@ class LLM:
         model_config = check_checkpoint(self.config.model)
         check_max_model_len(self.config.scheduler.max_model_len, model_config)
         self.tokenizer = _load_tokenizer(self.config.model)
+        self.client: Client
         if launcher_name == "ray":
             from launcher.ray_launcher import RayClient
 
@@ -167,11 +177,11 @@ class LLM:
                 yield index, finals[index]
         if failure is not None:
             self.shutdown()
-            error = LockstepError(f"the DP group failed: {failure.reason}")
-            error.failed_rank = failure.first_rank  # type: ignore[attr-defined]
-            error.failed_ranks = sorted(failure.ranks)  # type: ignore[attr-defined]
-            error.outputs = [finals[i] for i in range(len(requests))]  # type: ignore[attr-defined]
-            raise error
+            raise GroupFailedError(
+                f"the DP group failed: {failure.reason}",
+                sorted(failure.ranks),
+                [finals[i] for i in range(len(requests))],
+            )
 
     def generate_stream(
         self,
@@ -189,13 +199,13 @@ class LLM:
                 yield self._completion(output)
         except _GroupFailure as failure:
             self.shutdown()
-            error = LockstepError(f"the DP group failed: {failure.reason}")
-            error.failed_rank = failure.first_rank  # type: ignore[attr-defined]
-            raise error from None
+            raise GroupFailedError(
+                f"the DP group failed: {failure.reason}", sorted(failure.ranks)
+            ) from None
 
-    def _serves(self, index: int, request: tuple) -> bool:
+    def _serves(self, index: int, prompt: _Prompt) -> bool:
         """Under torchrun: whether this process's rank serves prompt ``index``."""
-        pin = request[3]
+        pin = prompt.dp_rank
         return (pin if pin is not None else index % self.client.num_ranks) == self.client.rank
 
     @property
@@ -216,7 +226,7 @@ class LLM:
     def _torchrun(self) -> bool:
         return self.config.parallel.launcher == "torchrun"
 
-    def _prepare(self, prompts, sampling_params, dp_rank) -> list[tuple[str, list[int], Any, Any]]:
+    def _prepare(self, prompts, sampling_params, dp_rank) -> list[_Prompt]:
         if self.closed:
             raise LockstepError("this LLM is shut down; start a new one")
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -234,7 +244,7 @@ class LLM:
             ):
                 raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
         return [
-            (f"{self._id_prefix}-{next(self._ids)}", self._tokens(prompt), param, pin)
+            _Prompt(f"{self._id_prefix}-{next(self._ids)}", self._tokens(prompt), param, pin)
             for prompt, param, pin in zip(prompts, params, pins, strict=True)
         ]
 
@@ -245,15 +255,18 @@ class LLM:
         failed."""
         index_of = {}
         batches: dict[int, list[Submission]] = {}
-        for index, (request_id, tokens, params, pin) in enumerate(requests):
+        for index, prompt in enumerate(requests):
+            pin = prompt.dp_rank
             if self._torchrun:
-                if not self._serves(index, requests[index]):
+                if not self._serves(index, prompt):
                     continue
                 pin = self.client.rank
-            cost = len(tokens) + params.max_tokens
-            rank = self.router.assign(request_id, cost, pin)
-            index_of[request_id] = index
-            batches.setdefault(rank, []).append((request_id, tokens, params, stream))
+            cost = len(prompt.token_ids) + prompt.params.max_tokens
+            rank = self.router.assign(prompt.request_id, cost, pin)
+            index_of[prompt.request_id] = index
+            batches.setdefault(rank, []).append(
+                Submission(prompt.request_id, prompt.token_ids, prompt.params, stream)
+            )
         pending = set(index_of)
         failed: dict[int, str] = {}  # rank -> why
         deadline = None  # once a rank failed: when the others' requests are failed too
@@ -303,10 +316,17 @@ class LLM:
         return self.config.parallel.collective_timeout_s + 10.0
 
     @staticmethod
-    def _failed_output(request: tuple, reason: str, rank: int | None = None) -> RequestOutput:
-        request_id, tokens, _, pin = request
-        dp_rank = rank if rank is not None else (pin or 0)
-        return RequestOutput.failed(request_id, list(tokens), reason, dp_rank, arrival_time=0.0)
+    def _failed_output(prompt: _Prompt, reason: str, rank: int | None = None) -> RequestOutput:
+        """A request the failed group never answered."""
+        dp_rank = rank if rank is not None else (prompt.dp_rank or 0)
+        return RequestOutput.failed(
+            prompt.request_id,
+            list(prompt.token_ids),
+            reason,
+            dp_rank,
+            arrival_time=0.0,
+            error_kind=ErrorKind.GROUP_FAILED,
+        )
 
     def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -22,7 +22,8 @@ from dist_engine.distributed.cpu_binding import bind_process
 from dist_engine.distributed.groups import describe_exchange, init_distributed, resolve_backend
 from dist_engine.distributed.plain_data import all_gather_json
 from dist_engine.engine.config import EngineConfig
-from dist_engine.engine.outputs import RequestOutput
+from dist_engine.engine.outputs import ErrorKind, RequestOutput
+from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
 from dist_engine.kernels import compute
 from dist_engine.log import get_logger
@@ -45,13 +46,24 @@ _OUTPUT_FIELDS = [f.name for f in fields(RequestOutput)]
 
 
 def _plain(output: RequestOutput) -> dict:
-    return {name: getattr(output, name) for name in _OUTPUT_FIELDS}
+    plain = {name: getattr(output, name) for name in _OUTPUT_FIELDS}
+    if output.error_kind is not None:
+        plain["error_kind"] = output.error_kind.value
+    return plain
 
 
 def _output(plain: dict) -> RequestOutput:
     unknown = set(plain) - set(_OUTPUT_FIELDS)
     if unknown:
         raise LockstepError(f"a rank sent results with unknown fields {sorted(unknown)}")
+    kind = plain.get("error_kind")
+    if kind is not None:
+        try:
+            plain = {**plain, "error_kind": ErrorKind(kind)}
+        except ValueError:
+            raise LockstepError(
+                f"a rank sent results with an unknown error_kind {kind!r}"
+            ) from None
     return RequestOutput(**plain)
 
 
@@ -116,6 +128,16 @@ class TorchrunClient:
 
     def poll(self, timeout_s: float) -> list[RequestOutput]:
         return self.host.take(timeout_s)
+
+    def stats(self, timeout_s: float | None = None) -> list[RankStats]:
+        """This process's rank only: the others are other processes' to report."""
+        return [self.host.stats()]
+
+    def silent_ranks(self) -> dict[int, float]:
+        return {}  # a silent peer surfaces as this rank's collective timeout
+
+    def stop_ranks(self) -> None:
+        self.shutdown()
 
     def exchange(self, mine: dict[int, RequestOutput]) -> dict[int, RequestOutput]:
         """Give every rank every rank's results (keyed by prompt index).

@@ -34,7 +34,7 @@ _KIND_CODES = {kind: code for code, kind in enumerate(StepKind)}
 
 @dataclass
 class SchedulerOutputs:
-    prompt_run: bool
+    is_prefill: bool  # a prefill step (prompt chunks, and in a mixed step decode tokens too)
     scheduled_seqs: list[Sequence]
     seqlens_q: list[int]  # same order as scheduled_seqs
     num_batched_tokens: int
@@ -54,7 +54,12 @@ class SchedulerOutputs:
     def kind(self) -> StepKind:
         if self.known_empty:
             return StepKind.EMPTY
-        return StepKind.PREFILL if self.prompt_run else StepKind.DECODE
+        return StepKind.PREFILL if self.is_prefill else StepKind.DECODE
+
+    @property
+    def prompt_run(self) -> bool:
+        """The reference design's name for ``is_prefill`` (kept for the public surface)."""
+        return self.is_prefill
 
     @property
     def is_placeholder(self) -> bool:

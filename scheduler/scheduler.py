@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Generator
 
 from scheduler.block_pool import AllocStatus
 from scheduler.config import SchedulerConfig
@@ -38,6 +39,9 @@ from scheduler.vote import (
     deadline_prefills,
     group_prefills,
 )
+
+# A step's schedule: yields vote vectors, receives the group's MIN of each, returns outputs.
+StepPlan = Generator[list[int], list[int], SchedulerOutputs]
 
 _RUNNING = SequenceStatus.RUNNING
 _STOPPED = SequenceStatus.STOPPED
@@ -77,9 +81,6 @@ class Scheduler:
         self._ready_wait = 0
         self._deadline = config.sync_policy == "deadline"
         self._mixed = config.mixed
-        # Set by the engine before schedule(); carried in the vote vector.
-        self.wake_epoch = 0
-        self.shutdown_requested = False
 
     # -- requests ---------------------------------------------------------------------------
     def add_sequence(self, seq: Sequence) -> None:
@@ -160,7 +161,19 @@ class Scheduler:
         return list(self._live)
 
     # -- the step ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutputs:
+    def schedule(self, *, wake_epoch: int = 0, shutdown: bool = False) -> SchedulerOutputs:
+        """One step's batch, taking the votes through this scheduler's own ``vote``."""
+        return run_plan(self.plan(wake_epoch=wake_epoch, shutdown=shutdown), self.vote)
+
+    def plan(self, *, wake_epoch: int = 0, shutdown: bool = False) -> StepPlan:
+        """One step's schedule as an exchange with the group: yields each vote vector this
+        rank sends (at most two), takes back the group's element-wise MIN, and returns the
+        step's outputs. Whoever runs it (`schedule`, or the engine with its collectives in
+        view) performs exactly the collectives it yields, in order.
+
+        ``wake_epoch``: the highest wake epoch this rank has seen (distributed/wake.py);
+        ``shutdown``: this rank asks the group to stop. Both travel in vote 1.
+        """
         if self._needs_sweep:
             self._sweep()
         if self._deadline:
@@ -171,12 +184,32 @@ class Scheduler:
         view = None
         any_scheduled = None
         if point is not AttemptPoint.NONE:
-            view = self._vote_group()
+            view = GroupView.from_vector((yield self._local_state(wake_epoch, shutdown).encode()))
             if self._group_prefills(point, view):
-                outputs = self._try_prefill(view)
-                any_scheduled = outputs is not None
+                decode, batch = self._assemble_prefill(view)
+                # Vote 2: if no rank assembled anything, a prompt step would be empty
+                # everywhere and the next step would vote again: the empty-prefill livelock.
+                # Decode instead.
+                any_scheduled = (yield [0 if batch.seqs else 1])[0] == 0
+                if any_scheduled:
+                    outputs = self._prefill_outputs(batch, decode)
+                else:
+                    assert not batch.seqs
+                    outputs = decode
         if outputs is None:
             outputs = self._decode(known_empty=view is not None and view.none_running)
+        self._end_step(outputs, decided_on, point, view, any_scheduled)
+        return outputs
+
+    def _end_step(
+        self,
+        outputs: SchedulerOutputs,
+        decided_on: int,
+        point: AttemptPoint,
+        view: GroupView | None,
+        any_scheduled: bool | None,
+    ) -> None:
+        """Stamp the outputs and advance the step-policy state every rank shares."""
         outputs.any_scheduled = any_scheduled
         outputs.step_index = self.step_index
         outputs.decode_step = decided_on
@@ -185,21 +218,21 @@ class Scheduler:
         if self._terminated:
             outputs.ignored_seqs.extend(self._terminated)
             self._terminated = []
+        prefill = outputs.is_prefill
         self.step_index += 1
-        self.decode_step = 0 if outputs.prompt_run else decided_on + 1
-        self.prefill_run = self.prefill_run + 1 if outputs.prompt_run else 0
-        if self._ready_seq is not None and not outputs.prompt_run:
+        self.decode_step = 0 if prefill else decided_on + 1
+        self.prefill_run = self.prefill_run + 1 if prefill else 0
+        if self._ready_seq is not None and not prefill:
             self._ready_wait += 1  # a decode step it sat out while ready
         self.group_idle = outputs.known_empty
         if view is not None:
             remaining = view.max_remaining_tokens
-            decoding = not outputs.prompt_run and remaining > 0
+            decoding = not prefill and remaining > 0
             self.drain_step = decided_on + remaining if decoding else None
-            if self._deadline and not outputs.prompt_run:
+            if self._deadline and not prefill:
                 self.next_vote = deadline_next_vote(
                     decided_on, view, self.config.prefill_deadline_steps
                 )
-        return outputs
 
     def next_point(self) -> AttemptPoint:
         """The attempt point of the next ``schedule()``, from the state every rank shares."""
@@ -236,7 +269,8 @@ class Scheduler:
             return deadline_prefills(point, view, self.config.prefill_deadline_steps)
         return group_prefills(point, view)
 
-    def _vote_group(self) -> GroupView:
+    def _local_state(self, wake_epoch: int, shutdown: bool) -> LocalState:
+        """What this rank says in vote 1."""
         ready = self._ready_seq
         has_running = bool(self.running)
         head_ready = self._head_schedulable()
@@ -245,12 +279,12 @@ class Scheduler:
         want = head_ready and (
             bool(self.waiting[0].block_table) or self.kv.usage() <= self.config.prefill_watermark
         )
-        local = LocalState(
+        return LocalState(
             want=want,
             has_running=has_running,
             has_work=has_running or head_ready,
-            wake_epoch=self.wake_epoch,
-            shutdown=self.shutdown_requested,
+            wake_epoch=wake_epoch,
+            shutdown=shutdown,
             max_remaining_tokens=self._max_remaining_tokens(),
             ready=ready is not None,
             ready_wait=self._ready_wait if ready is not None else -1,
@@ -259,7 +293,6 @@ class Scheduler:
             and self.prefill_run > 0
             and ready.queued_step <= self.step_index - self.prefill_run,
         )
-        return GroupView.decode(self.vote.allreduce_min(local.encode()))
 
     def _track_ready(self) -> None:
         """Deadline policy: note which head is ready now; its wait goes on only while the same
@@ -346,9 +379,8 @@ class Scheduler:
             default=0,
         )
 
-    def _try_prefill(self, view: GroupView) -> SchedulerOutputs | None:
-        """The group prefills: assemble this rank's prompt batch. None when vote 2 finds that
-        no rank assembled one (then the step decodes).
+    def _assemble_prefill(self, view: GroupView) -> tuple[SchedulerOutputs | None, PrefillBatch]:
+        """The group prefills: this rank's prompt batch, and (mixed steps) its decode part.
 
         Mixed steps, while some rank of the group decodes: the running sequences are scheduled
         first (they keep their claim on free blocks, and a preemption frees blocks before any
@@ -364,16 +396,10 @@ class Scheduler:
         batch = assemble_prefill(
             self.waiting, len(self.running), self.kv, config, self._terminate, budget
         )
-        # Vote 2: if no rank assembled anything, a prompt step would be empty everywhere and
-        # the next step would vote again: the empty-prefill livelock. Decode instead.
-        any_scheduled = self.vote.allreduce_min([0 if batch.seqs else 1])[0] == 0
-        if not any_scheduled:
-            assert not batch.seqs
-            return decode
-        return self._prompt_outputs(batch, decode)
+        return decode, batch
 
     @staticmethod
-    def _prompt_outputs(batch: PrefillBatch, decode: SchedulerOutputs | None) -> SchedulerOutputs:
+    def _prefill_outputs(batch: PrefillBatch, decode: SchedulerOutputs | None) -> SchedulerOutputs:
         seqs, seqlens_q, num_tokens = batch.seqs, batch.seqlens_q, batch.num_batched_tokens
         num_decode = decode.num_seqs if decode is not None else 0
         if num_decode:
@@ -381,7 +407,7 @@ class Scheduler:
             seqlens_q = seqlens_q + decode.seqlens_q
             num_tokens += decode.num_batched_tokens
         return SchedulerOutputs(
-            prompt_run=True,
+            is_prefill=True,
             scheduled_seqs=seqs,
             seqlens_q=seqlens_q,
             num_batched_tokens=num_tokens,
@@ -417,7 +443,7 @@ class Scheduler:
                 f"step {outputs.step_index} scheduled {len(seqs)} sequences but got "
                 f"{len(sampled_token_ids)} sampled tokens"
             )
-        if not outputs.prompt_run:
+        if not outputs.is_prefill:
             return self._account_decode(seqs, sampled_token_ids)
         num_prompt = len(seqs) - outputs.num_decode_seqs
         finished = []
@@ -571,3 +597,13 @@ class Scheduler:
         if self._running_sorted:
             keys = [self._order_key(seq) for seq in self.running if not seq.is_finished]
             assert keys == sorted(keys, reverse=True), "running lost its preemption order"
+
+
+def run_plan(plan: StepPlan, vote: Vote) -> SchedulerOutputs:
+    """Run a step's plan, answering each vote vector it yields with ``vote``."""
+    try:
+        vector = next(plan)
+        while True:
+            vector = plan.send(vote.allreduce_min(vector))
+    except StopIteration as done:
+        return done.value

@@ -17,13 +17,15 @@ complements, so one collective answers every question the step needs:
     6      -remaining                -(most tokens any running sequence may still produce)
     7      ready ? 1 : 0             1 -> every rank's head could start a prefill now
     8      ready ? -(wait + 1) : 0   -(longest wait of a ready head, + 1); 0 -> none ready
+    9      backlog ? 0 : 1           0 -> some ready head was queued before the current run of
+                                          prefill steps began (the FOLLOW point serves it)
 
 Entry 6 gives the group a *drain point*: if the group decodes from here, then after that many
 decode steps no sequence running now can still be running, so the group votes again there
 instead of running placeholder forwards until the next regular attempt point. An extra vote is
 always safe; this only decides when to look.
 
-Entries 7 and 8 serve the ``deadline`` policy (the others send "not ready"). A rank's head is
+Entries 7 to 9 serve the ``deadline`` policy (the others send "not ready"). A rank's head is
 *ready* when the next prefill would start it: schedulable, under the watermark (or mid-chunk),
 a free sequence slot, and its blocks and state slot free now. Its wait is counted in steps
 since it joined the waiting queue, on the step counter every rank shares.
@@ -135,7 +137,8 @@ class GroupView:
     any_backlog: bool = False
 
     @classmethod
-    def decode(cls, values: list[int]) -> GroupView:
+    def from_vector(cls, values: list[int]) -> GroupView:
+        """The group's view from vote 1's reduced vector (see the table above)."""
         if len(values) != VOTE_VECTOR_LEN:
             raise ValueError(f"vote vector must have {VOTE_VECTOR_LEN} entries, got {values}")
         return cls(

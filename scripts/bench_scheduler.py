@@ -37,7 +37,7 @@ def _decode_scheduler(num_seqs: int, prompt_len: int, prefix_caching: bool) -> S
     for index in range(num_seqs):
         sched.add_sequence(Sequence(f"r{index}", [index % 97 + 1] * prompt_len, params))
     outputs = sched.schedule()
-    assert outputs.prompt_run and outputs.num_seqs == num_seqs, "prefill did not admit all"
+    assert outputs.is_prefill and outputs.num_seqs == num_seqs, "prefill did not admit all"
     sched.process_outputs(outputs, [1] * num_seqs)
     return sched
 
@@ -54,7 +54,7 @@ def time_decode(num_seqs: int, steps: int, repeats: int, prefix_caching: bool) -
             outputs = sched.schedule()
             sched.process_outputs(outputs, tokens)
         samples.append((time.perf_counter() - start) / steps * 1e6)
-        assert outputs.num_seqs == num_seqs and not outputs.prompt_run
+        assert outputs.num_seqs == num_seqs and not outputs.is_prefill
     return {"us_per_step": statistics.median(samples), "samples_us": samples}
 
 
@@ -79,7 +79,7 @@ def time_prefill(num_prompts: int, prompt_len: int, repeats: int) -> dict:
                 prompt = [round_index * 7 + index % 13 + 1] * prompt_len
                 sched.add_sequence(Sequence(f"p{round_index}-{index}", prompt, params))
             outputs = sched.schedule()
-            assert outputs.prompt_run and outputs.num_seqs == num_prompts
+            assert outputs.is_prefill and outputs.num_seqs == num_prompts
             sched.process_outputs(outputs, [1] * num_prompts)  # max_tokens=1: all finish
         samples.append((time.perf_counter() - start) / rounds * 1e6)
     return {"us_per_step": statistics.median(samples), "samples_us": samples}

@@ -122,11 +122,11 @@ def install(timers: Timers) -> None:
     timers.wrap(ModelRunner, "execute", "runner inputs")
     execute = ModelRunner.execute
 
-    def execute_in_regime(self: Any, outputs: Any) -> Any:
+    def execute_in_regime(self: Any, outputs: Any, requests: Any) -> Any:
         if timers.enabled and not outputs.known_empty:
-            timers.regime = "prefill" if outputs.prompt_run else "decode"
+            timers.regime = "prefill" if outputs.is_prefill else "decode"
             timers.steps[timers.regime] += 1
-        return execute(self, outputs)
+        return execute(self, outputs, requests)
 
     ModelRunner.execute = execute_in_regime
 

@@ -48,7 +48,7 @@ per step than ``vote`` here, which is what bounds the default run.
 
 Protocol checks made on every step (a failure raises ``LockstepError``): the shared step-policy
 state is equal on all ranks; all ranks take the same number of collectives with vectors of the
-same length; all ranks agree on the step kind (prompt_run / known_empty / decode), the attempt
+same length; all ranks agree on the step kind (is_prefill / known_empty / decode), the attempt
 point and the decode counter; the predicted and the actual vote-taking agree.
 
 Limits, honestly
@@ -354,13 +354,13 @@ def _describe(events: list[_Event]) -> str:
 
 def step_kind(outputs: list[SchedulerOutputs]) -> str:
     """The group's step kind; raises if any rank took another kind, point or counter."""
-    views = {(o.prompt_run, o.known_empty, o.point, o.decode_step) for o in outputs}
+    views = {(o.is_prefill, o.known_empty, o.point, o.decode_step) for o in outputs}
     if len(views) != 1:
         raise LockstepError(
             f"step {outputs[0].step_index}: ranks disagree: {sorted(map(str, views))}"
         )
-    prompt_run, known_empty, _, _ = views.pop()
-    return "prefill" if prompt_run else "empty" if known_empty else "decode"
+    is_prefill, known_empty, _, _ = views.pop()
+    return "prefill" if is_prefill else "empty" if known_empty else "decode"
 
 
 # -- the simulation --------------------------------------------------------------------------

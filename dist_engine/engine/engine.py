@@ -3,7 +3,10 @@
     intake -> schedule (votes at attempt points) -> forward, placeholder or nothing
     -> sample -> account -> emit -> (sleep, when the group agreed there is no work)
 
-The sequence of collectives each rank performs is decided only by the scheduler's group state
+Each request the rank holds has one record (`engine/request.py`), created at intake and
+dropped with its one terminal output. The collectives a step takes are all in `step()`: the
+scheduler's plan yields its votes and the engine answers them, then the lock-step check, then
+the forward's MoE all-to-alls. Their sequence is decided only by the scheduler's group state
 and the votes, so it is the same on every rank. Anything that goes wrong in a collective ends
 every outstanding request with an ``error: ...`` result and raises; nothing hangs.
 """
@@ -37,19 +40,21 @@ from dist_engine.engine.messages import (
     SetSchedulable,
     Shutdown,
 )
-from dist_engine.engine.outputs import RequestOutput
-from dist_engine.engine.runner import ModelRunner
+from dist_engine.engine.outputs import ErrorKind, RequestOutput
+from dist_engine.engine.request import Request
+from dist_engine.engine.runner import ModelRunner, dispatch_mode
 from dist_engine.engine.stats import RankStats, StepCounters, rank_stats
-from dist_engine.errors import LockstepError, RankFailureError
+from dist_engine.errors import GroupFailedError, LockstepError
 from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.log import get_logger
 from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import load_model
-from moe import ExpertPlacement
+from moe import DispatchMode, ExpertPlacement
 from scheduler import (
     AttemptPoint,
     GroupView,
+    LocalVote,
     SamplingParams,
     Scheduler,
     SchedulerOutputs,
@@ -59,8 +64,8 @@ from scheduler import (
 
 OutputCallback = Callable[[RequestOutput], None]
 _SLEEP_POLL_S = 60.0
-# The dispatch mode each step kind's MoE layers run, as the lock-step check compares it.
-_MODE_CODES = {StepKind.PREFILL: 0, StepKind.DECODE: 1, StepKind.EMPTY: 2}
+# The dispatch mode a step runs, as the lock-step check compares it (the last: no forward).
+_MODE_CODES = {mode: code for code, mode in enumerate([*DispatchMode, None])}
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +155,14 @@ class DPEngine:
         self.step_counters = StepCounters()  # outlives the trace's limit; read by stats()
         self._inbox: collections.deque[InboxMessage] = collections.deque()
         self._inbox_lock = threading.Lock()
-        self._streamed: dict[str, int] = {}  # request id -> output tokens already sent
-        self._shutdown_requested = False
+        self._device = device or "cpu"
+        self._requests: dict[str, Request] = {}  # every request this rank holds, by id
+        self._votes = self.vote if self.vote is not None else LocalVote()
+        self._shutting_down = False  # this rank asks the group to stop (in its next vote)
         self._sleep_epoch = 0  # the wake epoch the group last agreed to sleep on
         self.stopped = False
         self._stop_reason = ""
+        self._stop_kind = ErrorKind.ENGINE_STOPPED
         self.sleeping = False
         self.error: BaseException | None = None
 
@@ -311,25 +319,21 @@ class DPEngine:
         seen_epoch = self.wake.seen_epoch  # read before draining: see distributed/wake.py
         self._intake()
         sched = self.scheduler
-        sched.wake_epoch = seen_epoch
-        sched.shutdown_requested = self._shutdown_requested
-        outputs = sched.schedule()
+        outputs = self._schedule(sched.plan(wake_epoch=seen_epoch, shutdown=self._shutting_down))
         self._emit_all(outputs.ignored_seqs)
         view = outputs.group
         kind = outputs.kind
         if self.config.check_lockstep and self.vote is not None:
-            self.vote.check_lockstep(outputs.step_index, kind, _MODE_CODES[kind])
+            self.vote.check_lockstep(outputs.step_index, kind, _MODE_CODES[dispatch_mode(kind)])
         if view is not None and view.shutdown:
-            self._stop("engine shut down")
+            self._stop("engine shut down", ErrorKind.ENGINE_STOPPED)
             return self._record(outputs, kind, start, 0.0, 0.0)
         forward_start = time.perf_counter()
-        tokens, failures = self.runner.execute(outputs)
+        tokens, failures = self.runner.execute(outputs, self._requests)
         forward_s = time.perf_counter() - forward_start
         for seq, reason in failures:  # one request's fault ends that request, not the group
             self.log.warning("request %s failed: %s", seq.request_id, reason)
-            ended = sched.abort(seq.request_id, reason)
-            if ended is not None:
-                self._emit(ended)
+            self._end_with_error(seq.request_id, reason, ErrorKind.REQUEST_FAILED)
         finished = sched.process_outputs(outputs, tokens)
         self._emit_stream(outputs.scheduled_seqs)
         self._emit_all(finished)
@@ -338,6 +342,17 @@ class DPEngine:
             slept_s = self._maybe_sleep(view)
         return self._record(outputs, kind, start, forward_s, slept_s)
 
+    def _schedule(self, plan) -> SchedulerOutputs:
+        """Run the scheduler's plan for this step, answering each vote it yields with a
+        MIN-allreduce over the group: vote 1 at an attempt point, vote 2 after a decision to
+        prefill. Every rank takes these same collectives in the same order."""
+        try:
+            vector = next(plan)
+            while True:
+                vector = plan.send(self._votes.allreduce_min(vector))
+        except StopIteration as done:
+            return done.value
+
     def _intake(self) -> None:
         with self._inbox_lock:
             items = list(self._inbox)
@@ -345,24 +360,42 @@ class DPEngine:
         for item in items:
             match item:
                 case AddRequest(seq, stream):
-                    try:
-                        self.scheduler.add_sequence(seq)
-                    except ValueError as error:  # e.g. a request id already in use
-                        self._reject(seq, str(error))
-                        continue
-                    if stream:
-                        self._streamed[seq.request_id] = 0
+                    self._admit(seq, stream)
                 case SetSchedulable(request_id, schedulable):
                     if self.scheduler.get_sequence(request_id) is not None:
                         self.scheduler.set_schedulable(request_id, schedulable)
                 case AbortRequest(request_id, reason):
-                    ended = self.scheduler.abort(request_id, reason)
-                    if ended is not None:
-                        self._emit(ended)
+                    self._end_with_error(request_id, reason, ErrorKind.REQUEST_FAILED)
                 case Shutdown():
-                    self._shutdown_requested = True
+                    self._shutting_down = True
                 case _:  # _post refuses anything else; this guards the loop's own state
                     raise TypeError(f"unknown inbox message {item!r}")
+
+    def _admit(self, seq: Sequence, stream: bool) -> None:
+        """A new request: its record, then the scheduler's queue."""
+        if seq.request_id in self._requests:
+            self._reject(seq, f"request id {seq.request_id!r} is already in use")
+            return
+        try:
+            request = Request.admit(seq, stream, self._device)
+        except ValueError as error:
+            self._reject(seq, f"sampling settings rejected: {error}")
+            return
+        self._requests[seq.request_id] = request
+        try:
+            self.scheduler.add_sequence(seq)
+        except ValueError as error:
+            del self._requests[seq.request_id]
+            self._reject(seq, str(error))
+
+    def _end_with_error(self, request_id: str, reason: str | None, kind: ErrorKind) -> None:
+        """End a request the rank holds: aborted (``reason`` None) or failed with ``reason``
+        of ``kind``; its terminal output goes out at once."""
+        ended = self.scheduler.abort(request_id, reason)
+        if ended is not None:
+            if reason is not None:
+                self._requests[request_id].error_kind = kind
+            self._emit(ended)
 
     def _maybe_sleep(self, view: GroupView) -> float:
         """The group agreed nobody has work. Sleep if no rank saw a newer wake epoch than the
@@ -409,46 +442,48 @@ class DPEngine:
 
     # -- results ----------------------------------------------------------------------------
     def _emit(self, seq: Sequence) -> None:
-        """Report a finished sequence: its one terminal result (with any unstreamed tokens)."""
-        assert seq.is_finished, seq
-        sent = self._streamed.pop(seq.request_id, 0)
-        self.runner.forget(seq.request_id)
-        self._deliver(RequestOutput.of(seq, self.rank, sent))
+        """Report a finished sequence: its one terminal result (with any unstreamed tokens),
+        and drop its record."""
+        request = self._requests.pop(seq.request_id, None)
+        if request is None:  # ended at arrival, before it had a record
+            self._deliver(RequestOutput.of(seq, self.rank, 0))
+            return
+        self._deliver(request.terminal(self.rank))
 
     def _emit_all(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             self._emit(seq)
 
     def _emit_stream(self, seqs: list[Sequence]) -> None:
-        if not self._streamed:
-            return
         for seq in seqs:
-            sent = self._streamed.get(seq.request_id)
-            if sent is not None and not seq.is_finished and seq.num_output_tokens > sent:
-                self._streamed[seq.request_id] = seq.num_output_tokens
-                self._deliver(RequestOutput.of(seq, self.rank, sent))
+            request = self._requests.get(seq.request_id)
+            if request is not None and request.stream:
+                delta = request.delta(self.rank)
+                if delta is not None:
+                    self._deliver(delta)
 
     def _deliver(self, output: RequestOutput) -> None:
         if self.on_output is not None:
             self.on_output(output)
 
-    def _reject(self, seq: Sequence, reason: str) -> None:
+    def _reject(
+        self, seq: Sequence, reason: str, kind: ErrorKind = ErrorKind.INVALID_REQUEST
+    ) -> None:
         """Answer a request the scheduler never took (its id may belong to a live request)."""
         self._deliver(
             RequestOutput.failed(
-                seq.request_id, seq.prompt_token_ids, reason, self.rank, seq.arrival_time
+                seq.request_id, seq.prompt_token_ids, reason, self.rank, seq.arrival_time, kind
             )
         )
 
     # -- endings ----------------------------------------------------------------------------
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, kind: ErrorKind) -> None:
         """End every request this rank holds or has been sent, then stop taking any."""
         self._intake()
         for request_id in self.scheduler.unfinished_request_ids():
-            ended = self.scheduler.abort(request_id, reason)
-            if ended is not None:
-                self._emit(ended)
+            self._end_with_error(request_id, reason, kind)
         self._stop_reason = reason
+        self._stop_kind = kind
         self.stopped = True
         self._reject_inbox()
 
@@ -458,7 +493,7 @@ class DPEngine:
             self._inbox.clear()
         for item in items:
             if isinstance(item, AddRequest):
-                self._reject(item.seq, f"engine stopped: {self._stop_reason}")
+                self._reject(item.seq, f"engine stopped: {self._stop_reason}", self._stop_kind)
 
     def _fail_outstanding(self, error: BaseException) -> None:
         if isinstance(error, (LockstepError, KeyboardInterrupt, SystemExit)):
@@ -466,11 +501,11 @@ class DPEngine:
         else:
             self.error = self._describe_failure(error)
         self.log.error("stopping: %s", self.error)
-        self._stop(str(self.error))
+        self._stop(str(self.error), ErrorKind.GROUP_FAILED)
 
-    def _describe_failure(self, error: BaseException) -> RankFailureError:
+    def _describe_failure(self, error: BaseException) -> GroupFailedError:
         if self.dist is None:
-            return RankFailureError(f"rank 0 failed: {error}", [])
+            return GroupFailedError(f"rank 0 failed: {error}", [])
         failed = find_failed_ranks(
             self.dist.store, self.rank, self.world_size, tag=f"step{self.scheduler.step_index}"
         )
@@ -481,7 +516,7 @@ class DPEngine:
         else:
             names = "no rank is missing"
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        return RankFailureError(
+        return GroupFailedError(
             f"DP group failed at step {self.scheduler.step_index} as seen from rank "
             f"{self.rank}: {names} ({type(error).__name__}: {first_line})",
             failed,

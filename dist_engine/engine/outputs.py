@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from scheduler import Sequence
+from scheduler import Sequence, SequenceStatus
+
+
+class ErrorKind(enum.Enum):
+    """Why a request ended with an error (finish reason ``"error: ..."``), as data: callers
+    decide what to answer from this, never from the message's text."""
+
+    INVALID_REQUEST = "invalid_request"  # its own input: a bad prompt, id or setting
+    REQUEST_FAILED = "request_failed"  # a fault inside a step, contained to this request
+    GROUP_FAILED = "group_failed"  # the DP group failed: a rank died or stopped answering
+    ENGINE_STOPPED = "engine_stopped"  # the engine (or the server) shut down before it ended
 
 
 @dataclass(frozen=True)
@@ -23,6 +34,7 @@ class RequestOutput:
     # Why the request ended where the finish reason alone does not say (the limit a prompt
     # exceeded, the pool it could not fit); None otherwise.
     detail: str | None = None
+    error_kind: ErrorKind | None = None  # set exactly when finish_reason is "error: ..."
 
     @property
     def ttft_s(self) -> float | None:
@@ -38,6 +50,7 @@ class RequestOutput:
         reason: str,
         dp_rank: int,
         arrival_time: float,
+        error_kind: ErrorKind,
     ) -> RequestOutput:
         """The terminal output of a request that ended with an error before any token:
         finish reason ``"error: <reason>"``."""
@@ -50,13 +63,20 @@ class RequestOutput:
             finish_reason=f"error: {reason}",
             dp_rank=dp_rank,
             arrival_time=arrival_time,
+            error_kind=error_kind,
         )
 
     @classmethod
-    def of(cls, seq: Sequence, dp_rank: int, num_sent: int) -> RequestOutput:
-        """The state of ``seq``; ``num_sent`` output tokens were already streamed."""
+    def of(
+        cls, seq: Sequence, dp_rank: int, num_sent: int, error_kind: ErrorKind | None = None
+    ) -> RequestOutput:
+        """The state of ``seq``; ``num_sent`` output tokens were already streamed. A sequence
+        the scheduler failed on its own (its prompt) is an INVALID_REQUEST unless
+        ``error_kind`` says otherwise."""
         outputs = seq.output_token_ids
         finished = seq.is_finished
+        failed = seq.status is SequenceStatus.FAILED
+        kind = (error_kind or ErrorKind.INVALID_REQUEST) if failed else None
         return cls(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -70,4 +90,5 @@ class RequestOutput:
             finish_time=seq.finish_time,
             token_times=list(seq.token_times) if finished else [],
             detail=(seq.error_message or None) if finished else None,
+            error_kind=kind,
         )

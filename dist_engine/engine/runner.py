@@ -11,17 +11,32 @@ must join; only a step the whole group knows to be empty (``known_empty``) skips
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
 import torch
 
 from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata, StepMetadata
 from dist_engine.engine.sampler import Sampler, SamplingState
 from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
-from scheduler import SchedulerOutputs, Sequence
+from scheduler import SchedulerOutputs, Sequence, StepKind
+
+if TYPE_CHECKING:
+    from dist_engine.engine.request import Request
 
 # Placeholder for a prompt chunk that does not end its prompt: no token is sampled for it and
 # the scheduler ignores whatever stands in its place.
 NO_TOKEN = -1
+
+_DISPATCH_MODES = {StepKind.PREFILL: DispatchMode.NORMAL, StepKind.DECODE: DispatchMode.LOW_LATENCY}
+
+
+def dispatch_mode(kind: StepKind) -> DispatchMode | None:
+    """How a step's MoE layers exchange tokens: normal (counts, then uneven rows) in prefill
+    and mixed steps, low-latency (fixed capacity) in decode steps; None for a known-empty step,
+    which runs no forward. The one place that ties step kinds to dispatch modes."""
+    return _DISPATCH_MODES.get(kind)
 
 
 class ModelRunner:
@@ -37,12 +52,15 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler()
-        self._sampling: dict[str, SamplingState] = {}
 
     @torch.no_grad()
-    def execute(self, outputs: SchedulerOutputs) -> tuple[list[int], list[tuple[Sequence, str]]]:
+    def execute(
+        self, outputs: SchedulerOutputs, requests: Mapping[str, Request]
+    ) -> tuple[list[int], list[tuple[Sequence, str]]]:
         """Run one step; returns one token id per scheduled sequence, in order, and the
         sequences whose sampling failed, each with the reason (their token is NO_TOKEN).
+        ``requests``: the records of (at least) the scheduled sequences, by request id; the
+        sampler draws from their sampling states.
 
         A failure that belongs to one request (its sampling settings, its row of the sample)
         is contained here, after the forward, so every rank has taken the same collectives and
@@ -51,7 +69,7 @@ class ModelRunner:
         if outputs.known_empty:
             return [], []
         seqs = outputs.scheduled_seqs
-        mode = DispatchMode.NORMAL if outputs.prompt_run else DispatchMode.LOW_LATENCY
+        mode = dispatch_mode(outputs.kind)
         # The scheduler advanced each ledger optimistically: the step's tokens start where the
         # KV stood before (previous_num_tokens).
         cached = [seq.previous_num_tokens for seq in seqs]
@@ -73,7 +91,8 @@ class ModelRunner:
         if rows:
             last_token_rows = attn.query_start_loc[1:][rows] - 1
             logits = self.model.compute_logits(hidden[last_token_rows])
-            for b, token in self._sample(logits, [seqs[b] for b in rows], failures):
+            states = [requests[seqs[b].request_id].sampling for b in rows]
+            for b, token in self._sample(logits, states, [seqs[b] for b in rows], failures):
                 tokens[rows[b]] = token
         return tokens, failures
 
@@ -86,7 +105,7 @@ class ModelRunner:
         tables = [seq.block_table for seq in seqs]
         split = len(seqs) - outputs.num_decode_seqs
         if outputs.num_decode_seqs == 0 or split == 0:
-            is_prefill = outputs.prompt_run and outputs.num_decode_seqs == 0
+            is_prefill = outputs.is_prefill and outputs.num_decode_seqs == 0
             return AttentionMetadata.build(
                 tables, cached, new, self.block_size, is_prefill, self.device
             )
@@ -100,49 +119,25 @@ class ModelRunner:
         )
 
     def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], failures: list[tuple[Sequence, str]]
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        seqs: list[Sequence],
+        failures: list[tuple[Sequence, str]],
     ) -> list[tuple[int, int]]:
-        """logits: [R, V] for `seqs` → (row, token) for every row that sampled; rows that
-        could not are added to `failures`. One batched call normally; row by row only when the
-        batch fails, to find the row that fails it."""
-        states: dict[int, SamplingState] = {}
-        for row, seq in enumerate(seqs):
-            try:
-                states[row] = self._state(seq)
-            except Exception as error:
-                failures.append((seq, f"sampling settings rejected: {error}"))
-        usable = list(states)
-        if not usable:
-            return []
+        """logits: [R, V] for `seqs` (sampled by `states`) → (row, token) for every row that
+        sampled; rows that could not are added to `failures`. One batched call normally; row by
+        row only when the batch fails, to find the row that fails it."""
         try:
-            picked = logits if len(usable) == len(seqs) else logits[usable]
-            tokens = self.sampler(picked, [states[row] for row in usable]).tolist()
-            return list(zip(usable, tokens, strict=True))
+            tokens = self.sampler(logits, states).tolist()
+            return list(enumerate(tokens))
         except Exception:
             sampled = []
-            for row in usable:
+            for row, state in enumerate(states):
                 try:
-                    token = self.sampler(logits[row : row + 1], [states[row]]).tolist()[0]
+                    token = self.sampler(logits[row : row + 1], [state]).tolist()[0]
                 except Exception as error:
                     failures.append((seqs[row], f"sampling failed: {error}"))
                     continue
                 sampled.append((row, token))
             return sampled
-
-    def _state(self, seq: Sequence) -> SamplingState:
-        state = self._sampling.get(seq.request_id)
-        if state is None:
-            params = seq.sampling_params
-            state = SamplingState(
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                seed=params.seed,
-                device=self.device,
-            )
-            self._sampling[seq.request_id] = state
-        return state
-
-    def forget(self, request_id: str) -> None:
-        """Drop a finished request's sampling state (its generator)."""
-        self._sampling.pop(request_id, None)

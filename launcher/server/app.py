@@ -26,9 +26,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dist_engine.engine.config import EngineConfig
-from dist_engine.engine.outputs import RequestOutput
+from dist_engine.engine.outputs import ErrorKind, RequestOutput
 from dist_engine.log import get_logger
 from dist_engine.models.config import ModelConfig
+from launcher.clients import Client
 from launcher.server.config import ServerConfig
 from launcher.server.frontend import EngineFrontend, RequestStream, Unavailable
 from launcher.server.http import (
@@ -56,13 +57,10 @@ _SHUTDOWN_GRACE_S = 5.0  # after the drain: how long handlers get to write their
 # Threads that parse bodies, render chat templates and tokenize, off the event loop; requests
 # reach them only once admitted (server.max_pending_requests), so their queue is bounded.
 _PREPARE_WORKERS = 2
-# How a rank words the end of requests it holds when its group stops (engine.py: `_stop`,
-# `_describe_failure`): the service is gone, not the request at fault.
-_GROUP_STOPPED = ("DP group failed", "engine stopped", "engine shut down")
 
 
 class LockstepServer:
-    def __init__(self, client: Any, engine_config: EngineConfig, config: ServerConfig) -> None:
+    def __init__(self, client: Client, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.config = config
         model_dir = engine_config.model
         name = config.served_model_name or Path(model_dir).resolve().name
@@ -378,15 +376,13 @@ class _Reply:
             )
         else:
             detail = reason.removeprefix("error: ")
-            frontend = self.stream.frontend
+            kind = output.error_kind
+            if kind is ErrorKind.INVALID_REQUEST:
+                self.error = RequestError(f"{where} was refused: {detail}")
+                return
             # The group failed or the server is going away: the service is unavailable; any
-            # other error is this request's own. A surviving rank's own report of a failed
-            # group may arrive before the front end has marked it.
-            unavailable = (
-                frontend.failure is not None
-                or frontend.draining
-                or detail.startswith(_GROUP_STOPPED)
-            )
+            # other error is this request's own.
+            unavailable = kind in (ErrorKind.GROUP_FAILED, ErrorKind.ENGINE_STOPPED)
             self.error = RequestError(
                 f"{where} failed: {detail}",
                 status=503 if unavailable else 500,

@@ -37,10 +37,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dist_engine.engine.outputs import RequestOutput
+from dist_engine.engine.outputs import ErrorKind, RequestOutput
 from dist_engine.engine.stats import RankStats
 from dist_engine.log import get_logger
-from launcher.clients import RankFailure, Submission
+from launcher.clients import Client, RankFailure, Submission
 from launcher.routing import Router
 from scheduler import SamplingParams
 
@@ -58,6 +58,19 @@ class Unavailable(Exception):
     def __init__(self, message: str, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class _Submit:
+    submission: Submission
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+_Command = _Submit | _Abort  # what a courier carries to its rank
 
 
 @dataclass
@@ -91,7 +104,7 @@ class RequestStream:
 
 
 class EngineFrontend:
-    def __init__(self, client: Any, *, routing: str, max_pending_requests: int) -> None:
+    def __init__(self, client: Client, *, routing: str, max_pending_requests: int) -> None:
         self.client = client
         self.num_ranks: int = client.num_ranks
         self.router = Router(self.num_ranks, routing)
@@ -102,8 +115,8 @@ class EngineFrontend:
         self._open: dict[str, _Open] = {}
         self._num_admitted = 0  # requests being read and tokenized (see `admission`)
         self._idle = asyncio.Event()
-        # One queue per rank's courier: ("submit", Submission) or ("abort", request id).
-        self._commands: list[queue.SimpleQueue[tuple[str, Any] | None]] = [
+        # One queue per rank's courier; None tells it to stop.
+        self._commands: list[queue.SimpleQueue[_Command | None]] = [
             queue.SimpleQueue() for _ in range(self.num_ranks)
         ]
         self._stopping = threading.Event()
@@ -216,8 +229,9 @@ class EngineFrontend:
         entry = _Open(rank, prompt_token_ids, asyncio.Queue())
         self._open[request_id] = entry
         self._idle.clear()
-        submission: Submission = (request_id, prompt_token_ids, params, True)
-        self._commands[rank].put(("submit", submission))
+        # Streaming on, whatever the HTTP client asked: the server sees every token as it comes.
+        submission = Submission(request_id, prompt_token_ids, params, stream=True)
+        self._commands[rank].put(_Submit(submission))
         return RequestStream(self, request_id, entry)
 
     def abort(self, request_id: str, reason: str | None = None) -> None:
@@ -226,7 +240,7 @@ class EngineFrontend:
             return
         if reason is not None:
             entry.abort_reason = reason
-        self._commands[entry.rank].put(("abort", request_id))
+        self._commands[entry.rank].put(_Abort(request_id))
 
     @property
     def num_open(self) -> int:
@@ -272,7 +286,9 @@ class EngineFrontend:
                 self._close(output.request_id)
                 if entry.abort_reason is not None and output.finish_reason == "abort":
                     output = dataclasses.replace(
-                        output, finish_reason=f"error: {entry.abort_reason}"
+                        output,
+                        finish_reason=f"error: {entry.abort_reason}",
+                        error_kind=ErrorKind.ENGINE_STOPPED,
                     )
             entry.queue.put_nowait(output)
 
@@ -304,7 +320,12 @@ class EngineFrontend:
             self._close(request_id)
             entry.queue.put_nowait(
                 RequestOutput.failed(
-                    request_id, entry.prompt_token_ids, reason, entry.rank, time.monotonic()
+                    request_id,
+                    entry.prompt_token_ids,
+                    reason,
+                    entry.rank,
+                    time.monotonic(),
+                    ErrorKind.ENGINE_STOPPED if self.failure is None else ErrorKind.GROUP_FAILED,
                 )
             )
 
@@ -356,16 +377,16 @@ class EngineFrontend:
                 return
             self._carry(rank, [c for c in batch if c is not None])
 
-    def _carry(self, rank: int, batch: list[tuple[str, Any]]) -> None:
+    def _carry(self, rank: int, batch: list[_Command]) -> None:
         # Submissions first, then aborts: an abort in this batch may be for a request
         # submitted in it, never the other way round.
-        submissions = [payload for kind, payload in batch if kind == "submit"]
+        submissions = [c.submission for c in batch if isinstance(c, _Submit)]
         try:
             if submissions:
                 self.client.submit(rank, submissions)
-            for kind, payload in batch:
-                if kind == "abort":
-                    self.client.abort(rank, payload)
+            for command in batch:
+                if isinstance(command, _Abort):
+                    self.client.abort(rank, command.request_id)
         except RankFailure as failure:
             self._from_thread(self._fail_group, str(failure))
         except Exception as error:

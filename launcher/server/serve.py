@@ -27,6 +27,7 @@ from launcher.server.config import SERVER_KEYS, ServerConfig
 
 if TYPE_CHECKING:  # imported where used: `lockstep --help` must not pay for torch
     from dist_engine.engine.config import EngineConfig
+    from launcher.clients import Client
 
 log = get_logger()
 API_KEY_ENV = "LOCKSTEP_API_KEY"
@@ -107,7 +108,7 @@ def load_configs(
     return engine, ServerConfig.from_dict(server_values)
 
 
-def make_client(config: EngineConfig) -> Any:
+def make_client(config: EngineConfig) -> Client:
     """Start the DP group the config describes (this takes the model load's time)."""
     launcher = config.parallel.launcher
     if launcher == "ray":

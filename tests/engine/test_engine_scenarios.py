@@ -24,6 +24,7 @@ from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
 from model_fixtures import TINY_SIZES
 
 from dist_engine.distributed.spawn import run_multirank
+from dist_engine.engine.request import Request
 from dist_engine.engine.runner import ModelRunner
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
@@ -68,9 +69,10 @@ class Reference:
         ]
         for seq in seqs:
             sched.add_sequence(seq)
+        records = {seq.request_id: Request.admit(seq, stream=False) for seq in seqs}
         while sched.num_unfinished:
             outputs = sched.schedule()
-            sched.process_outputs(outputs, runner.execute(outputs)[0])
+            sched.process_outputs(outputs, runner.execute(outputs, records)[0])
         for request, seq in zip(requests, seqs, strict=True):
             self.cache[request] = seq.output_token_ids
 

@@ -14,6 +14,7 @@ import torch
 from model_fixtures import TINY_SIZES, hf_greedy, hf_model, random_prompts
 
 from dist_engine.backends import Backends, RegimeChoice
+from dist_engine.engine.request import Request
 from dist_engine.engine.runner import ModelRunner
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
@@ -75,13 +76,14 @@ def generate(model, prompts, riders=None, **overrides) -> tuple[list[list[int]],
     seqs = [Sequence(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
     for seq in seqs:
         sched.add_sequence(seq)
+    requests = {seq.request_id: Request.admit(seq, stream=False) for seq in seqs}
     for _ in range(5000):
         if sched.num_unfinished == 0:
             break
         outputs = sched.schedule()
-        if riders is not None and outputs.prompt_run:
+        if riders is not None and outputs.is_prefill:
             riders.append(outputs.num_decode_seqs)
-        sched.process_outputs(outputs, runner.execute(outputs)[0])
+        sched.process_outputs(outputs, runner.execute(outputs, requests)[0])
         sched.check_integrity()
     assert all(seq.finish_reason == "length" for seq in seqs), [s.finish_reason for s in seqs]
     return [seq.output_token_ids for seq in seqs], sched
@@ -161,13 +163,13 @@ def test_placeholder_and_known_empty_steps(case):
     runner = ModelRunner(model, BLOCK_SIZE)
     sched = Scheduler(SchedulerConfig(max_model_len=64, block_size=BLOCK_SIZE, num_blocks=16))
     outputs = sched.schedule()
-    assert outputs.known_empty and runner.execute(outputs) == ([], [])
+    assert outputs.known_empty and runner.execute(outputs, {}) == ([], [])
     # A rank with nothing scheduled in a group step still runs a zero-token forward.
     from scheduler import SchedulerOutputs
 
-    for prompt_run in (True, False):
-        placeholder = SchedulerOutputs(prompt_run, [], [], 0)
-        assert placeholder.is_placeholder and runner.execute(placeholder) == ([], [])
+    for is_prefill in (True, False):
+        placeholder = SchedulerOutputs(is_prefill, [], [], 0)
+        assert placeholder.is_placeholder and runner.execute(placeholder, {}) == ([], [])
 
 
 def test_decode_tokens_of_a_mixed_step_are_attended_in_the_decode_regime(case):
@@ -179,18 +181,22 @@ def test_decode_tokens_of_a_mixed_step_are_attended_in_the_decode_regime(case):
     model.attach_kv_cache(model.new_kv_cache(64, BLOCK_SIZE))
     runner = ModelRunner(model, BLOCK_SIZE)
     sched = Scheduler(SchedulerConfig(max_model_len=128, block_size=BLOCK_SIZE, num_blocks=64))
+    requests = {}
     for index, prompt in enumerate(prompts["random"][:3]):
-        sched.add_sequence(Sequence(f"r{index}", prompt, SamplingParams(max_tokens=8)))
+        seq = Sequence(f"r{index}", prompt, SamplingParams(max_tokens=8))
+        sched.add_sequence(seq)
+        requests[seq.request_id] = Request.admit(seq, stream=False)
     first = sched.schedule()
-    sched.process_outputs(first, runner.execute(first)[0])
+    sched.process_outputs(first, runner.execute(first, requests)[0])
     decode = sched.schedule()
-    assert not decode.prompt_run and decode.num_seqs == 3
-    riding = replace(decode, prompt_run=True, num_decode_seqs=decode.num_seqs)
+    assert not decode.is_prefill and decode.num_seqs == 3
+    riding = replace(decode, is_prefill=True, num_decode_seqs=decode.num_seqs)
     seqs = decode.scheduled_seqs
     cached = [seq.previous_num_tokens for seq in seqs]
     attn = runner._metadata(seqs, cached, riding.seqlens_q, riding)
     assert not attn.is_prefill and attn.max_query_len == 1
-    assert runner.execute(riding) == runner.execute(decode)  # the same slots, rewritten alike
+    # the same slots, rewritten alike
+    assert runner.execute(riding, requests) == runner.execute(decode, requests)
 
 
 def test_mla_mixed_steps_give_transformers_tokens(tmp_path):

@@ -58,13 +58,13 @@ def test_vector_carries_readiness_wait_and_backlog_through_min():
         LocalState(want=False, has_running=True, has_work=True, backlog=False),
     ]
     reduced = [min(column) for column in zip(*(s.encode() for s in states), strict=True)]
-    got = GroupView.decode(reduced)
+    got = GroupView.from_vector(reduced)
     assert (got.all_ready, got.max_ready_wait, got.any_backlog) == (False, 5, False)
     backlog = LocalState(True, True, True, ready=True, ready_wait=0, backlog=True)
     reduced = [min(c) for c in zip(states[0].encode(), backlog.encode(), strict=True)]
-    got = GroupView.decode(reduced)
+    got = GroupView.from_vector(reduced)
     assert (got.all_ready, got.max_ready_wait, got.any_backlog) == (True, 2, True)
-    none_ready = GroupView.decode(LocalState(False, False, False).encode())
+    none_ready = GroupView.from_vector(LocalState(False, False, False).encode())
     assert none_ready.max_ready_wait == -1 and not none_ready.all_ready
 
 
@@ -367,7 +367,7 @@ def test_no_ready_head_waits_past_the_deadline(plan, pool, rank_pool):
             return None
         if mine["sat_out"] >= deadline and head not in out.scheduled_seqs:
             violations.append((rank, sched.step_index - 1, head.request_id, mine["sat_out"]))
-        if not out.prompt_run:
+        if not out.is_prefill:
             mine["sat_out"] += 1
         return None
 

@@ -92,7 +92,7 @@ def test_mixed_step_serves_running_sequences_before_admitting_a_prompt():
     sched.add_sequence(make_seq("c", 4, max_tokens=20))
     outputs, _ = run_step(sched)  # the prompt step decodes a and b first: their second blocks
     # leave none for c, so nobody is preempted and c waits for a block.
-    assert not outputs.prompt_run and outputs.num_seqs == 2
+    assert not outputs.is_prefill and outputs.num_seqs == 2
     assert [seq.request_id for seq in sched.waiting] == ["c"] and sched.num_preemptions == 0
     assert all(len(seq.block_table) == 2 for seq in sched.running)
     sched.check_integrity()

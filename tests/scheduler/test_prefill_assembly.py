@@ -18,7 +18,7 @@ def test_unschedulable_head_blocks_the_queue():
     sched.add_sequence(make_seq("a", 5, schedulable=False))
     sched.add_sequence(make_seq("b", 5))
     outputs, _ = run_step(sched)
-    assert not outputs.prompt_run and outputs.known_empty  # nobody overtakes the head
+    assert not outputs.is_prefill and outputs.known_empty  # nobody overtakes the head
     sched.set_schedulable("a")
     outputs, _ = run_step(sched)
     assert [s.request_id for s in outputs.scheduled_seqs] == ["a", "b"]
@@ -32,7 +32,7 @@ def test_sequence_count_limit_includes_running():
     for rid in "cd":
         sched.add_sequence(make_seq(rid, 3))
     outputs, _ = run_step(sched)  # decode_step 0: an ALL point
-    assert outputs.prompt_run and [s.request_id for s in prompt_part(outputs)] == ["c"]
+    assert outputs.is_prefill and [s.request_id for s in prompt_part(outputs)] == ["c"]
     assert [s.request_id for s in outputs.scheduled_seqs[1:]] == ["b", "a"]  # mixed: decoded
 
 
@@ -53,7 +53,7 @@ def test_budget_chunks_one_prompt_and_continues_it_first():
         outputs, _ = run_step(sched)
         lengths.append(
             (
-                outputs.prompt_run,
+                outputs.is_prefill,
                 [
                     (s.request_id, q)
                     for s, q in zip(outputs.scheduled_seqs, outputs.seqlens_q, strict=True)
@@ -76,7 +76,7 @@ def test_without_chunking_a_prompt_waits_for_a_step_with_room():
     outputs, _ = run_step(sched)
     assert outputs.seqlens_q == [300]  # b does not fit the rest of the budget
     outputs, _ = run_step(sched)
-    assert outputs.prompt_run and outputs.seqlens_q == [300, 1]  # b, and a's decode token
+    assert outputs.is_prefill and outputs.seqlens_q == [300, 1]  # b, and a's decode token
 
 
 def test_prompt_limits_ignore_with_reason():
@@ -201,7 +201,7 @@ def test_mixed_step_caps_prompt_tokens_only_while_someone_decodes():
     lengths = []
     for _ in range(4):
         outputs, _ = run_step(sched)
-        assert outputs.prompt_run and outputs.num_decode_seqs == 1  # "long" decodes every step
+        assert outputs.is_prefill and outputs.num_decode_seqs == 1  # "long" decodes every step
         lengths.append([seq.request_id for seq in prompt_part(outputs)] + outputs.seqlens_q)
     assert lengths == [["next", 32, 1]] * 3 + [["next", 4, 1]]
     assert sched.get_sequence("long").num_output_tokens == 5  # no step left it out

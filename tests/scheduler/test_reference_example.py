@@ -29,7 +29,7 @@ def test_article_walkthrough():
     sched.add_sequence(_seq("A", 3000))
     out = sched.schedule()
     a = out.scheduled_seqs[0]
-    assert out.prompt_run and out.point is AttemptPoint.ALL and out.seqlens_q == [2048]
+    assert out.is_prefill and out.point is AttemptPoint.ALL and out.seqlens_q == [2048]
     assert len(a.block_table) == 188 and a.chunked_rest_len == 952 and a.status.name == "WAITING"
     sched.process_outputs(out, [1])
     assert sched.waiting[0] is a
@@ -37,12 +37,12 @@ def test_article_walkthrough():
     sched.add_sequence(_seq("B", 500))
     sched.add_sequence(_seq("C", 500))
     out = sched.schedule()
-    assert out.prompt_run and _ids(out) == ["A", "B", "C"] and out.seqlens_q == [952, 500, 500]
+    assert out.is_prefill and _ids(out) == ["A", "B", "C"] and out.seqlens_q == [952, 500, 500]
     assert all(seq.status.name == "RUNNING" for seq in out.scheduled_seqs)
     sched.process_outputs(out, [1, 1, 1])
     # Step 3: all three decode; no new blocks are needed yet.
     out = sched.schedule()
-    assert not out.prompt_run and out.seqlens_q == [1, 1, 1] and _ids(out) == ["C", "B", "A"]
+    assert not out.is_prefill and out.seqlens_q == [1, 1, 1] and _ids(out) == ["C", "B", "A"]
     sched.process_outputs(out, [1, 1, 1])
     # Step 4: the pool is over the watermark (252 of 255 usable blocks), so at the next ALL
     # point a newly arrived D is not prefilled.
@@ -51,7 +51,7 @@ def test_article_walkthrough():
     preempted = None
     for _ in range(CONFIG.prefill_attempt_interval + 5):
         out = sched.schedule()
-        assert not out.prompt_run, "D was admitted above the watermark"
+        assert not out.is_prefill, "D was admitted above the watermark"
         if out.ignored_seqs:
             preempted = out
             break
@@ -68,7 +68,7 @@ def test_article_walkthrough():
     for _ in range(CONFIG.prefill_attempt_interval + 1):
         out = sched.schedule()
         sched.process_outputs(out, [1] * out.num_seqs)
-        if out.prompt_run:
+        if out.is_prefill:
             assert _ids(out) == ["D"]
             break
     else:

@@ -54,7 +54,7 @@ class Group:
                     tokens = [fake_token(seq) for seq in out.scheduled_seqs]
                     done = sched.process_outputs(out, tokens)
                     kind = (
-                        "empty" if out.known_empty else ("prefill" if out.prompt_run else "decode")
+                        "empty" if out.known_empty else ("prefill" if out.is_prefill else "decode")
                     )
                     self.trace[rank].append((step, kind, out.point, out.num_seqs))
                     for seq in [*done, *out.ignored_seqs]:
@@ -82,7 +82,7 @@ def test_vote_vector_round_trip_through_min():
         LocalState(want=False, has_running=True, has_work=True, wake_epoch=5, shutdown=True),
     ]
     reduced = [min(column) for column in zip(*(s.encode() for s in states), strict=True)]
-    view = GroupView.decode(reduced)
+    view = GroupView.from_vector(reduced)
     assert (view.all_want, view.any_want, view.none_running, view.none_work) == (
         False,
         True,
