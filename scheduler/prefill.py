@@ -75,12 +75,24 @@ def assemble_prefill(
     config: SchedulerConfig,
     terminate: Callable[[Sequence, SequenceStatus], None],
     token_budget: int | None = None,
+    *,
+    dry_run: bool = False,
+    max_kv_usage: float | None = None,
+    reserve_blocks: Callable[[Sequence], int] | None = None,
 ) -> PrefillBatch:
     """Take sequences from the head of ``waiting`` while every check passes.
 
     ``token_budget`` (default ``max_num_batched_tokens``) caps the prompt tokens of the batch;
     the head's chunk alone may use the full ``max_num_batched_tokens`` when the cap would
-    leave it none, so a head that is ready (``Scheduler._ready_head``) is always taken.
+    leave it none, so a ready head is always taken whatever the cap.
+
+    ``dry_run``: stop at the first sequence that every check lets in and return it alone,
+    with nothing allocated or advanced (heads the checks end, too long or larger than the
+    pool, are ended all the same). This is how the deadline policy finds a *ready* head
+    (``Scheduler._ready_head``): the same code as the assembly, so a ready head always
+    assembles. It adds two conditions of its own, which can only make readiness stricter:
+    ``max_kv_usage`` (a head without blocks waits while the pool is fuller than this) and
+    ``reserve_blocks(seq)`` (blocks that a mixed step's decode tokens take first).
     """
     budget = config.max_num_batched_tokens if token_budget is None else token_budget
     seqs: list[Sequence] = []
@@ -107,7 +119,9 @@ def assemble_prefill(
         plan = None
         start = seq.num_tokens
         if not seq.block_table:
-            plan = kv.plan_admission(seq)
+            if max_kv_usage is not None and kv.usage() > max_kv_usage:
+                break
+            plan = kv.plan_admission(seq, reserve_blocks(seq) if reserve_blocks else 0)
             if plan.status is AllocStatus.NEVER:
                 waiting.popleft()
                 seq.error_message = larger_than_pool(seq, kv)
@@ -121,6 +135,8 @@ def assemble_prefill(
             seqlen_q = chunk_length(seq, start, config.max_num_batched_tokens, config)
         if seqlen_q == 0:
             break
+        if dry_run:
+            return PrefillBatch([seq], [seqlen_q], seqlen_q)
         # Every check passed: from here on, side effects.
         waiting.popleft()
         if plan is not None:

@@ -20,12 +20,11 @@ import time
 from collections import deque
 from collections.abc import Generator
 
-from scheduler.block_pool import AllocStatus
 from scheduler.config import SchedulerConfig
 from scheduler.decode import assemble_decode, order_key
 from scheduler.kv_manager import KvManager
 from scheduler.outputs import SchedulerOutputs
-from scheduler.prefill import PrefillBatch, assemble_prefill, chunk_length, larger_than_pool
+from scheduler.prefill import PrefillBatch, assemble_prefill
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.vote import (
     AttemptPoint,
@@ -303,46 +302,23 @@ class Scheduler:
             self._ready_wait = 0
 
     def _ready_head(self) -> Sequence | None:
-        """The head of waiting if a prefill assembled now would start with it, else None.
-
-        The same checks, in the same order, as ``assemble_prefill`` makes for its first
-        sequence, with no side effect on the pools: so a ready rank always assembles a batch.
-        A head that assembly would end (longer than the prompt limit, more blocks than the
-        whole pool) is ended here, or it could sit unreported at the head of an idle rank.
+        """The head of waiting if a prefill assembled now would start with it, else None: a
+        dry run of the assembly itself (`assemble_prefill`), under the watermark and with the
+        blocks a mixed step's decode tokens take first set aside. A head that assembly would
+        end (longer than the prompt limit, more blocks than the whole pool) is ended here, or
+        it could sit unreported at the head of an idle rank.
         """
-        config = self.config
-        waiting = self.waiting
-        prompt_limit = (
-            config.max_model_len if config.chunked_prefill else config.max_num_batched_tokens
+        batch = assemble_prefill(
+            self.waiting,
+            len(self.running),
+            self.kv,
+            self.config,
+            self._terminate,
+            dry_run=True,
+            max_kv_usage=self.config.prefill_watermark,
+            reserve_blocks=self._mixed_reserve,
         )
-        while waiting:
-            seq = waiting[0]
-            if seq.is_finished:
-                waiting.popleft()
-                continue
-            if not seq.schedulable or len(self.running) + 1 > config.max_num_seqs:
-                return None
-            if len(seq.token_ids) > prompt_limit:
-                waiting.popleft()
-                self._terminate(seq, SequenceStatus.IGNORED)
-                continue
-            start = seq.num_tokens
-            if not seq.block_table:
-                if self.kv.usage() > config.prefill_watermark:
-                    return None
-                plan = self.kv.plan_admission(seq, self._mixed_reserve(seq))
-                if plan.status is AllocStatus.NEVER:
-                    waiting.popleft()
-                    seq.error_message = larger_than_pool(seq, self.kv)
-                    self._terminate(seq, SequenceStatus.IGNORED)
-                    continue
-                if plan.status is AllocStatus.LATER:
-                    return None
-                start = len(plan.cached_blocks) * self.kv.block_size
-            if chunk_length(seq, start, config.max_num_batched_tokens, config) == 0:
-                return None
-            return seq
-        return None
+        return batch.seqs[0] if batch.seqs else None
 
     def _mixed_reserve(self, seq: Sequence) -> int:
         """Blocks that a mixed step's decode tokens take before ``seq`` could be admitted. The

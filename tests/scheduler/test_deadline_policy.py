@@ -10,7 +10,7 @@ The property test checks it over random traffic on 4 thread-ranks with its own n
 import threading
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sched_helpers import fake_token, make_seq
 
@@ -375,3 +375,56 @@ def test_no_ready_head_waits_past_the_deadline(plan, pool, rank_pool):
     assert not violations, f"ready heads waited past the deadline: {violations[:5]}"
     for sched in group.ranks:
         sched.check_integrity()
+
+
+# -- readiness is the assembly's own dry run ---------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(
+    num_blocks=st.integers(4, 40),
+    max_num_seqs=st.integers(1, 6),
+    prompts=st.lists(st.integers(1, 60), min_size=1, max_size=8),
+    num_running_steps=st.integers(0, 12),
+    mixed=st.booleans(),
+    sum_k=st.sampled_from([None, 64, 128]),
+    watermark=st.sampled_from([0.5, 0.8, 1.0]),
+)
+# Two states (found by a search) where the head fits only without the blocks the decode
+# tokens of a mixed step take first: readiness must set them aside.
+@example(28, 3, [41, 53, 60], 8, True, None, 1.0)
+@example(22, 2, [19, 56, 58, 20, 40, 8], 6, True, None, 1.0)
+def test_a_ready_head_is_the_first_sequence_its_assembly_takes(
+    num_blocks, max_num_seqs, prompts, num_running_steps, mixed, sum_k, watermark
+):
+    """Whatever the pool, slots, running sequences and limits, a head `_ready_head` finds is
+    the first sequence the real assembly takes (mixed steps: after the decode tokens)."""
+    import copy
+
+    from scheduler.prefill import assemble_prefill
+
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=64,
+        max_model_len=60,
+        block_size=4,
+        num_blocks=num_blocks,
+        sync_policy="deadline",
+        mixed_steps=mixed,
+        prefill_max_sum_seqlen_k=sum_k,
+        prefill_watermark=watermark,
+    )
+    sched = Scheduler(config)
+    for index, length in enumerate(prompts):
+        sched.add_sequence(make_seq(f"r{index}", length, max_tokens=50))
+    for _ in range(num_running_steps):  # some prompts start and decode, holding blocks
+        outputs = sched.schedule()
+        sched.process_outputs(outputs, [fake_token(seq) for seq in outputs.scheduled_seqs])
+    ready = sched._ready_head()
+    if ready is None:
+        return
+    trial = copy.deepcopy(sched)
+    if mixed and trial.running:
+        trial._decode(known_empty=False)  # a mixed step's decode tokens take their blocks first
+    batch = assemble_prefill(
+        trial.waiting, len(trial.running), trial.kv, trial.config, trial._terminate
+    )
+    assert batch.seqs and batch.seqs[0].request_id == ready.request_id
