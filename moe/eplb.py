@@ -17,8 +17,10 @@ The algorithm is DeepSeek's EPLB, written here as batched tensor ops over rows:
 The hierarchical policy (num_nodes > 1 and num_nodes divides G) first packs whole expert groups
 onto nodes, balancing tokens per node, then replicates and packs within each node: a group and
 all its replicas stay on one node, so group-limited routing (DeepSeek-V3 sends a token to at
-most `topk_group` groups) keeps most traffic inside the fast intra-node links. Otherwise the
-global policy replicates and packs over all ranks at once.
+most `topk_group` groups) bounds how many nodes a token's rows reach. Each node gets P /
+num_nodes slots whatever its load, so a node holding the hottest groups stays the bottleneck.
+Otherwise the global policy replicates and packs over all ranks at once. (DeepSeek's code also
+takes the hierarchical branch with one node, where it equals the global one.)
 
 Slot numbering: the output is rank-major like `ExpertPlacement` (rank r holds slots
 [r * S, (r + 1) * S)), with the ranks of a node contiguous (rank r on node r // (N / num_nodes)).
@@ -27,9 +29,11 @@ within the GPU), so no conversion is needed; the hierarchical policy is only rig
 launcher really numbers ranks node by node.
 
 Determinism: every rank computing from the same load must get the same maps. Loads are
-float64 on CPU; sorts are stable and argmin/argmax take the first index, so ties go to the
-lowest index; the only sums are written as sequential additions (never a vectorised reduction,
-whose order may depend on thread count or SIMD width); nothing is random.
+float64 on CPU; sorts are stable and every tie has a fixed rule (in the end the lowest index);
+the only sums are written as sequential additions (never a vectorised reduction, whose order
+may depend on thread count or SIMD width); nothing is random. The one departure from DeepSeek's
+choices is a tie rule: between equally loaded experts, replication prefers the one with fewer
+replicas (DeepSeek's takes the lowest index), so an all-zero layer spreads its spare slots.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> tuple[torch.Tensor
     and its place in that pack, 0 .. n / num_packs - 1. Items go heaviest first (equal weights
     in index order), each to the lightest pack that still has room (equal loads: the lowest
     pack). With one item per pack, item i goes to pack i (any such deal is equally balanced).
-    A greedy for an NP-hard problem: optimal with one or two items per pack, close otherwise.
+    A greedy for an NP-hard problem: optimal with one or two items per pack, not always with
+    more.
     """
     num_rows, num_items = weight.shape
     if num_packs < 1 or num_items % num_packs != 0:
@@ -259,10 +264,12 @@ def rank_loads(load: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
     """Tokens each rank's experts compute for one layer: load: [E] → [N] float64.
 
     A logical expert's tokens are split evenly over its replicas. Dispatch picks replica
-    (token index + k) % logcnt[e] (`choose_replicas`), a round robin over the tokens, so each
-    replica gets its share to within rounding once many tokens have passed. Counts (token,
-    expert) pairs, the experts' work; normal dispatch sends a token to a rank once even when it
-    picked two slots there.
+    (token_offset + t + k) % logcnt[e] (`choose_replicas`), a round robin over the global token
+    index, so each replica gets its share once many distinct indices have passed. Caveat: ranks
+    that all pass the same token_offset with few tokens each (decode) reuse the same few
+    indices, and low replicas then get more than this model says. Counts (token, expert) pairs,
+    the experts' work; normal dispatch sends a token to a rank once even when it picked two
+    slots there.
     """
     if load.shape != (placement.num_experts,):
         raise ValueError(f"load must be [E={placement.num_experts}], got shape {tuple(load.shape)}")
