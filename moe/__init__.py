@@ -1,4 +1,5 @@
-"""Mixture-of-Experts: routing, local experts, expert placement, EP dispatch/combine.
+"""Mixture-of-Experts: routing, local experts, expert placement and its load balancing (EPLB),
+EP dispatch/combine.
 
 Knows nothing of scheduling; never imports `scheduler`, `dist_engine` or `launcher`.
 """
@@ -7,6 +8,15 @@ from moe.dispatch import DispatchMeta, DispatchMode, combine, dispatch, run_loca
 from moe.dispatch_common import ReceivedRouting
 from moe.dispatch_low_latency import LowLatencyDispatchMeta
 from moe.dispatch_normal import NormalDispatchMeta
+from moe.eplb import (
+    ExpertLoadWindow,
+    RebalanceResult,
+    balancedness,
+    rank_loads,
+    rebalance,
+    rebalance_gain,
+    worth_adopting,
+)
 from moe.exchange import Exchange, GroupExchange
 from moe.experts import ExpertImpl, LocalExperts, grouped_mm_weighted_sum, torch_weighted_sum
 from moe.layer import MoELayer, dense_reference_moe
@@ -26,23 +36,30 @@ __all__ = [
     "DispatchMode",
     "Exchange",
     "ExpertImpl",
+    "ExpertLoadWindow",
     "ExpertPlacement",
     "GroupExchange",
     "LocalExperts",
     "LowLatencyDispatchMeta",
     "MoELayer",
     "NormalDispatchMeta",
+    "RebalanceResult",
     "ReceivedRouting",
     "RoutingMethod",
     "RoutingResult",
+    "balancedness",
     "choose_replicas",
     "combine",
     "dense_reference_moe",
     "dispatch",
     "grouped_mm_weighted_sum",
+    "rank_loads",
+    "rebalance",
+    "rebalance_gain",
     "run_local_experts",
     "sigmoid_grouped_topk",
     "softmax_grouped_topk",
     "softmax_topk",
     "torch_weighted_sum",
+    "worth_adopting",
 ]

@@ -41,6 +41,7 @@ class MoELayer(nn.Module):
         group: dist.ProcessGroup | Exchange | None = None,
         dtype: torch.dtype = torch.float32,
         ll_max_tokens_per_rank: int = 256,
+        count_expert_load: bool = False,
     ) -> None:
         super().__init__()
         if placement.num_experts != num_experts:
@@ -74,6 +75,11 @@ class MoELayer(nn.Module):
         # copies from the host in the forward pass. Not persistent: the placement is config.
         self.register_buffer("log2phy", placement.log2phy.clone(), persistent=False)
         self.register_buffer("logcnt", placement.logcnt.clone(), persistent=False)
+        self.count_expert_load = count_expert_load
+        # Statistics, not weights: not saved with the model, but they follow `.to(device)`.
+        self.register_buffer(
+            "expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False
+        )
 
     def load_expert(
         self, logical_id: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
@@ -108,6 +114,13 @@ class MoELayer(nn.Module):
         for each in DispatchMode if mode is None else (mode,):
             self.expert_impls[each] = impl
 
+    def take_expert_load(self) -> torch.Tensor:
+        """[E] int64 (token, choice) pairs this rank routed to each logical expert since the
+        last take, on the layer's device; resets the count. Queues device work only."""
+        load = self.expert_load.clone()
+        self.expert_load.zero_()
+        return load
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -140,6 +153,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"mode must be a DispatchMode, got {mode!r}")
         if mode is DispatchMode.LOW_LATENCY:
             check_capacity(num_tokens, self.ll_max_tokens_per_rank)
+        if self.count_expert_load:
+            flat_ids = topk_ids.reshape(-1).long()
+            self.expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         physical_ids = choose_replicas_from_maps(topk_ids, self.log2phy, self.logcnt, token_offset)
         if self.exchange is None:
             local = ReceivedRouting(local_slots=physical_ids, weights=topk_weights.float())

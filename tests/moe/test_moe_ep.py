@@ -7,6 +7,8 @@ runs twice: through MoELayer and through the public dispatch → run_local_exper
 Odd seeds run the experts through the compiled kernel (when it is built; it reads the received
 rows in place, strided), even seeds through PyTorch. Every case travels both through the gloo
 group and through the shared-memory exchange (small slots, so rows go in several chunks).
+Placements are even, random with replicas, or `moe.rebalance`'s for a skewed load (both
+policies); every layer counts its routed load, checked against the case's topk_ids.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from moe import (
     combine,
     dense_reference_moe,
     dispatch,
+    rebalance,
     run_local_experts,
     softmax_topk,
 )
@@ -47,6 +50,7 @@ class Case:
     replicas: bool
     seed: int
     token_counts: str = "random"  # "random" (one rank forced to 0), "zero" or "over_capacity"
+    eplb_nodes: int = 0  # > 0: the placement is rebalance()'s over this many nodes
 
 
 def build_cases() -> list[Case]:
@@ -63,10 +67,19 @@ def build_cases() -> list[Case]:
     # usable (the case after it runs normally).
     cases.append(Case(DispatchMode.LOW_LATENCY, 2, False, seed, token_counts="over_capacity"))
     cases.append(Case(DispatchMode.LOW_LATENCY, 2, True, seed + 1))
+    # EPLB placements: hierarchical (2 nodes divide the 2 groups) and global (1 node).
+    cases.append(Case(DispatchMode.NORMAL, 2, True, seed + 2, eplb_nodes=2))
+    cases.append(Case(DispatchMode.LOW_LATENCY, 4, True, seed + 3, eplb_nodes=1))
     return cases
 
 
 def make_placement(case: Case, world_size: int) -> ExpertPlacement:
+    if case.eplb_nodes:
+        gen = torch.Generator().manual_seed(1000 + case.seed)
+        load = torch.randint(0, 50, (1, NUM_EXPERTS), generator=gen)
+        load[0, case.seed % NUM_EXPERTS] = 1000  # one hot expert: it gets replicas
+        num_physical = world_size * (NUM_EXPERTS // world_size + 1)
+        return rebalance(load, num_physical, 2, case.eplb_nodes, world_size).placement(0)
     if not case.replicas:
         return ExpertPlacement.even(NUM_EXPERTS, world_size)
     gen = torch.Generator().manual_seed(1000 + case.seed)
@@ -123,6 +136,7 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
             rank=rank,
             group=group,
             ll_max_tokens_per_rank=CAPACITY,
+            count_expert_load=True,
         )
         gate, up, down = make_expert_weights(case)
         for logical in placement.hosted_logical(rank):
@@ -146,6 +160,7 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
                 "output" + suffix: output,
                 "composed" + suffix: composed,
                 "num_received" + suffix: recv_hidden.shape[0],
+                "expert_load" + suffix: layer.take_expert_load(),
             }
         )
     # One dict per case, both exchanges' results in it.
@@ -185,6 +200,9 @@ def test_ep_matches_dense_reference(world_size: int) -> None:
                 torch.testing.assert_close(
                     result[path], expected, rtol=1e-5, atol=1e-5, msg=f"{case} rank {rank} {path}"
                 )
+            routed = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
+            for path in ("expert_load", "expert_load_shm"):
+                assert torch.equal(result[path], routed), (case, rank, path)
         received = sum(result["num_received"] for result in results)
         assert received == sum(result["num_received_shm"] for result in results), case
         if case.mode is DispatchMode.NORMAL:

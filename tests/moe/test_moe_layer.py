@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
 
@@ -87,6 +89,59 @@ def test_layer_rejects_bad_construction_and_inputs() -> None:
         layer(hidden, weights[:, :1], ids, DispatchMode.NORMAL)
     with pytest.raises(ValueError, match=r"hidden must be \[T, D=16\], got shape \(5, 3\)"):
         layer(hidden[:, :3], weights, ids, DispatchMode.NORMAL)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op that reaches the dispatcher (a CPU `.tolist()` never does)."""
+
+    # Ops whose output shape or value the host must wait for: each is a device sync on GPU.
+    HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "bincount", "masked_select", "unique")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def host_syncs(self, ops: Counter[str] | None = None) -> list[str]:
+        return sorted(op for op in (ops or self.ops) if op.startswith(self.HOST_SYNC_OPS))
+
+
+def test_op_recorder_sees_host_syncs() -> None:
+    with OpRecorder() as recorder:
+        ids = torch.tensor([0, 2, 2])
+        ids[0].item()
+        torch.bincount(ids)
+        ids.nonzero()
+    assert recorder.host_syncs() == ["_local_scalar_dense", "bincount", "nonzero"]
+
+
+@pytest.mark.parametrize("mode", list(DispatchMode))
+def test_load_counting_changes_nothing_and_counts_routed_pairs(mode: DispatchMode) -> None:
+    placement = ExpertPlacement.from_phy2log([0, 1, 2, 3, 4, 5, 6, 7, 0, 5], NUM_EXPERTS, 1)
+    plain = loaded_layer(placement, seed=1, ll_max_tokens_per_rank=64)
+    counting = loaded_layer(placement, seed=1, ll_max_tokens_per_rank=64, count_expert_load=True)
+    gen = torch.Generator().manual_seed(4)
+    expected = torch.zeros(NUM_EXPERTS, dtype=torch.int64)
+    for num_tokens in (17, 0, 33):  # counts add up over forwards until taken
+        hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
+        routing = softmax_topk(torch.randn(num_tokens, NUM_EXPERTS, generator=gen), 3, True)
+        args = (hidden, routing.topk_weights, routing.topk_ids, mode)
+        with OpRecorder() as without:
+            out_plain = plain(*args, token_offset=5)
+        with OpRecorder() as with_counting:
+            out_counting = counting(*args, token_offset=5)
+        assert torch.equal(out_plain, out_counting)
+        # Counting adds ops and removes none, and none it adds waits for the device.
+        added, removed = with_counting.ops - without.ops, without.ops - with_counting.ops
+        assert added["scatter_add_"] == 1 and not removed, (added, removed)
+        assert with_counting.host_syncs(added) == [], added
+        expected += torch.bincount(routing.topk_ids.flatten(), minlength=NUM_EXPERTS)
+    assert not plain.expert_load.any()  # off by default: nothing counted
+    assert torch.equal(counting.take_expert_load(), expected)
+    assert not counting.take_expert_load().any()  # taking resets
 
 
 @pytest.mark.multirank
