@@ -191,7 +191,7 @@ def _generator() -> torch.Generator:
 
 
 def _experts(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
-    from dist_engine.backends import expert_impl
+    from dist_engine.layers.moe import expert_impl
     from moe import LocalExperts
 
     gen = _generator()

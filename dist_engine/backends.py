@@ -41,9 +41,10 @@ from dist_engine.attention import (
     attention_backend,
     has_backend,
 )
+from dist_engine.layers.moe import expert_impl
 from dist_engine.layers.norm import NormKernel
 from dist_engine.log import get_logger
-from moe import DispatchMode, ExpertImpl, grouped_mm_weighted_sum
+from moe import DispatchMode, ExpertImpl
 
 if TYPE_CHECKING:
     from dist_engine.autotune import TuneShapes
@@ -166,20 +167,6 @@ def native_applies(
 def autotune_enabled() -> bool:
     """`auto` backends are timed at start-up unless LOCKSTEP_AUTOTUNE is 0/false/off."""
     return os.environ.get("LOCKSTEP_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off")
-
-
-def expert_impl(name: str) -> ExpertImpl | None:
-    """The `moe.ExpertImpl` of an expert backend (None: PyTorch's own path)."""
-    if name == "native":
-        from dist_engine.kernels import compute
-        from dist_engine.layers.moe import NativeExperts
-
-        return NativeExperts(compute.routed_swiglu())
-    if name == "grouped_mm":
-        return grouped_mm_weighted_sum
-    if name == "torch":
-        return None
-    raise ValueError(f"unknown expert backend {name!r}")
 
 
 def candidates(

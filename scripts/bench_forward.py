@@ -48,10 +48,10 @@ from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.attention.mla_torch import TorchMLA
 from dist_engine.autotune import TuneShapes
 from dist_engine.backends import BACKEND_KEYS, Backends, resolve_backends
-from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
+from dist_engine.models.registry import load_config
 from moe import DispatchMode
 
 VOCAB_SIZE = 2048
@@ -129,7 +129,7 @@ def load_ours(
     """Ours in float32 on `device`, backend `settings` resolved as the engine would for these
     step sizes (`auto` times the candidates on this host)."""
     shapes = TuneShapes.for_model(
-        ModelConfig.from_pretrained(model_dir),
+        load_config(model_dir),
         "float32",
         ep_size=1,
         decode_tokens=decode_tokens,

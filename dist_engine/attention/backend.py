@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from dist_engine.attention.kv_cache import write_kv
 from dist_engine.attention.metadata import AttentionMetadata
 
 
@@ -48,8 +49,6 @@ class AttentionBackend(ABC):
     ) -> None:
         """The cache write alone, for keys the layer rotated itself (partial rotary): key,
         value [T, Hkv, Dh] → slots `attn.slot_mapping` of key_cache, value_cache."""
-        from dist_engine.attention.torch_backend import write_kv
-
         write_kv(key, value, key_cache, value_cache, attn.slot_mapping)
 
     @abstractmethod

@@ -247,3 +247,16 @@ def slot_mapping_for(
     """Flat cache slots of positions `[first_position, first_position + num_tokens)`."""
     positions = range(first_position, first_position + num_tokens)
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the step's new keys/values. key, value: [T, Hkv, Dh]; caches: [NB, BS, Hkv, Dh]."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

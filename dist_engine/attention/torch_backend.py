@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dist_engine.attention.backend import AttentionBackend
+from dist_engine.attention.kv_cache import write_kv
 from dist_engine.attention.metadata import AttentionMetadata, PrefillGroup
 from dist_engine.layers.rotary import apply_rotary
 
@@ -48,19 +49,6 @@ class TorchAttention(AttentionBackend):
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         return paged_attention(query, key_cache, value_cache, attn)
-
-
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Store the step's new keys/values. key, value: [T, Hkv, Dh]; caches: [NB, BS, Hkv, Dh]."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

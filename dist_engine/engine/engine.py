@@ -50,6 +50,7 @@ from dist_engine.log import get_logger
 from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import load_model
+from dist_engine.models.registry import load_config
 from moe import DispatchMode, ExpertPlacement
 from scheduler import (
     AttemptPoint,
@@ -114,7 +115,7 @@ class DPEngine:
                 f"{self.world_size} rank(s)"
             )
         self.log = get_logger(self.rank)
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = load_config(config.model)
         sched_config = dataclasses.replace(
             config.scheduler, vocab_size=self.model_config.vocab_size
         )

@@ -17,7 +17,15 @@ import torch
 from torch import nn
 
 from dist_engine.layers.linear import Linear, empty_parameter
-from moe import DispatchMode, ExpertImpl, ExpertPlacement, LocalExperts, MoELayer, RoutingMethod
+from moe import (
+    DispatchMode,
+    ExpertImpl,
+    ExpertPlacement,
+    LocalExperts,
+    MoELayer,
+    RoutingMethod,
+    grouped_mm_weighted_sum,
+)
 from moe.experts import torch_weighted_sum
 from moe.routing import SOFTMAX_TOPK
 
@@ -147,3 +155,16 @@ class MoEBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
             out = out + shared
         return out
+
+
+def expert_impl(name: str) -> ExpertImpl | None:
+    """The `moe.ExpertImpl` of an expert backend (None: PyTorch's own path)."""
+    if name == "native":
+        from dist_engine.kernels import compute
+
+        return NativeExperts(compute.routed_swiglu())
+    if name == "grouped_mm":
+        return grouped_mm_weighted_sum
+    if name == "torch":
+        return None
+    raise ValueError(f"unknown expert backend {name!r}")

@@ -157,19 +157,6 @@ class ModelConfig:
     def moe_layer_indices(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
 
-    @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Parse the contents of an HF config.json through its architecture's module (the
-        model registry); raises ValueError naming the bad key."""
-        from dist_engine.models.registry import parse_config
-
-        return parse_config(hf)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        """Read and parse `<model_dir>/config.json`."""
-        return cls.from_hf_dict(read_hf_config(model_dir))
-
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     """The JSON object in `<model_dir>/config.json`; errors name the file and the problem."""

@@ -27,7 +27,7 @@ from dist_engine.backends import Backends, LayerOps, resolve_backends
 from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
-from dist_engine.models.registry import get_architecture
+from dist_engine.models.registry import get_architecture, load_config
 from dist_engine.models.weights import CheckpointLayout
 from moe import MoELayer
 
@@ -175,7 +175,7 @@ def load_model(
     max_decode_tokens: int = 256,
 ) -> MoECausalLM:
     """Build the model described by `model_dir/config.json` and load this rank's weights."""
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_config(model_dir)
     model = build_model(config, dtype, device, ep_context, backends, max_decode_tokens)
     with CheckpointReader(model_dir) as reader:
         load_weights(model, reader, ep_context or ExpertParallelContext())
@@ -275,7 +275,7 @@ def check_checkpoint(model_dir: str | Path) -> ModelConfig:
     (not truncated or corrupt), every tensor the config implies is there with its shape, and
     there is none it does not. Raises ValueError or FileNotFoundError naming the problem in
     one line; returns the config."""
-    config = ModelConfig.from_pretrained(model_dir)
+    config = load_config(model_dir)
     layout = get_architecture(config.model_type).layout(config)
     with CheckpointReader(model_dir) as reader:
         reader.open_all()

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from dist_engine.models.config import ModelConfig
-from dist_engine.models.registry import get_architecture, supported_model_types
+from dist_engine.models.registry import get_architecture, parse_config, supported_model_types
 
 DTYPES = {
     "float32": torch.float32,
@@ -125,7 +125,7 @@ def make_tiny_checkpoint(
         **arch_options,
     }
     hf_config = architecture.tiny_hf_config(common, options)
-    config = ModelConfig.from_hf_dict(hf_config)  # validates the sizes before any work
+    config = parse_config(hf_config)  # validates the sizes before any work
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = random_weights(config, seed, initializer_range, DTYPES[dtype])

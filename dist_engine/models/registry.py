@@ -7,10 +7,11 @@ Adding an architecture: write its module (see models/base.py) and add its line h
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from dist_engine.models.base import Architecture
-from dist_engine.models.config import REQUIRED_KEYS, ModelConfig, require_keys
+from dist_engine.models.config import REQUIRED_KEYS, ModelConfig, read_hf_config, require_keys
 
 # model_type -> module holding `ARCHITECTURE`
 ARCHITECTURES: dict[str, str] = {
@@ -35,7 +36,8 @@ def get_architecture(model_type: object) -> Architecture:
 
 
 def parse_config(hf: dict[str, Any]) -> ModelConfig:
-    """Parse config.json's contents with the module of its `model_type`."""
+    """Parse config.json's contents with the module of its `model_type`; raises ValueError
+    naming the bad key."""
     architecture = get_architecture(hf.get("model_type"))
     require_keys(hf, REQUIRED_KEYS)
     if hf.get("quantization_config"):
@@ -47,3 +49,8 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
             "are not supported; use a bfloat16 or float32 conversion"
         )
     return architecture.parse_config(hf)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read and parse `<model_dir>/config.json`; errors name the file or the bad key."""
+    return parse_config(read_hf_config(model_dir))

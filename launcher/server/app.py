@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import ErrorKind, RequestOutput
 from dist_engine.log import get_logger
-from dist_engine.models.config import ModelConfig
+from dist_engine.models.registry import load_config
 from launcher.clients import Client
 from launcher.server.config import ServerConfig
 from launcher.server.frontend import EngineFrontend, RequestStream, Unavailable
@@ -67,7 +67,7 @@ class LockstepServer:
         self.limits = ModelLimits(
             served_model_name=name,
             max_model_len=engine_config.scheduler.max_model_len,
-            vocab_size=ModelConfig.from_pretrained(model_dir).vocab_size,
+            vocab_size=load_config(model_dir).vocab_size,
             num_ranks=client.num_ranks,
             tokenizer=ModelTokenizer.load(model_dir),
         )

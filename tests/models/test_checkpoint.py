@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.distributed.spawn import run_multirank
 from dist_engine.layers.moe import ExpertParallelContext
-from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import CheckpointReader, build_model, load_model, load_weights
 from dist_engine.models.make_model import make_tiny_checkpoint
+from dist_engine.models.registry import load_config
 from moe import DispatchMode, ExpertPlacement
 
 PROMPT = random_prompts(1, TINY_SIZES["vocab_size"], 19, 19, seed=4)[0]
@@ -189,7 +189,7 @@ def _ep_worker(rank: int, world_size: int, model_dir: str, prompts: list[list[in
     """Load this rank's share of the experts, then run one EP prefill and one EP decode step."""
     placement = ExpertPlacement.even(TINY_SIZES["num_experts"], world_size)
     context = ExpertParallelContext(placement=placement, rank=rank, group=dist.group.WORLD)
-    model = build_model(ModelConfig.from_pretrained(model_dir), ep_context=context)
+    model = build_model(load_config(model_dir), ep_context=context)
     with CheckpointReader(model_dir) as reader:
         load_weights(model, reader, context)
         tensors_read = list(reader.tensors_read)

@@ -17,9 +17,9 @@ from dist_engine.attention.latent_cache import LatentKVCache, LatentKVSpec
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.attention.mla_torch import TorchMLA
 from dist_engine.backends import Backends, resolve_backends
-from dist_engine.models.config import ModelConfig
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
+from dist_engine.models.registry import load_config, parse_config
 from moe import DispatchMode
 
 YARN = {
@@ -179,7 +179,7 @@ def test_latent_cache_size_is_stated_and_measured(checkpoint: Path) -> None:
     from dist_engine.engine.config import EngineConfig
     from dist_engine.engine.engine import DPEngine
 
-    config = ModelConfig.from_pretrained(checkpoint)
+    config = load_config(checkpoint)
     mla = config.mla
     messages: list[str] = []
     handler = logging.Handler()
@@ -316,7 +316,7 @@ FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
 def test_deepseek_hub_configs_parse() -> None:
     from dist_engine.models.mla_moe import softmax_scale
 
-    v3 = ModelConfig.from_hf_dict(DEEPSEEK_V3_HUB)
+    v3 = parse_config(DEEPSEEK_V3_HUB)
     assert v3.mla is not None and (v3.mla.q_lora_rank, v3.mla.kv_lora_rank) == (1536, 512)
     assert v3.moe_layer_indices == list(range(3, 61)) and v3.num_extra_layers == 1
     assert v3.shared_expert_intermediate_size == 2048 and v3.rope_interleave
@@ -325,13 +325,13 @@ def test_deepseek_hub_configs_parse() -> None:
     assert v3.rope_scaling is not None and v3.rope_scaling.factor == 40
     mscale = 0.1 * 1.0 * torch.log(torch.tensor(40.0)).item() + 1.0
     assert softmax_scale(v3) == pytest.approx(192**-0.5 * mscale**2)
-    v2 = ModelConfig.from_hf_dict(DEEPSEEK_V2_LITE_HUB)
+    v2 = parse_config(DEEPSEEK_V2_LITE_HUB)
     assert v2.mla is not None and v2.mla.q_lora_rank is None and v2.num_extra_layers == 0
     assert (v2.routing.scoring, v2.routing.num_groups) == ("softmax", 1)
     assert v2.moe_layer_indices == list(range(1, 27)) and v2.shared_expert_intermediate_size == 2816
     assert v2.rope_scaling is not None and v2.rope_scaling.cos_sin_scale() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="'quantization_config' \\(quant_method 'fp8'\\)"):
-        ModelConfig.from_hf_dict({**DEEPSEEK_V3_HUB, "quantization_config": FP8})
+        parse_config({**DEEPSEEK_V3_HUB, "quantization_config": FP8})
 
 
 def _v3_config(tmp_path: Path, **options) -> dict:
@@ -343,13 +343,13 @@ def _v3_config(tmp_path: Path, **options) -> dict:
 
 def test_both_rope_spellings_parse_alike(tmp_path: Path) -> None:
     hf = _v3_config(tmp_path, yarn=YARN)
-    v5 = ModelConfig.from_hf_dict(hf)
+    v5 = parse_config(hf)
     legacy = {k: v for k, v in hf.items() if k != "rope_parameters"}
     params = dict(hf["rope_parameters"])
     legacy["rope_theta"] = params.pop("rope_theta")
     params["type"] = params.pop("rope_type")
     legacy["rope_scaling"] = params
-    v4 = ModelConfig.from_hf_dict(legacy)
+    v4 = parse_config(legacy)
     assert v4 == v5 and v5.rope_scaling is not None and v5.rope_scaling.factor == 4.0
     assert v5.rope_scaling.mscale_all_dim == 0.8 and v5.rope_theta == 10000.0
 
@@ -379,18 +379,18 @@ def test_bad_v3_configs_name_the_key(tmp_path: Path, edit, message: str) -> None
     hf = _v3_config(tmp_path)
     edit(hf)
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_dict(hf)
+        parse_config(hf)
 
 
 def test_bad_v2_configs_name_the_key(tmp_path: Path) -> None:
     out = make_tiny_checkpoint("deepseek_v2", tmp_path, num_layers=2, write_tokenizer=False)
     hf = json.loads((out / "config.json").read_text())
     with pytest.raises(ValueError, match="'topk_method' must be one of"):
-        ModelConfig.from_hf_dict({**hf, "topk_method": "noaux_tc"})
+        parse_config({**hf, "topk_method": "noaux_tc"})
     with pytest.raises(ValueError, match="'norm_topk_prob' must be false"):
-        ModelConfig.from_hf_dict({**hf, "norm_topk_prob": True})
+        parse_config({**hf, "norm_topk_prob": True})
     with pytest.raises(ValueError, match="'n_group' must be an integer"):
-        ModelConfig.from_hf_dict({**hf, "n_group": None})
+        parse_config({**hf, "n_group": None})
 
 
 # -- checkpoints ------------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def test_make_model_cli_writes_a_loadable_checkpoint(tmp_path: Path, arch: str) 
 
     out = tmp_path / arch
     assert main(["--arch", arch, "--out", str(out), "--num-layers", "2", "--num-experts", "4"]) == 0
-    config = ModelConfig.from_pretrained(out)
+    config = load_config(out)
     assert config.model_type == arch and config.attention_kind == "mla"
     assert config.moe_layer_indices == [1]  # first_k_dense_replace = 1
     assert config.shared_expert_intermediate_size > 0

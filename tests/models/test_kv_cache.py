@@ -23,6 +23,7 @@ from dist_engine.backends import Backends, LayerOps, RegimeChoice, resolve_backe
 from dist_engine.kernels import build, compute
 from dist_engine.layers.rotary import RotaryEmbedding, apply_rotary
 from dist_engine.models.config import ModelConfig
+from dist_engine.models.registry import parse_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 2, 8, 4
 
@@ -291,7 +292,7 @@ def test_kernel_build_failure_falls_back_with_a_warning(
 
 
 def _config() -> ModelConfig:
-    return ModelConfig.from_hf_dict(
+    return parse_config(
         {
             "model_type": "mixtral",
             "vocab_size": 32,

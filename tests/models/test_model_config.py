@@ -11,9 +11,9 @@ from model_fixtures import TINY_SIZES, hf_model, random_prompts
 
 from dist_engine.attention.kv_cache import KVCache
 from dist_engine.attention.metadata import AttentionMetadata
-from dist_engine.models.config import ModelConfig
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import main, make_tiny_checkpoint
+from dist_engine.models.registry import load_config, parse_config
 from moe import DispatchMode
 
 QWEN_HUB_STYLE = {
@@ -43,7 +43,7 @@ QWEN_HUB_STYLE = {
 
 
 def test_qwen3_hub_config_parses() -> None:
-    config = ModelConfig.from_hf_dict(QWEN_HUB_STYLE)
+    config = parse_config(QWEN_HUB_STYLE)
     assert (config.num_experts, config.top_k, config.head_dim) == (128, 8, 128)
     assert config.rope_theta == 1e6 and config.norm_topk_prob and config.use_qk_norm
     assert config.eos_token_ids == (151645,)
@@ -51,7 +51,7 @@ def test_qwen3_hub_config_parses() -> None:
 
 
 def test_qwen3_dense_layers_follow_hf_rule() -> None:
-    config = ModelConfig.from_hf_dict(
+    config = parse_config(
         {**QWEN_HUB_STYLE, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
     )
     # Sparse where (i + 1) % step == 0 and i not in mlp_only_layers.
@@ -59,7 +59,7 @@ def test_qwen3_dense_layers_follow_hf_rule() -> None:
 
 
 def test_mixtral_config_always_renormalises_and_derives_head_dim() -> None:
-    config = ModelConfig.from_hf_dict(
+    config = parse_config(
         {
             "model_type": "mixtral",
             "vocab_size": 32000,
@@ -81,7 +81,7 @@ def test_mixtral_config_always_renormalises_and_derives_head_dim() -> None:
 
 
 def test_glm4_moe_and_qwen2_moe_hub_configs_parse() -> None:
-    glm = ModelConfig.from_hf_dict(  # zai-org/GLM-4.5-Air
+    glm = parse_config(  # zai-org/GLM-4.5-Air
         {
             "model_type": "glm4_moe",
             "vocab_size": 151552,
@@ -114,7 +114,7 @@ def test_glm4_moe_and_qwen2_moe_hub_configs_parse() -> None:
     assert glm.moe_layer_indices == list(range(1, 46)) and glm.num_extra_layers == 1
     assert glm.routing.scoring == "sigmoid" and glm.routing.correction_bias
     assert glm.shared_expert_intermediate_size == 1408 and glm.router_in_float32
-    qwen2 = ModelConfig.from_hf_dict(  # Qwen/Qwen1.5-MoE-A2.7B
+    qwen2 = parse_config(  # Qwen/Qwen1.5-MoE-A2.7B
         {
             "model_type": "qwen2_moe",
             "vocab_size": 151936,
@@ -160,15 +160,15 @@ def test_bad_config_names_key_and_value(change: dict, message: str) -> None:
     hf = {**QWEN_HUB_STYLE, **change}
     hf = {k: v for k, v in hf.items() if v is not None or k not in change}
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_hf_dict(hf)
+        parse_config(hf)
 
 
 def test_bad_json_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"no config\.json"):
-        ModelConfig.from_pretrained(tmp_path)
+        load_config(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        ModelConfig.from_pretrained(tmp_path)
+        load_config(tmp_path)
 
 
 def test_tokenizer_ids_fit_the_vocabulary(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_cli_writes_a_loadable_checkpoint(tmp_path: Path, capsys: pytest.Capture
     argv = ["--arch", "qwen3_moe", "--out", str(out), "--seed", "2", "--num-layers", "1"]
     assert main([*argv, "--num-experts", "4", "--top-k", "1", "--shards", "2"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
-    config = ModelConfig.from_pretrained(out)
+    config = load_config(out)
     assert (config.num_layers, config.num_experts, config.top_k) == (1, 4, 1)
     assert (out / "model.safetensors.index.json").is_file()
     load_model(out)
