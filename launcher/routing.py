@@ -8,16 +8,40 @@ from __future__ import annotations
 
 import itertools
 
-ROUTING_POLICIES = ("round_robin", "least_loaded")
+from scheduler.registry import Registry
+
+
+class RoundRobin:
+    """Each rank in turn."""
+
+    def __init__(self, num_ranks: int) -> None:
+        self._cycle = itertools.cycle(range(num_ranks))
+
+    def pick(self, load: list[int]) -> int:
+        return next(self._cycle)
+
+
+class LeastLoaded:
+    """The rank with the fewest outstanding tokens (the lowest rank among equals)."""
+
+    def __init__(self, num_ranks: int) -> None:
+        pass
+
+    def pick(self, load: list[int]) -> int:
+        return min(range(len(load)), key=lambda rank: (load[rank], rank))
+
+
+ROUTING_POLICIES: Registry[type] = Registry(
+    "routing", {"round_robin": RoundRobin, "least_loaded": LeastLoaded}
+)
 
 
 class Router:
     def __init__(self, num_ranks: int, policy: str = "round_robin") -> None:
-        if policy not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {list(ROUTING_POLICIES)}, got {policy!r}")
+        ROUTING_POLICIES.check("routing", policy)
         self.num_ranks = num_ranks
         self.policy = policy
-        self._cycle = itertools.cycle(range(num_ranks))
+        self._policy = ROUTING_POLICIES.get(policy)(num_ranks)
         self.load = [0] * num_ranks
         self._assigned: dict[str, tuple[int, int]] = {}
 
@@ -27,10 +51,8 @@ class Router:
             if not isinstance(dp_rank, int) or not 0 <= dp_rank < self.num_ranks:
                 raise ValueError(f"dp_rank must be in [0, {self.num_ranks}), got {dp_rank!r}")
             rank = dp_rank
-        elif self.policy == "round_robin":
-            rank = next(self._cycle)
         else:
-            rank = min(range(self.num_ranks), key=lambda r: (self.load[r], r))
+            rank = self._policy.pick(self.load)
         self.load[rank] += cost
         self._assigned[request_id] = (rank, cost)
         return rank

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-# vote: the reference's ALL/ANY attempt points. every_step: vote every step (vLLM/SGLang style).
-# deadline: vote when a waiting prompt falls due; no ready head waits over prefill_deadline_steps.
-SYNC_POLICIES = ("vote", "every_step", "deadline")
+from scheduler.vote import SYNC_POLICIES
+
 PREEMPTION_ORDERS = ("lcfs", "fcfs")
 # The contenders the sync benchmarks compare: vote (prompt-only steps, the reference), and the
 # two other policies with prompt-only ("+separate") or mixed ("+mixed", the default) steps.
@@ -93,7 +92,7 @@ class SchedulerConfig:
             0.0 < self.prefill_watermark <= 1.0
         ):
             raise ValueError(f"prefill_watermark must be in (0, 1], got {self.prefill_watermark!r}")
-        _require_choice("sync_policy", self.sync_policy, SYNC_POLICIES)
+        SYNC_POLICIES.check("sync_policy", self.sync_policy)
         if self.mixed_steps is not None and not isinstance(self.mixed_steps, bool):
             raise ValueError(f"mixed_steps must be true, false or null, got {self.mixed_steps!r}")
         if self.mixed_steps and self.sync_policy == "vote":

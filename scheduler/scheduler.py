@@ -27,16 +27,13 @@ from scheduler.outputs import SchedulerOutputs
 from scheduler.prefill import PrefillBatch, assemble_prefill
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.vote import (
+    SYNC_POLICIES,
     AttemptPoint,
     GroupView,
     LocalState,
     LocalVote,
+    PolicyState,
     Vote,
-    attempt_point,
-    deadline_next_vote,
-    deadline_point,
-    deadline_prefills,
-    group_prefills,
 )
 
 # A step's schedule: yields vote vectors, receives the group's MIN of each, returns outputs.
@@ -78,7 +75,8 @@ class Scheduler:
         # how many decode steps it has been (checked every step, reported at votes).
         self._ready_seq: Sequence | None = None
         self._ready_wait = 0
-        self._deadline = config.sync_policy == "deadline"
+        self._policy = SYNC_POLICIES.get(config.sync_policy)
+        self._deadline = self._policy.tracks_readiness
         self._mixed = config.mixed
 
     # -- requests ---------------------------------------------------------------------------
@@ -228,27 +226,23 @@ class Scheduler:
             remaining = view.max_remaining_tokens
             decoding = not prefill and remaining > 0
             self.drain_step = decided_on + remaining if decoding else None
-            if self._deadline and not prefill:
-                self.next_vote = deadline_next_vote(
-                    decided_on, view, self.config.prefill_deadline_steps
-                )
+            if not prefill:
+                self.next_vote = self._policy.next_vote(decided_on, view, self._shared_state())
 
     def next_point(self) -> AttemptPoint:
         """The attempt point of the next ``schedule()``, from the state every rank shares."""
-        if self._deadline:
-            return deadline_point(
-                self.decode_step,
-                group_idle=self.group_idle,
-                next_vote=self.next_vote,
-                drain_step=self.drain_step,
-            )
-        return attempt_point(
-            self.decode_step,
-            self.config.prefill_attempt_interval,
-            self.config.prefill_any_attempt_interval,
+        return self._policy.point(self._shared_state())
+
+    def _shared_state(self) -> PolicyState:
+        config = self.config
+        return PolicyState(
+            decode_step=self.decode_step,
             group_idle=self.group_idle,
-            every_step=self.config.sync_policy == "every_step",
             drain_step=self.drain_step,
+            next_vote=self.next_vote,
+            all_interval=config.prefill_attempt_interval,
+            any_interval=config.prefill_any_attempt_interval,
+            deadline=config.prefill_deadline_steps,
         )
 
     def policy_state(self) -> tuple[int, int, bool, int | None, int, int]:
@@ -264,9 +258,7 @@ class Scheduler:
         )
 
     def _group_prefills(self, point: AttemptPoint, view: GroupView) -> bool:
-        if self._deadline:
-            return deadline_prefills(point, view, self.config.prefill_deadline_steps)
-        return group_prefills(point, view)
+        return self._policy.prefills(point, view, self._shared_state())
 
     def _local_state(self, wake_epoch: int, shutdown: bool) -> LocalState:
         """What this rank says in vote 1."""

@@ -47,6 +47,8 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol
 
+from scheduler.registry import Registry
+
 
 class Vote(Protocol):
     def allreduce_min(self, values: list[int]) -> list[int]:
@@ -216,6 +218,76 @@ def deadline_next_vote(decided_on: int, view: GroupView, deadline: int) -> int:
     if wait < 0:
         return decided_on + deadline
     return decided_on + max(1, deadline - wait)
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """The step-policy state every rank shares, as a policy reads it."""
+
+    decode_step: int
+    group_idle: bool
+    drain_step: int | None
+    next_vote: int  # deadline policy: the decode step of the next scheduled vote
+    all_interval: int  # prefill_attempt_interval
+    any_interval: int  # prefill_any_attempt_interval
+    deadline: int  # prefill_deadline_steps
+
+
+class ReferencePolicy:
+    """`vote`: the reference article's ALL/ANY attempt points (and `every_step`: ANY at every
+    step, as vLLM and SGLang sync)."""
+
+    tracks_readiness = False
+
+    def __init__(self, every_step: bool = False) -> None:
+        self.every_step = every_step
+
+    def point(self, state: PolicyState) -> AttemptPoint:
+        return attempt_point(
+            state.decode_step,
+            state.all_interval,
+            state.any_interval,
+            group_idle=state.group_idle,
+            every_step=self.every_step,
+            drain_step=state.drain_step,
+        )
+
+    def prefills(self, point: AttemptPoint, view: GroupView, state: PolicyState) -> bool:
+        return group_prefills(point, view)
+
+    def next_vote(self, decided_on: int, view: GroupView, state: PolicyState) -> int:
+        return state.next_vote  # votes fall on the fixed intervals
+
+
+class DeadlinePolicy:
+    """`deadline`: vote when a ready head falls due; no ready head waits past the deadline."""
+
+    tracks_readiness = True
+
+    def point(self, state: PolicyState) -> AttemptPoint:
+        return deadline_point(
+            state.decode_step,
+            group_idle=state.group_idle,
+            next_vote=state.next_vote,
+            drain_step=state.drain_step,
+        )
+
+    def prefills(self, point: AttemptPoint, view: GroupView, state: PolicyState) -> bool:
+        return deadline_prefills(point, view, state.deadline)
+
+    def next_vote(self, decided_on: int, view: GroupView, state: PolicyState) -> int:
+        return deadline_next_vote(decided_on, view, state.deadline)
+
+
+# sync_policy -> when the group votes and what it decides there.
+SYNC_POLICIES: Registry[ReferencePolicy | DeadlinePolicy] = Registry(
+    "sync_policy",
+    {
+        "vote": ReferencePolicy(),
+        "every_step": ReferencePolicy(every_step=True),
+        "deadline": DeadlinePolicy(),
+    },
+)
 
 
 class InProcessVoteGroup:

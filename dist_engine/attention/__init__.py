@@ -13,21 +13,23 @@
 
 from __future__ import annotations
 
-import importlib
-
 from dist_engine.attention.backend import AttentionBackend, PerRegime
 from dist_engine.attention.mla_backend import MLABackend
+from scheduler.registry import Lazy, Registry
 
-# attention kind -> backend name -> "module:class". A kind without `native` runs `torch`
-# whatever the setting says, and the resolution says so (dist_engine/backends.py).
-ATTENTION_BACKENDS: dict[str, dict[str, str]] = {
-    "gqa": {
-        "native": "dist_engine.attention.native_backend:NativeAttention",
-        "torch": "dist_engine.attention.torch_backend:TorchAttention",
-    },
-    "mla": {
-        "torch": "dist_engine.attention.mla_torch:TorchMLA",
-    },
+# attention kind -> backend name -> its class, imported when chosen. A kind without `native`
+# runs `torch` whatever the setting says, and the resolution says so (dist_engine/backends.py).
+ATTENTION_BACKENDS: dict[str, Registry[type]] = {
+    "gqa": Registry(
+        "GQA attention backend",
+        {
+            "native": Lazy("dist_engine.attention.native_backend:NativeAttention"),
+            "torch": Lazy("dist_engine.attention.torch_backend:TorchAttention"),
+        },
+    ),
+    "mla": Registry(
+        "MLA attention backend", {"torch": Lazy("dist_engine.attention.mla_torch:TorchMLA")}
+    ),
 }
 
 
@@ -35,17 +37,11 @@ def attention_backend(name: str, kind: str = "gqa") -> AttentionBackend | MLABac
     """A new backend `name` for attention of `kind` (see `ATTENTION_BACKENDS`)."""
     if kind not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention kind {kind!r}; known: {list(ATTENTION_BACKENDS)}")
-    backends = ATTENTION_BACKENDS[kind]
-    if name not in backends:
-        raise ValueError(
-            f"no {name!r} attention backend for {kind} attention; known: {list(backends)}"
-        )
-    module, cls = backends[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return ATTENTION_BACKENDS[kind].get(name)()
 
 
 def has_backend(kind: str, name: str) -> bool:
-    return name in ATTENTION_BACKENDS.get(kind, {})
+    return kind in ATTENTION_BACKENDS and name in ATTENTION_BACKENDS[kind]
 
 
 __all__ = [

@@ -6,33 +6,33 @@ Adding an architecture: write its module (see models/base.py) and add its line h
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 from dist_engine.models.base import Architecture
 from dist_engine.models.config import REQUIRED_KEYS, ModelConfig, read_hf_config, require_keys
+from scheduler.registry import Lazy, Registry
 
-# model_type -> module holding `ARCHITECTURE`
-ARCHITECTURES: dict[str, str] = {
-    "qwen3_moe": "dist_engine.models.qwen3_moe",
-    "mixtral": "dist_engine.models.mixtral",
-    "deepseek_v3": "dist_engine.models.deepseek_v3",
-    "deepseek_v2": "dist_engine.models.deepseek_v2",
-    "qwen2_moe": "dist_engine.models.qwen2_moe",
-    "glm4_moe": "dist_engine.models.glm4_moe",
-}
+# config.json's model_type -> the module's `ARCHITECTURE`, imported when first served.
+ARCHITECTURES: Registry[Architecture] = Registry(
+    "model_type",
+    {
+        "qwen3_moe": Lazy("dist_engine.models.qwen3_moe:ARCHITECTURE"),
+        "mixtral": Lazy("dist_engine.models.mixtral:ARCHITECTURE"),
+        "deepseek_v3": Lazy("dist_engine.models.deepseek_v3:ARCHITECTURE"),
+        "deepseek_v2": Lazy("dist_engine.models.deepseek_v2:ARCHITECTURE"),
+        "qwen2_moe": Lazy("dist_engine.models.qwen2_moe:ARCHITECTURE"),
+        "glm4_moe": Lazy("dist_engine.models.glm4_moe:ARCHITECTURE"),
+    },
+)
 
 
 def supported_model_types() -> tuple[str, ...]:
-    return tuple(ARCHITECTURES)
+    return ARCHITECTURES.names()
 
 
 def get_architecture(model_type: object) -> Architecture:
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: {list(ARCHITECTURES)}")
-    module = importlib.import_module(ARCHITECTURES[model_type])
-    return module.ARCHITECTURE
+    return ARCHITECTURES.get(model_type)
 
 
 def parse_config(hf: dict[str, Any]) -> ModelConfig:

@@ -70,10 +70,7 @@ class ServerConfig:
             raise ValueError(
                 f"server.keepalive_timeout_s must be a number of seconds > 0, got {value!r}"
             )
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(
-                f"server.routing must be one of {list(ROUTING_POLICIES)}, got {self.routing!r}"
-            )
+        ROUTING_POLICIES.check("server.routing", self.routing)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ServerConfig:
