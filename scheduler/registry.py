@@ -3,9 +3,9 @@
 Model architectures, attention backends, step policies and routing policies are each a
 `Registry`. An entry is the thing itself, or `Lazy("module:attribute")` for one whose module
 should load only when it is chosen (an architecture a process does not serve never imports).
-Looking up an unknown name is a ValueError ("unsupported ...") that names the setting, the value and every name
-it could have been. It lives in `scheduler/`, the bottom of the import order, so that every
-package may use it; it imports nothing.
+Looking up an unknown name is a ValueError ("unsupported ...") that names the setting, the
+value and every name it could have been. It lives in `scheduler/`, the bottom of the import
+order, so that every package may use it; it imports nothing.
 """
 
 from __future__ import annotations

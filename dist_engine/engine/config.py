@@ -101,7 +101,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     check_lockstep: bool = False
-    seed: int = 0
+    # Seeds the per-request seeds of requests that do not give their own (each rank draws them
+    # in arrival order from this and its rank), so a rerun of the same job samples alike;
+    # null: a random seed per request.
+    seed: int | None = 0
     # When set, each rank's KV pool gets as many blocks as fit in this many bytes, replacing
     # scheduler.num_blocks.
     kv_cache_bytes: int | None = None
@@ -121,6 +124,15 @@ class EngineConfig:
             _positive_int("kv_cache_bytes", self.kv_cache_bytes)
         if not isinstance(self.check_lockstep, bool):
             raise ValueError(f"check_lockstep must be true or false, got {self.check_lockstep!r}")
+        for key, (neutral, why) in _SCHEDULER_ONLY.items():
+            value = getattr(self.scheduler, key)
+            if value != neutral:
+                raise ValueError(
+                    f"scheduler.{key} is {value!r}, but the engine has nothing that uses it "
+                    f"({why}); leave it at {neutral!r}"
+                )
+        if self.seed is not None:
+            _nonnegative_int("seed", self.seed)
         capacity = self.ll_capacity
         if capacity < self.scheduler.max_num_seqs:
             # A decode step sends one token per running sequence; a smaller capacity would
@@ -246,6 +258,21 @@ def _reject_unknown(prefix: str, values: dict[str, Any], known: set[str]) -> Non
             f"unknown setting(s) {[prefix + k for k in unknown]}; allowed: "
             f"{sorted(prefix + k for k in known)}"
         )
+
+
+# Scheduler settings the reference design has and this engine does not serve: the scheduler
+# honours them (its tests exercise them), but a job that set one would only get its side
+# effects, so the engine refuses them by name.
+_SCHEDULER_ONLY = {
+    "cp_size": (1, "context parallelism is not implemented; it would only realign chunks"),
+    "lookahead_tokens": (0, "no speculative decoding; it would only set a minimum chunk"),
+    "num_state_slots": (0, "no supported architecture keeps per-sequence recurrent state"),
+}
+
+
+def _nonnegative_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 or null, got {value!r}")
 
 
 def _positive_int(name: str, value: object) -> None:

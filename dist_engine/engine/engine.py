@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -158,6 +159,12 @@ class DPEngine:
         self._inbox_lock = threading.Lock()
         self._device = device or "cpu"
         self._requests: dict[str, Request] = {}  # every request this rank holds, by id
+        # Seeds for requests without one: drawn in arrival order, so a rerun samples alike.
+        self._seeds = (
+            random.Random(f"lockstep:{config.seed}:{self.rank}")
+            if config.seed is not None
+            else None
+        )
         self._votes = self.vote if self.vote is not None else LocalVote()
         self._shutting_down = False  # this rank asks the group to stop (in its next vote)
         self._sleep_epoch = 0  # the wake epoch the group last agreed to sleep on
@@ -377,8 +384,9 @@ class DPEngine:
         if seq.request_id in self._requests:
             self._reject(seq, f"request id {seq.request_id!r} is already in use")
             return
+        seed = self._seeds.getrandbits(63) if self._seeds is not None else None
         try:
-            request = Request.admit(seq, stream, self._device)
+            request = Request.admit(seq, stream, self._device, seed)
         except ValueError as error:
             self._reject(seq, f"sampling settings rejected: {error}")
             return

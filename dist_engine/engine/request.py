@@ -47,15 +47,25 @@ class Request:
     error_kind: ErrorKind | None = None  # set when the engine ends it with an error
 
     @classmethod
-    def admit(cls, seq: Sequence, stream: bool, device: torch.device | str = "cpu") -> Request:
+    def admit(
+        cls,
+        seq: Sequence,
+        stream: bool,
+        device: torch.device | str = "cpu",
+        seed: int | None = None,
+    ) -> Request:
         """The record of a new request; raises ValueError if its sampling settings cannot be
-        honoured here (the engine then answers it at once, with nothing scheduled)."""
+        honoured here (the engine then answers it at once, with nothing scheduled).
+
+        ``seed``: the seed of a request that gives none (the engine draws it from its own
+        seed); the request's own `SamplingParams.seed` wins. With neither, a random one. It is
+        fixed here, once, so the request's random stream is known from its record alone."""
         params = seq.sampling_params
         sampling = SamplingState(
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
-            seed=params.seed,
+            seed=params.seed if params.seed is not None else seed,
             device=device,
         )
         return cls(seq, sampling, stream)

@@ -90,3 +90,45 @@ def test_group_agreed_settings_and_model_identity(tmp_path):
         "scheduler.prefill_deadline_steps",
         "moe.ll_max_tokens_per_rank",
     } <= set(agreed)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("cp_size", 2, "context parallelism is not implemented"),
+        ("lookahead_tokens", 4, "no speculative decoding"),
+        ("num_state_slots", 8, "no supported architecture keeps per-sequence recurrent state"),
+    ],
+)
+def test_scheduler_settings_the_engine_does_not_serve_are_refused_by_name(key, value, why):
+    with pytest.raises(ValueError, match=rf"scheduler.{key} is {value}, .*{why}"):
+        EngineConfig.from_dict({"model": "/m", "scheduler": {key: value}})
+
+
+def test_the_engine_seed_fixes_the_seeds_of_requests_that_give_none(model_dir):
+    """Two engines with the same seed sample the same tokens for unseeded requests at
+    temperature 1; another seed samples others."""
+    from dist_engine.engine.engine import DPEngine
+    from scheduler import SamplingParams
+
+    def run(seed: int | None) -> list[list[int]]:
+        config = EngineConfig.from_dict(
+            {"model": model_dir, "seed": seed, "scheduler": {"max_model_len": 64, "num_blocks": 64}}
+        )
+        outputs: dict[str, list[int]] = {}
+        engine = DPEngine(
+            config,
+            on_output=lambda o: (
+                outputs.__setitem__(o.request_id, o.output_token_ids) if o.finished else None
+            ),
+        )
+        params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+        for index in range(4):
+            engine.submit(f"r{index}", [1 + index, 2, 3], params)
+        while len(outputs) < 4:
+            engine.step()
+        return [outputs[f"r{index}"] for index in range(4)]
+
+    first, again, other = run(7), run(7), run(8)
+    assert first == again
+    assert first != other
