@@ -1,5 +1,5 @@
 """Bad input and unfriendly set-ups get a clear error or a terminal result with a reason, before
-any rank starts where possible (issue 13's findings; each test names its item).
+any rank starts where possible; each test is named after what it checks.
 
 All in-process, local launcher or none: the multi-process faults are in test_faults.py.
 """
@@ -37,7 +37,7 @@ def local_yaml(model_dir, tmp_path_factory) -> str:
 
 
 # -- 1: one request never takes the group down --------------------------------------------------
-def test_item1_seeds_outside_uint64_are_refused_at_the_door(capsys, tmp_path, local_yaml):
+def test_seeds_outside_uint64_are_refused_at_the_door(capsys, tmp_path, local_yaml):
     for seed in (2**64, -1):
         with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*64 - 1\]"):
             SamplingParams(seed=seed)
@@ -52,7 +52,7 @@ def test_item1_seeds_outside_uint64_are_refused_at_the_door(capsys, tmp_path, lo
     assert code == 2 and f"{prompts}:2: seed must be an int" in err
 
 
-def test_item1_a_request_failing_inside_a_step_ends_alone(model_dir):
+def test_a_request_failing_inside_a_step_ends_alone(model_dir):
     """A fault the door missed (here: a seed forced past validation) ends that request with a
     terminal error; the others in the same steps get exactly the tokens they get without it,
     and the engine keeps serving."""
@@ -74,7 +74,7 @@ def test_item1_a_request_failing_inside_a_step_ends_alone(model_dir):
 
 
 # -- 5: --output is checked before the job --------------------------------------------------------
-def test_item5_output_is_checked_before_any_rank_starts(capsys, tmp_path, local_yaml, monkeypatch):
+def test_output_is_checked_before_any_rank_starts(capsys, tmp_path, local_yaml, monkeypatch):
     import launcher.llm
 
     def no_start(*args, **kwargs):
@@ -95,7 +95,7 @@ def test_item5_output_is_checked_before_any_rank_starts(capsys, tmp_path, local_
 
 
 # -- 8: a Ray (or local) config under torchrun ----------------------------------------------------
-def test_item8_a_ray_config_under_torchrun_is_refused(capsys, monkeypatch, model_dir, tmp_path):
+def test_a_ray_config_under_torchrun_is_refused(capsys, monkeypatch, model_dir, tmp_path):
     config = tmp_path / "ray.yaml"
     config.write_text(f"model: {model_dir}\nparallel: {{dp_size: 2, launcher: ray}}\n")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
@@ -131,9 +131,7 @@ def _broken_models(root: Path, model_dir: str) -> dict[str, tuple[Path, str]]:
     return cases
 
 
-def test_item9_bad_models_fail_in_the_driver_before_any_rank(
-    capsys, tmp_path, model_dir, monkeypatch
-):
+def test_bad_models_fail_in_the_driver_before_any_rank(capsys, tmp_path, model_dir, monkeypatch):
     import ray
 
     from launcher import ray_launcher
@@ -153,7 +151,7 @@ def test_item9_bad_models_fail_in_the_driver_before_any_rank(
 
 
 # -- 10: max_model_len comes from the model --------------------------------------------------------
-def test_item10_max_model_len_defaults_to_the_model(tmp_path):
+def test_max_model_len_defaults_to_the_model(tmp_path):
     model = make_tiny_checkpoint(
         "qwen3_moe", tmp_path / "short", seed=5, max_position_embeddings=96, **TINY_SIZES
     )
@@ -171,7 +169,7 @@ def test_item10_max_model_len_defaults_to_the_model(tmp_path):
 
 
 # -- 11: tiny temperatures are greedy -----------------------------------------------------------
-def test_item11_a_tiny_temperature_samples_greedily(model_dir):
+def test_a_tiny_temperature_samples_greedily(model_dir):
     assert SamplingParams(temperature=1e-40).greedy
     prompts = [[5, 9, 13, 17], [2, 4, 6]]
     with LLM(model=model_dir, **LOCAL) as llm:
@@ -182,9 +180,7 @@ def test_item11_a_tiny_temperature_samples_greedily(model_dir):
 
 
 # -- 12: refused prompts give a non-zero exit, with the limit named -------------------------------
-def test_item12_refused_prompts_name_the_limit_and_fail_the_job(
-    capsys, tmp_path, model_dir, caplog
-):
+def test_refused_prompts_name_the_limit_and_fail_the_job(capsys, tmp_path, model_dir, caplog):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         '{"prompt_token_ids": [1, 2, 3]}\n{"prompt_token_ids": '
@@ -219,9 +215,7 @@ def test_item12_refused_prompts_name_the_limit_and_fail_the_job(
 
 
 # -- 14: the first build says so, and the cache key follows the torch build -----------------------
-def test_item14_a_first_build_is_announced_and_keyed_by_the_torch_build(
-    tmp_path, monkeypatch, caplog
-):
+def test_a_first_build_is_announced_and_keyed_by_the_torch_build(tmp_path, monkeypatch, caplog):
     from dist_engine.kernels.build import CSRC, binary_name, shared_library
 
     monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
@@ -242,7 +236,7 @@ def test_item14_a_first_build_is_announced_and_keyed_by_the_torch_build(
 
 
 # -- 15: --help is fast and documents the files ---------------------------------------------------
-def test_item15_help_imports_no_torch_and_documents_the_prompts_file():
+def test_help_imports_no_torch_and_documents_the_prompts_file():
     code = (
         "import sys; from launcher.cli import main\n"
         "try:\n    main(['run', '--help'])\nexcept SystemExit:\n    pass\n"

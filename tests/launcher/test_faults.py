@@ -1,5 +1,5 @@
 """Faults with real processes: a killed rank, a stopped rank, a killed driver, an outside
-client on the store, Ctrl-C (issue 13's findings; each test names its item).
+client on the store, Ctrl-C; each test is named after what it checks.
 
 Every request must keep exactly one terminal result, finished ones included; nothing hangs;
 nothing outside the job can reach in.
@@ -67,9 +67,7 @@ def reference(model_dir) -> dict[int, list[int]]:
     return {i: o.output_token_ids for i, o in enumerate(outs)}
 
 
-def test_items_1_4_6_a_dp2_group_contains_bad_requests_keeps_results_and_hides_its_store(
-    model_dir, reference
-):
+def test_a_dp2_group_contains_bad_requests_keeps_results_and_hides_its_store(model_dir, reference):
     llm = LLM(model=model_dir, dp_size=2, launcher="ray", collective_timeout_s=20, **GROUP)
     try:
         # 6: the store listens on loopback (every rank is on this host), and the group's keys
@@ -119,7 +117,7 @@ def test_items_1_4_6_a_dp2_group_contains_bad_requests_keeps_results_and_hides_i
         llm.shutdown()
 
 
-def test_item2_a_stopped_rank_ends_its_requests_within_the_bound(model_dir):
+def test_a_stopped_rank_ends_its_requests_within_the_bound(model_dir):
     """SIGSTOP rank 1: its requests end with an error naming it once it has been silent for
     the collective timeout plus RANK_SILENCE_MARGIN_S; rank 0's fail when its collectives time
     out; the stopped process is killed; generate returns."""
@@ -192,7 +190,7 @@ def _check_records(path: Path) -> list[dict]:
     return records
 
 
-def test_item4_the_cli_writes_results_as_they_finish_and_names_a_dead_rank(tmp_path, model_dir):
+def test_the_cli_writes_results_as_they_finish_and_names_a_dead_rank(tmp_path, model_dir):
     config, jsonl = _job_files(tmp_path, model_dir, "ray", 2)
     out = tmp_path / "out.jsonl"
     job = subprocess.Popen(
@@ -229,7 +227,7 @@ def _sigint_at_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_item4_ctrl_c_keeps_the_results_finished_so_far(tmp_path, model_dir):
+def test_ctrl_c_keeps_the_results_finished_so_far(tmp_path, model_dir):
     config, jsonl = _job_files(tmp_path, model_dir, "local", 1)
     out = tmp_path / "out.jsonl"
     job = subprocess.Popen(
@@ -264,7 +262,7 @@ time.sleep(600)
 """
 
 
-def test_item13_a_killed_driver_leaves_no_ray_process_behind(model_dir):
+def test_a_killed_driver_leaves_no_ray_process_behind(model_dir):
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, model_dir],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -301,7 +299,7 @@ class _Bomb:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_item3_torchrun_results_are_never_unpickled_from_the_store(tmp_path, model_dir):
+def test_torchrun_results_are_never_unpickled_from_the_store(tmp_path, model_dir):
     import pickle
     import socket
 
@@ -367,12 +365,3 @@ def test_item3_torchrun_results_are_never_unpickled_from_the_store(tmp_path, mod
     assert not marker.exists(), "a value from the store was unpickled"
     records = _check_records(out)
     assert len(records) == 6 and all(r["finish_reason"] == "length" for r in records)
-
-
-# -- docs ------------------------------------------------------------------------------------
-def test_item7_the_readme_shows_a_loopback_head_and_stops_only_it():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    cluster = readme[readme.index("ray job submit") - 1500 : readme.index("ray job submit") + 1500]
-    assert "--node-ip-address=127.0.0.1" in cluster and "--dashboard-host=127.0.0.1" in cluster
-    assert "kill $RAY_HEAD_PID" in cluster
-    assert "ray stop" not in readme.replace("`ray stop`", "")
