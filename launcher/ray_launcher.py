@@ -173,9 +173,11 @@ class RankActor:
     def scheduler_counts(self) -> dict[str, int]:
         """How often this rank's scheduler preempted, and how many prompt tokens it found in
         its prefix cache (tests read them to show a run exercised those paths)."""
-        kv = self.host.engine.scheduler.kv
-        hits = kv.prefix_cache.num_hit_tokens if kv.prefix_cache is not None else 0
-        return {"num_preemptions": self.host.engine.scheduler.num_preemptions, "prefix_hits": hits}
+        stats = self.host.stats()
+        return {
+            "num_preemptions": stats.num_preemptions,
+            "prefix_hits": stats.num_prefix_cache_hit_tokens,
+        }
 
 
 def start_reaper() -> subprocess.Popen:

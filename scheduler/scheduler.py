@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Generator
+from dataclasses import dataclass
 
 from scheduler.config import SchedulerConfig
 from scheduler.decode import assemble_decode, order_key
@@ -35,6 +36,15 @@ from scheduler.vote import (
     PolicyState,
     Vote,
 )
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    num_free_blocks: int  # free plus evictable (cached, unheld) blocks
+    num_usable_blocks: int  # the pool less the reserved block 0
+    usage: float  # fraction of usable blocks held by sequences
+    num_prefix_hit_tokens: int  # prompt tokens found in the prefix cache so far
+
 
 # A step's schedule: yields vote vectors, receives the group's MIN of each, returns outputs.
 StepPlan = Generator[list[int], list[int], SchedulerOutputs]
@@ -156,6 +166,18 @@ class Scheduler:
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._live)
+
+    def pool_usage(self) -> PoolUsage:
+        """The KV pool as a monitor sees it; safe to read from another thread (each number is
+        one the pool really had, though they may straddle a step)."""
+        blocks = self.kv.blocks
+        cache = self.kv.prefix_cache
+        return PoolUsage(
+            num_free_blocks=blocks.num_free,
+            num_usable_blocks=blocks.num_usable,
+            usage=blocks.usage(),
+            num_prefix_hit_tokens=cache.num_hit_tokens if cache is not None else 0,
+        )
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self, *, wake_epoch: int = 0, shutdown: bool = False) -> SchedulerOutputs:

@@ -79,21 +79,20 @@ def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:
     # Copies first: the loop may replace or mutate these while we count.
     running = list(scheduler.running)
     num_running = sum(1 for seq in running if not seq.is_finished)
-    blocks = scheduler.kv.blocks
-    prefix_cache = scheduler.kv.prefix_cache
+    pool = scheduler.pool_usage()
     counters = engine.step_counters
     return RankStats(
         dp_rank=engine.rank,
         num_running=num_running,
         # Live requests that are not running: queued, or a prompt part-way through its chunks.
         num_waiting=max(0, scheduler.num_unfinished - num_running),
-        num_free_blocks=blocks.num_free,
-        num_usable_blocks=blocks.num_usable,
-        kv_usage=blocks.usage(),
+        num_free_blocks=pool.num_free_blocks,
+        num_usable_blocks=pool.num_usable_blocks,
+        kv_usage=pool.usage,
         num_steps=dict(counters.steps),
         num_votes=dict(counters.votes),
         num_second_votes=counters.num_second_votes,
         num_preemptions=scheduler.num_preemptions,
-        num_prefix_cache_hit_tokens=prefix_cache.num_hit_tokens if prefix_cache else 0,
+        num_prefix_cache_hit_tokens=pool.num_prefix_hit_tokens,
         error=error,
     )
