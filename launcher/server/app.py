@@ -40,7 +40,7 @@ from launcher.server.http import (
     read_body,
     set_server_header,
 )
-from launcher.server.metrics import ServerMetrics
+from launcher.server.metrics import RequestTimer, ServerMetrics
 from launcher.server.protocol import (
     GenerationRequest,
     ModelLimits,
@@ -74,7 +74,7 @@ class LockstepServer:
         self.frontend = EngineFrontend(
             client, routing=config.routing, max_pending_requests=config.max_pending_requests
         )
-        self.metrics = ServerMetrics(name)
+        self.metrics = ServerMetrics(name, client.num_ranks, self.limits.max_model_len)
         self.created = int(time.time())
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -245,14 +245,15 @@ class LockstepServer:
             stream = self.frontend.open_request(
                 request_id, generation.prompt_token_ids, generation.params, generation.dp_rank
             )
-        self.metrics.prompt_tokens.labels(self.limits.served_model_name).inc(
-            len(generation.prompt_token_ids)
-        )
         shape = ResponseShape(
             request_id, self.limits.served_model_name, generation.endpoint,
             generation.return_token_ids,
         )  # fmt: skip
-        reply = _Reply(generation, self.limits.tokenizer, self.metrics, stream, arrival)
+        timer = RequestTimer(
+            self.metrics, stream.rank, arrival, len(generation.prompt_token_ids),
+            generation.params.max_tokens,
+        )  # fmt: skip
+        reply = _Reply(generation, self.limits.tokenizer, timer, stream)
         try:
             if generation.stream:
                 return await self._send_stream(request, generation, stream, shape, reply)
@@ -309,22 +310,17 @@ class _Reply:
         self,
         generation: GenerationRequest,
         tokenizer: ModelTokenizer | None,
-        metrics: ServerMetrics,
+        timer: RequestTimer,
         stream: RequestStream,
-        arrival: float,
     ) -> None:
         self.generation = generation
         self.detokenizer = IncrementalDetokenizer(tokenizer, generation.stop)
         self.stop_token_ids = generation.params.stop_token_ids
-        self.metrics = metrics
-        self.model = metrics.model_name
+        self.timer = timer
         self.stream = stream
-        self.arrival = arrival
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: RequestError | None = None
-        self._last_token_time: float | None = None
-        self._recorded = False
 
     @property
     def done(self) -> bool:
@@ -347,7 +343,7 @@ class _Reply:
         before = len(self.detokenizer.token_ids)
         delta = self.detokenizer.add(text_tokens, finished=output.finished)
         kept = tokens[: len(self.detokenizer.token_ids) - before] if delta.stopped else tokens
-        self._time(len(kept))
+        self.timer.tokens(len(kept), time.monotonic())
         self.token_ids += kept
         if delta.stopped:
             self.finish_reason = "stop"
@@ -389,32 +385,14 @@ class _Reply:
                 error_type="server_error",
             )
 
-    def _time(self, num_tokens: int) -> None:
-        if not num_tokens:
-            return
-        now = time.monotonic()
-        self.metrics.generation_tokens.labels(self.model).inc(num_tokens)
-        if self._last_token_time is None:
-            self.metrics.time_to_first_token.labels(self.model).observe(now - self.arrival)
-            num_gaps, gap = num_tokens - 1, 0.0
-        else:
-            num_gaps, gap = num_tokens, (now - self._last_token_time) / num_tokens
-        for _ in range(num_gaps):
-            self.metrics.inter_token_latency.labels(self.model).observe(gap)
-        self._last_token_time = now
-
     def record_end(self) -> None:
-        if self._recorded:
-            return
-        self._recorded = True
         if self.finish_reason is not None:
             reason = self.finish_reason
         elif self.error is not None:
             reason = "error"
         else:
             reason = "abort"  # the client went away first
-        self.metrics.e2e_latency.labels(self.model).observe(time.monotonic() - self.arrival)
-        self.metrics.requests_finished.labels(self.model, self.generation.endpoint, reason).inc()
+        self.timer.finish(reason, time.monotonic())
 
 
 def _prepare(raw: bytes, parse: Any, limits: ModelLimits) -> GenerationRequest:
