@@ -128,7 +128,8 @@ class LockstepServer:
         status = 500
         try:
             check_origin(request, self.config.host)
-            if self.config.api_key is not None and request.path != "/health":
+            # As in vLLM, the key guards the API only: probes and scrapers need no secret.
+            if self.config.api_key is not None and request.path.startswith("/v1/"):
                 self._authorize(request)
             response = await handler(request)
             status = response.status

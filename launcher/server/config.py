@@ -3,8 +3,8 @@
     server:
       host: 127.0.0.1              # loopback unless told otherwise
       port: 8000
-      api_key: null                # or $LOCKSTEP_API_KEY; with one, every endpoint but /health
-                                   # wants `Authorization: Bearer KEY`
+      api_key: null                # or $LOCKSTEP_API_KEY; with one, the API (/v1/*) wants
+                                   # `Authorization: Bearer KEY` (/health, /metrics do not)
       served_model_name: null      # default: the model directory's name
       max_pending_requests: 256    # open requests (queued or running) before 503 + Retry-After
       max_body_bytes: 1048576      # larger request bodies get 413

@@ -305,7 +305,7 @@ def test_bad_chat_and_an_unknown_model(server, client):
     assert "'gpt-4' does not exist" in info.value.body["message"]
 
 
-def test_the_api_key_guards_everything_but_health(server):
+def test_the_api_key_guards_the_api_but_not_health_or_metrics(server):
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
         wrong.completions.create(model=server.model, prompt="hi", max_tokens=2)
@@ -316,10 +316,12 @@ def test_the_api_key_guards_everything_but_health(server):
         urllib.request.urlopen(request, timeout=30)
     assert missing.value.code == 401 and "missing API key" in missing.value.read().decode()
     for key in (None, "wrong-key"):
-        for path in ("/v1/models", "/metrics"):
-            status, text = get(server, path, key)
-            assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
-    assert get(server, "/health", None) == (200, '{"status": "ok", "reason": "ok"}')
+        status, text = get(server, "/v1/models", key)
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+        # As in vLLM: probes and Prometheus scrape without the key.
+        assert get(server, "/health", key) == (200, '{"status": "ok", "reason": "ok"}')
+        status, text = get(server, "/metrics", key)
+        assert status == 200 and "lockstep:num_requests_running" in text
 
 
 def test_models_lists_the_served_model(server, client):
