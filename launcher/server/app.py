@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import ErrorKind, RequestOutput
-from dist_engine.log import get_logger
+from dist_engine.log import LOGGER_NAME, get_logger
 from dist_engine.models.registry import load_config
 from launcher.clients import Client
 from launcher.server.config import ServerConfig
@@ -40,7 +40,7 @@ from launcher.server.http import (
     read_body,
     set_server_header,
 )
-from launcher.server.metrics import RequestTimer, ServerMetrics
+from launcher.server.metrics import RequestTimer, ServerMetrics, StatsLog
 from launcher.server.protocol import (
     GenerationRequest,
     ModelLimits,
@@ -53,10 +53,13 @@ from launcher.server.responses import ResponseShape, Usage, sse
 from launcher.server.tokenization import IncrementalDetokenizer, ModelTokenizer
 
 log = get_logger()
+# A child of lockstep's logger: its handler writes the lines; the name lets them be filtered.
+_access_logger = logging.getLogger(f"{LOGGER_NAME}.access")
 _SHUTDOWN_GRACE_S = 5.0  # after the drain: how long handlers get to write their last bytes
 # Threads that parse bodies, render chat templates and tokenize, off the event loop; requests
 # reach them only once admitted (server.max_pending_requests), so their queue is bounded.
 _PREPARE_WORKERS = 2
+_ACCESS_LOG_TARGET_CHARS = 200
 
 
 class LockstepServer:
@@ -71,10 +74,16 @@ class LockstepServer:
             num_ranks=client.num_ranks,
             tokenizer=ModelTokenizer.load(model_dir),
         )
-        self.frontend = EngineFrontend(
-            client, routing=config.routing, max_pending_requests=config.max_pending_requests
-        )
         self.metrics = ServerMetrics(name, client.num_ranks, self.limits.max_model_len)
+        stats_log = None
+        if config.stats_log_interval_s > 0:
+            stats_log = StatsLog(self.metrics, config.stats_log_interval_s, time.monotonic())
+        self.frontend = EngineFrontend(
+            client,
+            routing=config.routing,
+            max_pending_requests=config.max_pending_requests,
+            on_stats=stats_log.observe if stats_log is not None else None,
+        )
         self.created = int(time.time())
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -126,6 +135,7 @@ class LockstepServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         status = 500
+        start = time.monotonic()
         try:
             check_origin(request, self.config.host)
             # As in vLLM, the key guards the API only: probes and scrapers need no secret.
@@ -161,7 +171,21 @@ class LockstepServer:
                 status=500,
             )
         finally:
-            self.metrics.response(request.path, status)
+            self._responded(request, status, start)
+
+    def _responded(self, request: web.Request, status: int, start: float) -> None:
+        self.metrics.response(request.path, status)
+        if self.config.access_log:
+            # The raw target, escaped and cut: a path is the client's text, and must not
+            # forge log lines or fill the log.
+            target = request.raw_path.encode("unicode_escape").decode("ascii")
+            if len(target) > _ACCESS_LOG_TARGET_CHARS:
+                target = target[:_ACCESS_LOG_TARGET_CHARS] + "..."
+            version = request.version
+            _access_logger.info(
+                '%s "%s %s HTTP/%d.%d" %d %.3fs', request.remote, request.method, target,
+                version.major, version.minor, status, time.monotonic() - start,
+            )  # fmt: skip
 
     def _authorize(self, request: web.Request) -> None:
         header = request.headers.get("Authorization", "")
@@ -188,7 +212,7 @@ class LockstepServer:
                 self._authorize(request)
             check_body_headers(request, self.config.max_body_bytes)
         except RequestError as error:
-            self.metrics.response(request.path, error.status)
+            self._responded(request, error.status, time.monotonic())
             response = _json_error(error)
             response.force_close()  # the client may send the body anyway: don't read it
             return response

@@ -1,4 +1,4 @@
-"""`/metrics` in vLLM's vocabulary, under the `lockstep:` prefix.
+"""`/metrics` in vLLM's vocabulary under the `lockstep:` prefix, and the periodic stats line.
 
 Names, types, label names and bucket boundaries follow vLLM's Prometheus logger
 (vllm/v1/metrics/loggers.py) with `vllm:` read as `lockstep:`, so a dashboard written for
@@ -24,6 +24,8 @@ a request was first scheduled, so time to first token cannot be split), tokens p
 (`iteration_tokens_total`: no per-step counts reach the server), `cache_config_info`, and
 what Lockstep has no part for (speculative decoding, LoRA, multimodal and external prefix
 caches, sleep mode, KV block residency sampling, NaN-corrupted requests).
+
+`StatsLog` is vLLM's periodic log line (its `LoggingStatLogger`) for the whole group.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from dist_engine.engine.stats import RankStats
+from dist_engine.log import get_logger
+
+log = get_logger()
 
 # vLLM's boundaries, each for the same series there.
 _TTFT_BUCKETS = (
@@ -80,6 +85,10 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.num_ranks = num_ranks
+        # Plain totals beside the counters, for the stats line.
+        self.num_requests = 0  # generation requests opened on a rank
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         token_buckets = buckets_1_2_5(max_model_len)
 
         def counter(name: str, doc: str) -> list:
@@ -201,6 +210,7 @@ class RequestTimer:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.ended = False
+        metrics.num_requests += 1
 
     def tokens(self, num_tokens: int, now: float) -> None:
         """``num_tokens`` output tokens reached the server at ``now``."""
@@ -208,10 +218,12 @@ class RequestTimer:
             return
         metrics, engine = self.metrics, self.engine
         metrics.generation_tokens[engine].inc(num_tokens)
+        metrics.num_generation_tokens += num_tokens
         if self.first_token_time is None:
             self.first_token_time = now
             metrics.time_to_first_token[engine].observe(now - self.arrival)
             metrics.prompt_tokens[engine].inc(self.num_prompt_tokens)
+            metrics.num_prompt_tokens += self.num_prompt_tokens
             num_gaps, gap = num_tokens - 1, 0.0
         else:
             assert self.last_token_time is not None
@@ -313,3 +325,71 @@ _RANK_COUNTERS = (
     ),
     ("second_votes", "Vote 2s: did any rank assemble a prefill batch", "num_second_votes"),
 )
+
+
+class StatsLog:
+    """vLLM's periodic stats line for the whole DP group: prompt and generation throughput
+    over the interval, running and waiting requests, mean KV usage, preemptions in the
+    interval, and the prefix-cache hit rate since start (when the ranks cache prefixes).
+
+    `observe` is handed every fresh `RankStats` list; it logs at most once per
+    ``interval_s``, and only for an interval with traffic (a request opened, a token out, a
+    request running or waiting) or the first one after, so the return to idle shows.
+    """
+
+    def __init__(self, metrics: ServerMetrics, interval_s: float, now: float) -> None:
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self._last_time = now
+        self._last_totals = self._totals()
+        self._last_preemptions = 0
+        self._busy = False
+
+    def _totals(self) -> tuple[int, int, int]:
+        metrics = self.metrics
+        return metrics.num_requests, metrics.num_prompt_tokens, metrics.num_generation_tokens
+
+    def observe(self, stats: list[RankStats], now: float) -> str | None:
+        """Log (and return) the line if an interval with traffic has passed; else None."""
+        elapsed = now - self._last_time
+        if elapsed < self.interval_s:
+            return None
+        totals = self._totals()
+        num_requests, num_prompt, num_generated = (
+            now_total - before for now_total, before in zip(totals, self._last_totals, strict=True)
+        )
+        preemptions = sum(rank.num_preemptions for rank in stats)
+        preempted = max(0, preemptions - self._last_preemptions)  # a replaced rank restarts
+        running = sum(rank.num_running for rank in stats)
+        waiting = sum(rank.num_waiting for rank in stats)
+        busy = bool(num_requests or num_prompt or num_generated or running or waiting)
+        was_busy, self._busy = self._busy, busy
+        self._last_time, self._last_totals = now, totals
+        self._last_preemptions = preemptions
+        if not busy and not was_busy:
+            return None
+        ranks = sorted(rank.dp_rank for rank in stats) or list(range(self.metrics.num_ranks))
+        parts = [
+            f"Avg prompt throughput: {num_prompt / elapsed:.1f} tokens/s",
+            f"Avg generation throughput: {num_generated / elapsed:.1f} tokens/s",
+            f"Running: {running} reqs",
+            f"Waiting: {waiting} reqs",
+        ]
+        if preempted:
+            parts.append(f"Preemptions: {preempted}")
+        if stats:
+            usage = sum(rank.kv_usage for rank in stats) / len(stats)
+            parts.append(f"KV cache usage: {usage * 100:.1f}%")
+        queries = sum(rank.num_prefix_cache_query_tokens for rank in stats)
+        if queries:
+            hits = sum(rank.num_prefix_cache_hit_tokens for rank in stats)
+            parts.append(f"Prefix cache hit rate: {hits / queries * 100:.1f}%")
+        line = f"{_ranks_name(ranks)}: " + ", ".join(parts)
+        log.info("%s", line)
+        return line
+
+
+def _ranks_name(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"DP rank {ranks[0]}"
+    return f"DP ranks {ranks[0]}-{ranks[-1]}"
