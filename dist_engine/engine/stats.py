@@ -35,6 +35,7 @@ class StepCounters:
         self.steps = dict.fromkeys(STEP_COUNT_KINDS, 0)
         self.votes = dict.fromkeys(VOTE_POINTS, 0)  # vote 1, by the point that called it
         self.num_second_votes = 0  # vote 2: did any rank assemble a prefill batch?
+        self.num_prefill_tokens = 0  # prompt tokens computed (not those found in the cache)
 
     def record(self, trace: StepTrace) -> None:
         if trace.kind is StepKind.EMPTY:
@@ -46,6 +47,9 @@ class StepCounters:
         else:
             kind = trace.kind.value
         self.steps[kind] += 1
+        if trace.kind is StepKind.PREFILL:
+            # A mixed step's decode sequences take one token each; the rest are prompt chunks.
+            self.num_prefill_tokens += trace.num_tokens - trace.num_decode_seqs
         if trace.group is not None:
             self.votes[trace.point.value] += 1
         if trace.any_scheduled is not None:
@@ -67,6 +71,9 @@ class RankStats:
     num_second_votes: int = 0
     num_preemptions: int = 0
     num_prefix_cache_hit_tokens: int = 0
+    # Prompt tokens looked up in the prefix cache: those found there plus those computed
+    # (0 without prefix caching, as vLLM counts).
+    num_prefix_cache_query_tokens: int = 0
     error: str | None = None  # why the rank's loop stopped, if it failed
     # Set by a client when the rank did not answer in time: these are its last stats, and it
     # has not answered for this many seconds.
@@ -81,6 +88,7 @@ def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:
     num_running = sum(1 for seq in running if not seq.is_finished)
     pool = scheduler.pool_usage()
     counters = engine.step_counters
+    caching = scheduler.config.enable_prefix_caching
     return RankStats(
         dp_rank=engine.rank,
         num_running=num_running,
@@ -94,5 +102,8 @@ def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:
         num_second_votes=counters.num_second_votes,
         num_preemptions=scheduler.num_preemptions,
         num_prefix_cache_hit_tokens=pool.num_prefix_hit_tokens,
+        num_prefix_cache_query_tokens=(
+            pool.num_prefix_hit_tokens + counters.num_prefill_tokens if caching else 0
+        ),
         error=error,
     )

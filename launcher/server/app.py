@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import ErrorKind, RequestOutput
-from dist_engine.log import get_logger
+from dist_engine.log import LOGGER_NAME, get_logger
 from dist_engine.models.registry import load_config
 from launcher.clients import Client
 from launcher.server.config import ServerConfig
@@ -40,7 +40,7 @@ from launcher.server.http import (
     read_body,
     set_server_header,
 )
-from launcher.server.metrics import ServerMetrics
+from launcher.server.metrics import RequestTimer, ServerMetrics, StatsLog
 from launcher.server.protocol import (
     GenerationRequest,
     ModelLimits,
@@ -53,10 +53,13 @@ from launcher.server.responses import ResponseShape, Usage, sse
 from launcher.server.tokenization import IncrementalDetokenizer, ModelTokenizer
 
 log = get_logger()
+# A child of lockstep's logger: its handler writes the lines; the name lets them be filtered.
+_access_logger = logging.getLogger(f"{LOGGER_NAME}.access")
 _SHUTDOWN_GRACE_S = 5.0  # after the drain: how long handlers get to write their last bytes
 # Threads that parse bodies, render chat templates and tokenize, off the event loop; requests
 # reach them only once admitted (server.max_pending_requests), so their queue is bounded.
 _PREPARE_WORKERS = 2
+_ACCESS_LOG_TARGET_CHARS = 200
 
 
 class LockstepServer:
@@ -71,10 +74,16 @@ class LockstepServer:
             num_ranks=client.num_ranks,
             tokenizer=ModelTokenizer.load(model_dir),
         )
+        self.metrics = ServerMetrics(name, client.num_ranks, self.limits.max_model_len)
+        stats_log = None
+        if config.stats_log_interval_s > 0:
+            stats_log = StatsLog(self.metrics, config.stats_log_interval_s, time.monotonic())
         self.frontend = EngineFrontend(
-            client, routing=config.routing, max_pending_requests=config.max_pending_requests
+            client,
+            routing=config.routing,
+            max_pending_requests=config.max_pending_requests,
+            on_stats=stats_log.observe if stats_log is not None else None,
         )
-        self.metrics = ServerMetrics(name)
         self.created = int(time.time())
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -126,9 +135,11 @@ class LockstepServer:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         status = 500
+        start = time.monotonic()
         try:
             check_origin(request, self.config.host)
-            if self.config.api_key is not None and request.path != "/health":
+            # As in vLLM, the key guards the API only: probes and scrapers need no secret.
+            if self.config.api_key is not None and request.path.startswith("/v1/"):
                 self._authorize(request)
             response = await handler(request)
             status = response.status
@@ -160,7 +171,21 @@ class LockstepServer:
                 status=500,
             )
         finally:
-            self.metrics.response(request.path, status)
+            self._responded(request, status, start)
+
+    def _responded(self, request: web.Request, status: int, start: float) -> None:
+        self.metrics.response(request.path, status)
+        if self.config.access_log:
+            # The raw target, escaped and cut: a path is the client's text, and must not
+            # forge log lines or fill the log.
+            target = request.raw_path.encode("unicode_escape").decode("ascii")
+            if len(target) > _ACCESS_LOG_TARGET_CHARS:
+                target = target[:_ACCESS_LOG_TARGET_CHARS] + "..."
+            version = request.version
+            _access_logger.info(
+                '%s "%s %s HTTP/%d.%d" %d %.3fs', request.remote, request.method, target,
+                version.major, version.minor, status, time.monotonic() - start,
+            )  # fmt: skip
 
     def _authorize(self, request: web.Request) -> None:
         header = request.headers.get("Authorization", "")
@@ -187,7 +212,7 @@ class LockstepServer:
                 self._authorize(request)
             check_body_headers(request, self.config.max_body_bytes)
         except RequestError as error:
-            self.metrics.response(request.path, error.status)
+            self._responded(request, error.status, time.monotonic())
             response = _json_error(error)
             response.force_close()  # the client may send the body anyway: don't read it
             return response
@@ -245,14 +270,15 @@ class LockstepServer:
             stream = self.frontend.open_request(
                 request_id, generation.prompt_token_ids, generation.params, generation.dp_rank
             )
-        self.metrics.prompt_tokens.labels(self.limits.served_model_name).inc(
-            len(generation.prompt_token_ids)
-        )
         shape = ResponseShape(
             request_id, self.limits.served_model_name, generation.endpoint,
             generation.return_token_ids,
         )  # fmt: skip
-        reply = _Reply(generation, self.limits.tokenizer, self.metrics, stream, arrival)
+        timer = RequestTimer(
+            self.metrics, stream.rank, arrival, len(generation.prompt_token_ids),
+            generation.params.max_tokens,
+        )  # fmt: skip
+        reply = _Reply(generation, self.limits.tokenizer, timer, stream)
         try:
             if generation.stream:
                 return await self._send_stream(request, generation, stream, shape, reply)
@@ -309,22 +335,17 @@ class _Reply:
         self,
         generation: GenerationRequest,
         tokenizer: ModelTokenizer | None,
-        metrics: ServerMetrics,
+        timer: RequestTimer,
         stream: RequestStream,
-        arrival: float,
     ) -> None:
         self.generation = generation
         self.detokenizer = IncrementalDetokenizer(tokenizer, generation.stop)
         self.stop_token_ids = generation.params.stop_token_ids
-        self.metrics = metrics
-        self.model = metrics.model_name
+        self.timer = timer
         self.stream = stream
-        self.arrival = arrival
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: RequestError | None = None
-        self._last_token_time: float | None = None
-        self._recorded = False
 
     @property
     def done(self) -> bool:
@@ -347,7 +368,7 @@ class _Reply:
         before = len(self.detokenizer.token_ids)
         delta = self.detokenizer.add(text_tokens, finished=output.finished)
         kept = tokens[: len(self.detokenizer.token_ids) - before] if delta.stopped else tokens
-        self._time(len(kept))
+        self.timer.tokens(len(kept), time.monotonic())
         self.token_ids += kept
         if delta.stopped:
             self.finish_reason = "stop"
@@ -389,32 +410,14 @@ class _Reply:
                 error_type="server_error",
             )
 
-    def _time(self, num_tokens: int) -> None:
-        if not num_tokens:
-            return
-        now = time.monotonic()
-        self.metrics.generation_tokens.labels(self.model).inc(num_tokens)
-        if self._last_token_time is None:
-            self.metrics.time_to_first_token.labels(self.model).observe(now - self.arrival)
-            num_gaps, gap = num_tokens - 1, 0.0
-        else:
-            num_gaps, gap = num_tokens, (now - self._last_token_time) / num_tokens
-        for _ in range(num_gaps):
-            self.metrics.inter_token_latency.labels(self.model).observe(gap)
-        self._last_token_time = now
-
     def record_end(self) -> None:
-        if self._recorded:
-            return
-        self._recorded = True
         if self.finish_reason is not None:
             reason = self.finish_reason
         elif self.error is not None:
             reason = "error"
         else:
             reason = "abort"  # the client went away first
-        self.metrics.e2e_latency.labels(self.model).observe(time.monotonic() - self.arrival)
-        self.metrics.requests_finished.labels(self.model, self.generation.endpoint, reason).inc()
+        self.timer.finish(reason, time.monotonic())
 
 
 def _prepare(raw: bytes, parse: Any, limits: ModelLimits) -> GenerationRequest:

@@ -3,8 +3,8 @@
     server:
       host: 127.0.0.1              # loopback unless told otherwise
       port: 8000
-      api_key: null                # or $LOCKSTEP_API_KEY; with one, every endpoint but /health
-                                   # wants `Authorization: Bearer KEY`
+      api_key: null                # or $LOCKSTEP_API_KEY; with one, the API (/v1/*) wants
+                                   # `Authorization: Bearer KEY` (/health, /metrics do not)
       served_model_name: null      # default: the model directory's name
       max_pending_requests: 256    # open requests (queued or running) before 503 + Retry-After
       max_body_bytes: 1048576      # larger request bodies get 413
@@ -13,6 +13,8 @@
       keepalive_timeout_s: 5       # how long a connection may sit idle, or take to send its
                                    # request's headers, before it is closed
       routing: least_loaded        # or round_robin (launcher/routing.py)
+      stats_log_interval_s: 10     # a stats line this often while there is traffic; 0: never
+      access_log: false            # one log line per HTTP request (method, path, status, time)
 
 The engine's sections are left to `EngineConfig`; nothing here reaches a rank.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
+from math import inf
 from typing import Any
 
 from launcher.routing import ROUTING_POLICIES
@@ -38,6 +41,8 @@ class ServerConfig:
     read_timeout_s: float = 30.0
     keepalive_timeout_s: float = 5.0
     routing: str = "least_loaded"
+    stats_log_interval_s: float = 10.0
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -71,6 +76,14 @@ class ServerConfig:
                 f"server.keepalive_timeout_s must be a number of seconds > 0, got {value!r}"
             )
         ROUTING_POLICIES.check("server.routing", self.routing)
+        value = self.stats_log_interval_s
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < inf:
+            raise ValueError(
+                f"server.stats_log_interval_s must be a number of seconds >= 0 (0: no stats "
+                f"line), got {value!r}"
+            )
+        if not isinstance(self.access_log, bool):
+            raise ValueError(f"server.access_log must be true or false, got {self.access_log!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ServerConfig:

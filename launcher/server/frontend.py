@@ -9,7 +9,8 @@ event loop:
   made (batched when several wait), so an abort never overtakes its request's submission,
   and a rank that stops answering holds up only its own requests;
 - the *monitor* asks every rank for its stats once a second (with a short timeout), keeps the
-  latest for `/metrics`, and notices a rank whose loop died without its process dying.
+  latest for `/metrics`, hands them to the server's stats line (`on_stats`), and notices a
+  rank whose loop died without its process dying.
 
 No request path waits on stats, and neither `/health` nor `/metrics` waits on a rank: both
 answer from what the threads last saw. Every call into a rank is bounded by the client (a rank
@@ -33,7 +34,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,8 +105,18 @@ class RequestStream:
 
 
 class EngineFrontend:
-    def __init__(self, client: Client, *, routing: str, max_pending_requests: int) -> None:
+    def __init__(
+        self,
+        client: Client,
+        *,
+        routing: str,
+        max_pending_requests: int,
+        on_stats: Callable[[list[RankStats], float], object] | None = None,
+    ) -> None:
+        """``on_stats(stats, now)`` runs on the event loop with each of the monitor's fresh
+        stats (about once a second; never on a request's path)."""
         self.client = client
+        self.on_stats = on_stats
         self.num_ranks: int = client.num_ranks
         self.router = Router(self.num_ranks, routing)
         self.max_pending_requests = max_pending_requests
@@ -305,6 +316,11 @@ class EngineFrontend:
                 self._fail_group(f"DP rank {rank_stats.dp_rank} stopped: {rank_stats.error}")
                 return
 
+    def _monitor_report(self, stats: list[RankStats]) -> None:
+        self._check_stats(stats)
+        if self.on_stats is not None and self.failure is None:
+            self.on_stats(stats, time.monotonic())
+
     def _fail_group(self, message: str) -> None:
         if self.failure is not None:
             return
@@ -355,7 +371,7 @@ class EngineFrontend:
     def _monitor_loop(self) -> None:
         while not self._stopping.is_set() and self.failure is None:
             try:
-                self._from_thread(self._check_stats, self.client.stats(_STATS_TIMEOUT_S))
+                self._from_thread(self._monitor_report, self.client.stats(_STATS_TIMEOUT_S))
             except RankFailure as failure:
                 self._from_thread(self._fail_group, str(failure))
                 return

@@ -230,7 +230,9 @@ def test_a_client_that_hangs_up_frees_its_blocks(server, client):
     # Well short of the 1000 tokens it asked for: it was aborted, not run to its end.
     assert after.num_steps["decode"] - busy.num_steps["decode"] < 900
     _, text = get(server, "/metrics")
-    assert 'finish_reason="abort"' in text
+    assert metric_values(text)[
+        ("lockstep:request_success_total", labels(server.model, finished_reason="abort"))
+    ]
     # A client that gives up on a whole (not streamed) reply is noticed too: the runner
     # cancels the handler of a closed connection.
     impatient = client.with_options(timeout=0.5)
@@ -303,7 +305,7 @@ def test_bad_chat_and_an_unknown_model(server, client):
     assert "'gpt-4' does not exist" in info.value.body["message"]
 
 
-def test_the_api_key_guards_everything_but_health(server):
+def test_the_api_key_guards_the_api_but_not_health_or_metrics(server):
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong-key", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as info:
         wrong.completions.create(model=server.model, prompt="hi", max_tokens=2)
@@ -314,10 +316,12 @@ def test_the_api_key_guards_everything_but_health(server):
         urllib.request.urlopen(request, timeout=30)
     assert missing.value.code == 401 and "missing API key" in missing.value.read().decode()
     for key in (None, "wrong-key"):
-        for path in ("/v1/models", "/metrics"):
-            status, text = get(server, path, key)
-            assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
-    assert get(server, "/health", None) == (200, '{"status": "ok", "reason": "ok"}')
+        status, text = get(server, "/v1/models", key)
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+        # As in vLLM: probes and Prometheus scrape without the key.
+        assert get(server, "/health", key) == (200, '{"status": "ok", "reason": "ok"}')
+        status, text = get(server, "/metrics", key)
+        assert status == 200 and "lockstep:num_requests_running" in text
 
 
 def test_models_lists_the_served_model(server, client):
@@ -333,33 +337,136 @@ def metric_values(text: str) -> dict[tuple[str, tuple], float]:
     }
 
 
-def test_metrics_parse_and_move(server, client):
+def labels(model: str, **extra: str) -> tuple:
+    """The sorted label pairs of a series of ``model`` on rank 0."""
+    return tuple(sorted({"model_name": model, "engine": "0", **extra}.items()))
+
+
+# vLLM's boundaries (vllm/v1/metrics/loggers.py), which the series must keep.
+VLLM_TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+VLLM_ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+]  # fmt: skip
+VLLM_REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+
+
+def bucket_bounds(text: str, name: str) -> list[float]:
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == name]
+    bounds = [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")]
+    return [b for b in bounds if b != float("inf")]
+
+
+def test_metrics_use_vllms_names_types_and_buckets_and_move(server, client):
     status, text = get(server, "/metrics")
     assert status == 200
     before = metric_values(text)
     client.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=6, **GREEDY)
-    after = metric_values(get(server, "/metrics")[1])
-    model = (("model", server.model),)
+    text = get(server, "/metrics")[1]
+    after = metric_values(text)
 
-    def moved(name, labels=model):
-        return after[(name, labels)] - before.get((name, labels), 0.0)
+    def moved(name, series=None):
+        series = series or labels(server.model)
+        return after[(name, series)] - before.get((name, series), 0.0)
 
-    assert moved("lockstep_generation_tokens_total") == 6
-    assert moved("lockstep_prompt_tokens_total") == len(PROMPTS[1])
-    assert moved("lockstep_time_to_first_token_seconds_count") == 1
-    assert moved("lockstep_inter_token_latency_seconds_count") == 5
-    assert moved("lockstep_e2e_request_latency_seconds_count") == 1
-    finished = (("endpoint", "completion"), ("finish_reason", "length"), ("model", server.model))
-    assert moved("lockstep_requests_finished_total", finished) == 1
-    rank0 = ("dp_rank", "0")
-    assert moved("lockstep_rank_steps_total", (rank0, ("kind", "decode"))) >= 5
-    assert moved("lockstep_rank_steps_total", (rank0, ("kind", "prefill"))) >= 1
-    assert sum(v for (n, _), v in after.items() if n == "lockstep_rank_votes_total") > 0
-    for name in ("running", "waiting", "kv_usage_ratio", "kv_free_blocks"):
-        assert (f"lockstep_rank_{name}", (rank0,)) in after
-    for name in ("preemptions_total", "prefix_cache_hit_tokens_total", "second_votes_total"):
-        assert (f"lockstep_rank_{name}", (rank0,)) in after
-    assert after[("lockstep_healthy", ())] == 1
+    types = {family.name: family.type for family in text_string_to_metric_families(text)}
+    for name, kind in {
+        "num_requests_running": "gauge",
+        "num_requests_waiting": "gauge",
+        "kv_cache_usage_perc": "gauge",
+        "prompt_tokens": "counter",
+        "generation_tokens": "counter",
+        "request_success": "counter",
+        "num_preemptions": "counter",
+        "prefix_cache_queries": "counter",
+        "prefix_cache_hits": "counter",
+        "time_to_first_token_seconds": "histogram",
+        "inter_token_latency_seconds": "histogram",
+        "e2e_request_latency_seconds": "histogram",
+        "request_decode_time_seconds": "histogram",
+        "request_time_per_output_token_seconds": "histogram",
+        "request_prompt_tokens": "histogram",
+        "request_generation_tokens": "histogram",
+        "request_params_max_tokens": "histogram",
+        "steps": "counter",
+        "votes": "counter",
+        "healthy": "gauge",
+    }.items():
+        assert types.get(f"lockstep:{name}") == kind, name
+
+    assert moved("lockstep:generation_tokens_total") == 6
+    assert moved("lockstep:prompt_tokens_total") == len(PROMPTS[1])
+    assert moved("lockstep:time_to_first_token_seconds_count") == 1
+    assert moved("lockstep:inter_token_latency_seconds_count") == 5
+    for name in (
+        "e2e_request_latency_seconds", "request_decode_time_seconds",
+        "request_time_per_output_token_seconds", "request_params_n",
+    ):  # fmt: skip
+        assert moved(f"lockstep:{name}_count") == 1, name
+    assert moved("lockstep:request_prompt_tokens_sum") == len(PROMPTS[1])
+    assert moved("lockstep:request_generation_tokens_sum") == 6
+    assert moved("lockstep:request_max_num_generation_tokens_sum") == 6
+    assert moved("lockstep:request_params_max_tokens_sum") == 6
+    assert (
+        moved("lockstep:request_success_total", labels(server.model, finished_reason="length")) == 1
+    )
+    assert (
+        moved("lockstep:request_success_total", labels(server.model, finished_reason="stop")) == 0
+    )
+    # The parts add up: first token, then the decode, within the request's whole time.
+    ttft = moved("lockstep:time_to_first_token_seconds_sum")
+    decode = moved("lockstep:request_decode_time_seconds_sum")
+    assert (
+        ttft > 0
+        and decode > 0
+        and ttft + decode <= moved("lockstep:e2e_request_latency_seconds_sum")
+    )
+    per_token = moved("lockstep:request_time_per_output_token_seconds_sum")
+    assert per_token == pytest.approx(decode / 5)
+
+    assert bucket_bounds(text, "lockstep:time_to_first_token_seconds") == VLLM_TTFT_BUCKETS
+    assert bucket_bounds(text, "lockstep:inter_token_latency_seconds") == VLLM_ITL_BUCKETS
+    for name in ("e2e_request_latency_seconds", "request_decode_time_seconds"):
+        assert bucket_bounds(text, f"lockstep:{name}") == VLLM_REQUEST_LATENCY_BUCKETS
+    # Token counts: 1-2-5 up to max_model_len (1024).
+    assert bucket_bounds(text, "lockstep:request_prompt_tokens") == [
+        1, 2, 5, 10, 20, 50, 100, 200, 500, 1000,
+    ]  # fmt: skip
+
+    assert moved("lockstep:steps_total", labels(server.model, kind="decode")) >= 5
+    assert moved("lockstep:steps_total", labels(server.model, kind="prefill")) >= 1
+    assert sum(v for (n, _), v in after.items() if n == "lockstep:votes_total") > 0
+    rank0 = labels(server.model)
+    for name in ("num_preemptions", "second_votes", "prefix_cache_hits"):
+        assert (f"lockstep:{name}_total", rank0) in after
+    # Prefix caching is off here: nothing is looked up, as vLLM counts.
+    assert after[("lockstep:prefix_cache_queries_total", rank0)] == 0
+    model = (("model_name", server.model),)
+    assert after[("lockstep:healthy", model)] == 1
+    assert after[("lockstep:requests_open", model)] == 0
+    completions = (*model, ("path", "/v1/completions"), ("status", "200"))
+    assert moved("lockstep:http_responses_total", tuple(sorted(completions))) == 1
+
+    # The rank's gauges settle back to idle (a scrape may serve stats up to a second old).
+    (idle,) = server.stats()
+    settled = {
+        "lockstep:num_requests_running": 0,
+        "lockstep:num_requests_waiting": 0,
+        "lockstep:kv_cache_usage_perc": 0.0,
+        "lockstep:kv_cache_free_blocks": idle.num_usable_blocks,
+    }
+    wait_for(
+        lambda: (
+            {name: metric_values(get(server, "/metrics")[1])[(name, rank0)] for name in settled}
+            == settled
+        )
+    )
 
 
 # -- shutting down ------------------------------------------------------------------------------
