@@ -12,7 +12,9 @@ Block-FP8 checkpoints (models/block_fp8.py) load dequantized: each quantized wei
 one tensor at a time, so float32 never holds more than a block row of a weight; a rank reads
 the scales of only the experts it hosts. The reader unmaps its files every
 `MAX_MAPPED_BYTES` of tensor data: a file page a read touched otherwise stays in the process's
-resident set until the load ends, as much again as the checkpoint bytes the rank reads.
+resident set until the load ends, as much again as the checkpoint bytes the rank reads (a
+rank's peak RSS was then twice its weights for a bf16 checkpoint; reopening a shard costs only
+its header).
 
 Policy on unexpected tensors: an error. A tensor we do not know (shared experts, biases, a
 different architecture under the same `model_type`) would otherwise be dropped silently and the
@@ -41,7 +43,7 @@ from moe import MoELayer
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_IN_ERROR = 10
-MAX_MAPPED_BYTES = 256 * 2**20
+MAX_MAPPED_BYTES = 64 * 2**20
 
 
 class CheckpointReader:
