@@ -7,6 +7,7 @@ chunk attends to a cached prefix — and then decodes every sequence together in
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,75 @@ TINY_SIZES = {
     "moe_intermediate_size": 32,
     "vocab_size": 384,
 }
+
+
+# Tiny block-FP8 releases (make_tiny_checkpoint(..., fp8=True)): widths of 128 and 256 (whole
+# 128x128 blocks) beside 64, 80, 96, 136, 192, 200 and 320 (a partial last block).
+FP8_SIZES = {
+    "deepseek_v3": {
+        "vocab_size": 384,
+        "hidden_size": 128,
+        "num_heads": 4,
+        "num_experts": 8,
+        "top_k": 2,
+        "moe_intermediate_size": 96,
+        "intermediate_size": 320,
+        "q_lora_rank": 136,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "num_layers": 3,
+    },
+    "qwen3_moe": {
+        "vocab_size": 384,
+        "hidden_size": 128,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "top_k": 2,
+        "moe_intermediate_size": 96,
+        "intermediate_size": 200,
+        "mlp_only_layers": [1],
+        "num_layers": 3,
+    },
+}
+FP8_SIZES["deepseek_v2"] = {**FP8_SIZES["deepseek_v3"], "q_lora_rank": None}
+
+
+def blockwise_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The test's own reading of a block-FP8 weight [O, I]: block (i, j) of 128x128 (cut at the
+    edges) times scale_inv[i, j], in float32, block by block."""
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            block = (slice(128 * i, 128 * (i + 1)), slice(128 * j, 128 * (j + 1)))
+            out[block] = weight[block].to(torch.float32) * scale_inv[i, j].to(torch.float32)
+    return out
+
+
+def write_dequantized_reference(fp8_dir: Path, out_dir: Path) -> Path:
+    """The float32 checkpoint a block-FP8 release stands for (`blockwise_dequantize` of every
+    FP8 weight, the rest widened to float32, no `quantization_config`), for transformers."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    dense = {
+        name: (
+            blockwise_dequantize(tensor, tensors[name + "_scale_inv"])
+            if tensor.dtype == torch.float8_e4m3fn
+            else tensor.to(torch.float32)
+        )
+        for name, tensor in tensors.items()
+        if not name.endswith("_scale_inv")
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(dense, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (out_dir / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))
+    return out_dir
 
 
 def hf_model(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

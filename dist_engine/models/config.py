@@ -17,6 +17,7 @@ from typing import Any
 
 from dist_engine.layers.mla import MLADims
 from dist_engine.layers.rotary import YarnScaling
+from dist_engine.models.block_fp8 import BlockFP8Format
 from moe import SOFTMAX_TOPK, RoutingMethod
 from moe.routing import check_group_limits
 
@@ -77,6 +78,9 @@ class ModelConfig:
     # Layers a checkpoint may hold past num_layers (multi-token prediction, DeepSeek-V3 and
     # GLM-4.5): skipped when loading, as transformers does.
     num_extra_layers: int = 0
+    # How the checkpoint stores its linear weights: None, as plain floats; or block-quantized
+    # FP8 (`quantization_config`), dequantized to the run dtype as they load.
+    quantization: BlockFP8Format | None = None
 
     def __post_init__(self) -> None:
         positive = {

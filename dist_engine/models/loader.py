@@ -7,6 +7,15 @@ read lazily by name through `safetensors.safe_open`, so a rank touches only the 
 weights and the experts `placement.hosted_logical(rank)` names; other experts' bytes are never
 read.
 
+Block-FP8 checkpoints (models/block_fp8.py) load dequantized: each quantized weight and its
+`weight_scale_inv` are read together and multiplied out to the run dtype on the target device,
+one tensor at a time, so float32 never holds more than a block row of a weight; a rank reads
+the scales of only the experts it hosts. The reader unmaps its files every
+`MAX_MAPPED_BYTES` of tensor data: a file page a read touched otherwise stays in the process's
+resident set until the load ends, as much again as the checkpoint bytes the rank reads (a
+rank's peak RSS was then twice its weights for a bf16 checkpoint; reopening a shard costs only
+its header).
+
 Policy on unexpected tensors: an error. A tensor we do not know (shared experts, biases, a
 different architecture under the same `model_type`) would otherwise be dropped silently and the
 model would produce wrong tokens with no warning. Only tensors HF itself ignores are skipped:
@@ -16,7 +25,6 @@ model would produce wrong tokens with no warning. Only tensors HF itself ignores
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +33,8 @@ from safetensors import safe_open
 
 from dist_engine.backends import Backends, LayerOps, resolve_backends
 from dist_engine.layers.moe import ExpertParallelContext
+from dist_engine.models import block_fp8
+from dist_engine.models.block_fp8 import BlockFP8Format
 from dist_engine.models.config import ModelConfig
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.registry import get_architecture, load_config
@@ -33,21 +43,24 @@ from moe import MoELayer
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_IN_ERROR = 10
+MAX_MAPPED_BYTES = 64 * 2**20
 
 
 class CheckpointReader:
     """Name-indexed, lazy access to the tensors of a checkpoint directory.
 
     `tensors_read` records every read (`name`, or `name[e]` for one expert's slice of a fused
-    tensor) so callers and tests can see exactly what a rank touched.
+    tensor) so callers and tests can see exactly what a rank touched. Tensors come back on
+    `device` (safetensors reads them there), in their stored dtype.
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, device: torch.device | str | None = None) -> None:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model directory {str(model_dir)!r} does not exist")
-        self._stack = ExitStack()
+        self.device = torch.device("cpu" if device is None else device)
         self._handles: dict[str, Any] = {}
+        self._bytes_since_unmap = 0
         self._file_of: dict[str, str] = self._index_tensors()
         self.tensors_read: list[str] = []
 
@@ -83,11 +96,24 @@ class CheckpointReader:
         if file_name not in self._handles:
             path = self.model_dir / file_name
             try:
-                handle = safe_open(str(path), "pt")
+                handle = safe_open(str(path), "pt", device=str(self.device))
+                handle.__enter__()
             except Exception as error:  # safetensors' own error types: a bad or cut-short file
                 raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
-            self._handles[file_name] = self._stack.enter_context(handle)
+            self._handles[file_name] = handle
         return self._handles[file_name]
+
+    def _unmap(self) -> None:
+        """Close every file (a tensor still referenced keeps its own mapping alive); the next
+        read reopens what it needs."""
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+        self._bytes_since_unmap = 0
+
+    def _count(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._bytes_since_unmap += tensor.numel() * tensor.element_size()
+        return tensor
 
     def open_all(self) -> None:
         """Open every file now: a truncated or corrupt one fails here, before any weight."""
@@ -101,8 +127,7 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
+        self._unmap()
 
     def names(self) -> set[str]:
         return set(self._file_of)
@@ -113,17 +138,26 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._file(name)).get_slice(name).get_shape())
 
+    def dtype(self, name: str) -> str:
+        """The stored dtype, in safetensors' spelling ("BF16", "F8_E4M3", ...), from the
+        header alone."""
+        return self._open(self._file(name)).get_slice(name).get_dtype()
+
     def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The whole tensor `name`, after checking it has `shape`."""
         self.check_shape(name, shape)
+        if self._bytes_since_unmap >= MAX_MAPPED_BYTES:
+            self._unmap()
         self.tensors_read.append(name)
-        return self._open(self._file(name)).get_tensor(name)
+        return self._count(self._open(self._file(name)).get_tensor(name))
 
     def read_row(self, name: str, row: int) -> torch.Tensor:
         """`name[row]` of a stacked tensor, reading only that row's bytes (check the whole
         tensor's shape with `check_shape` first)."""
+        if self._bytes_since_unmap >= MAX_MAPPED_BYTES:
+            self._unmap()
         self.tensors_read.append(f"{name}[{row}]")
-        return self._open(self._file(name)).get_slice(name)[row]
+        return self._count(self._open(self._file(name)).get_slice(name)[row])
 
     def require(self, name: str) -> None:
         """Raise ValueError naming `name` if the checkpoint lacks it (reads nothing)."""
@@ -177,7 +211,7 @@ def load_model(
     """Build the model described by `model_dir/config.json` and load this rank's weights."""
     config = load_config(model_dir)
     model = build_model(config, dtype, device, ep_context, backends, max_decode_tokens)
-    with CheckpointReader(model_dir) as reader:
+    with CheckpointReader(model_dir, device) as reader:
         load_weights(model, reader, ep_context or ExpertParallelContext())
     return model
 
@@ -195,18 +229,55 @@ def load_weights(
         source = _source_name(layout, reader, name)
         expected.add(source)
         target, rows = layout.parameter_for(name)
+        weight = read_weight(reader, config.quantization, source, shape, params[target].dtype)
         with torch.no_grad():
-            params[target][rows].copy_(reader.read(source, shape))
+            params[target][rows].copy_(weight)
+        del weight  # before the next read: at most one tensor's copy is alive at a time
         filled.add(target)
     for layer_idx in config.moe_layer_indices:
         expected |= _load_layer_experts(model, layout, reader, layer_idx, ep_context)
-    _check_no_extra_tensors(config, layout, reader, expected)
+    _check_no_extra_tensors(config, layout, reader, expected | _scale_names(config, expected))
     if config.tie_word_embeddings:
         filled.add("lm_head.weight")
     unfilled = [
         n for n in params if n not in filled and ".mlp.experts." not in n and "rotary" not in n
     ]
     assert not unfilled, f"parameters with no checkpoint mapping: {unfilled}"
+
+
+def read_weight(
+    reader: CheckpointReader,
+    quantization: BlockFP8Format | None,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Checkpoint tensor `name`, checked to have `shape`: a block-FP8 weight read with its
+    scales and dequantized to `dtype`; any other tensor as stored (the caller's copy into its
+    parameter converts it, with no second copy)."""
+    reader.check_shape(name, shape)
+    if not is_quantized(reader, quantization, name):
+        return reader.read(name, shape)
+    assert quantization is not None
+    weight = reader.read(name, shape)
+    scale_inv = reader.read(quantization.scale_name(name), quantization.scale_shape(shape))
+    return block_fp8.dequantize(weight, scale_inv, quantization.block_size, dtype)
+
+
+def is_quantized(reader: CheckpointReader, quantization: BlockFP8Format | None, name: str) -> bool:
+    """Whether `name` is a block-FP8 weight, from the headers alone (`block_fp8.is_quantized`:
+    ValueError naming the tensor for one the format cannot read)."""
+    scale_name = name + block_fp8.SCALE_SUFFIX
+    scale = (reader.dtype(scale_name), reader.shape(scale_name)) if reader.has(scale_name) else None
+    return block_fp8.is_quantized(quantization, name, reader.dtype(name), reader.shape(name), scale)
+
+
+def _scale_names(config: ModelConfig, names: set[str]) -> set[str]:
+    """The scale tensors `names` may have (every rank checks the tensors it does not read
+    against these; `check_checkpoint` checked each one before any rank started)."""
+    if config.quantization is None:
+        return set()
+    return {config.quantization.scale_name(name) for name in names}
 
 
 def _load_layer_experts(
@@ -228,6 +299,8 @@ def _load_layer_experts(
         # Fused layout: one [E, ...] tensor per projection; read only the hosted rows.
         reader.check_shape(names.fused_gate_up, (num_experts, 2 * size, gate_shape[1]))
         reader.check_shape(names.fused_down, (num_experts, *down_shape))
+        for name in (names.fused_gate_up, names.fused_down):
+            is_quantized(reader, config.quantization, name)  # raises for FP8: not a release form
         for expert in hosted:
             gate_up = reader.read_row(names.fused_gate_up, expert)
             down = reader.read_row(names.fused_down, expert)
@@ -237,9 +310,9 @@ def _load_layer_experts(
         gate_name, up_name, down_name = names.per_expert(expert)
         experts.load_expert(
             expert,
-            reader.read(gate_name, gate_shape),
-            reader.read(up_name, up_shape),
-            reader.read(down_name, down_shape),
+            read_weight(reader, config.quantization, gate_name, gate_shape, model.dtype),
+            read_weight(reader, config.quantization, up_name, up_shape, model.dtype),
+            read_weight(reader, config.quantization, down_name, down_shape, model.dtype),
         )
     for expert in range(num_experts):
         for name in names.per_expert(expert):
@@ -271,10 +344,12 @@ def _check_no_extra_tensors(
 
 def check_checkpoint(model_dir: str | Path) -> ModelConfig:
     """What can be checked about a checkpoint without reading a weight, for the driver to do
-    before any rank starts: config.json parses for a supported architecture, every file opens
-    (not truncated or corrupt), every tensor the config implies is there with its shape, and
-    there is none it does not. Raises ValueError or FileNotFoundError naming the problem in
-    one line; returns the config."""
+    before any rank starts: config.json parses for a supported architecture (and a supported
+    `quantization_config`), every file opens (not truncated or corrupt), every tensor the
+    config implies is there with its shape, every block-FP8 weight is float8_e4m3fn with its
+    scales of the right shape (and no tensor is FP8 without them), and there is no tensor it
+    does not use. Raises ValueError or FileNotFoundError naming the problem in one line;
+    returns the config."""
     config = load_config(model_dir)
     layout = get_architecture(config.model_type).layout(config)
     with CheckpointReader(model_dir) as reader:
@@ -282,7 +357,12 @@ def check_checkpoint(model_dir: str | Path) -> ModelConfig:
         expected = _expected_tensors(config, layout, reader)
         for name, shape in expected.items():
             reader.check_shape(name, shape)
-        _check_no_extra_tensors(config, layout, reader, set(expected))
+        scales = {
+            name + block_fp8.SCALE_SUFFIX
+            for name in expected
+            if is_quantized(reader, config.quantization, name)
+        }
+        _check_no_extra_tensors(config, layout, reader, set(expected) | scales)
     return config
 
 

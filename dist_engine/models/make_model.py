@@ -3,24 +3,32 @@
 The directory holds `config.json` with the keys transformers 5.x writes, the weights in the
 per-expert layout hub checkpoints use (one `model.safetensors`, or shards plus
 `model.safetensors.index.json`), and a byte-level BPE `tokenizer.json` with a chat template.
+With `fp8`, the checkpoint is a block-FP8 release in DeepSeek-V3's and Qwen3's format (see
+`to_block_fp8_release`).
 
-CLI: `lockstep make-model --arch ARCH --out DIR [--seed N] [--hidden-size ...]`, ARCH any
-registered model_type (models/registry.py).
+CLI: `lockstep make-model --arch ARCH --out DIR [--seed N] [--hidden-size ...] [--fp8]`, ARCH
+any registered model_type (models/registry.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from dist_engine.models import block_fp8
 from dist_engine.models.config import ModelConfig
-from dist_engine.models.registry import get_architecture, parse_config, supported_model_types
+from dist_engine.models.registry import (
+    BLOCK_FP8_MODEL_TYPES,
+    get_architecture,
+    parse_config,
+    supported_model_types,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -75,9 +83,15 @@ def make_tiny_checkpoint(
     dtype: str = "float32",
     num_shards: int = 1,
     write_tokenizer: bool = True,
+    fp8: bool = False,
+    scale_dtype: str = "float32",
     **arch_options: Any,
 ) -> Path:
     """Write a random checkpoint of `arch` (any registered model_type) to `out_dir`.
+
+    fp8: write it as a block-FP8 release (arch in `BLOCK_FP8_MODEL_TYPES`): the linear weights
+    float8_e4m3fn with `weight_scale_inv` in `scale_dtype`, the other tensors in `dtype` (the
+    releases use bfloat16), `quantization_config` in config.json.
 
     `initializer_range` defaults well above HF's 0.02 so that greedy logits are not near-tied
     (near ties make parity tests flaky). Norm weights are 1 + noise so tests see them applied.
@@ -91,6 +105,12 @@ def make_tiny_checkpoint(
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     if initializer_range <= 0:
         raise ValueError(f"initializer_range must be positive, got {initializer_range}")
+    if fp8 and arch not in BLOCK_FP8_MODEL_TYPES:
+        raise ValueError(
+            f"fp8 checkpoints are written for {list(BLOCK_FP8_MODEL_TYPES)}, not {arch!r}"
+        )
+    if scale_dtype not in DTYPES:
+        raise ValueError(f"scale_dtype must be one of {list(DTYPES)}, got {scale_dtype!r}")
     architecture = get_architecture(arch)
     common = {
         "vocab_size": vocab_size,
@@ -125,10 +145,16 @@ def make_tiny_checkpoint(
         **arch_options,
     }
     hf_config = architecture.tiny_hf_config(common, options)
+    if fp8:
+        hf_config["quantization_config"] = release_quantization_config(parse_config(hf_config))
     config = parse_config(hf_config)  # validates the sizes before any work
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = random_weights(config, seed, initializer_range, DTYPES[dtype])
+    if fp8:
+        drawn = iter_random_weights(config, seed, initializer_range, torch.float32)
+        tensors = to_block_fp8_release(config, drawn, DTYPES[dtype], DTYPES[scale_dtype])
+    else:
+        tensors = random_weights(config, seed, initializer_range, DTYPES[dtype])
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     save_safetensors(tensors, out, num_shards)
     if write_tokenizer:
@@ -140,6 +166,14 @@ def random_weights(
     config: ModelConfig, seed: int, std: float, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint, drawn from one seeded generator in a fixed order."""
+    return dict(iter_random_weights(config, seed, std, dtype))
+
+
+def iter_random_weights(
+    config: ModelConfig, seed: int, std: float, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`random_weights` one tensor at a time, so a caller converting each (to FP8, say) never
+    holds the whole model in `dtype`."""
     generator = torch.Generator().manual_seed(seed)
     layout = get_architecture(config.model_type).layout(config)
 
@@ -157,15 +191,54 @@ def random_weights(
             return draw(shape, 0.1, offset=1.0)
         return draw(shape, std)
 
-    tensors = {
-        name: draw_dense(name, shape) for name, shape in layout.dense_tensor_shapes().items()
-    }
+    for name, shape in layout.dense_tensor_shapes().items():
+        yield name, draw_dense(name, shape)
     for layer in config.moe_layer_indices:
         names = layout.expert_names(layer)
         for expert in range(config.num_experts):
             for name, shape in zip(names.per_expert(expert), layout.expert_shapes(), strict=True):
-                tensors[name] = draw(shape, std)
-    return tensors
+                yield name, draw(shape, std)
+
+
+def release_quantization_config(config: ModelConfig) -> dict[str, Any]:
+    """config.json's `quantization_config` as the block-FP8 releases of `config`'s
+    architecture write it: DeepSeek-V3's has the four keys; Qwen3-MoE's (e.g.
+    Qwen3-30B-A3B-FP8) also lists the modules it left unquantized."""
+    if config.model_type != "qwen3_moe":
+        return block_fp8.release_quantization_config()
+    skipped = ["lm_head"]
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}."
+        router = [prefix + "mlp.gate"] if config.is_moe_layer(layer) else []
+        skipped += [prefix + "input_layernorm", *router, prefix + "post_attention_layernorm"]
+    return block_fp8.release_quantization_config(modules_to_not_convert=skipped)
+
+
+def to_block_fp8_release(
+    config: ModelConfig,
+    tensors: Iterator[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+    dtype: torch.dtype = torch.bfloat16,
+    scale_dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as a block-FP8 release stores them: every 2-D linear weight
+    but the embeddings, `lm_head` and the routers quantized per 128x128 block
+    (`block_fp8.quantize`) with its `weight_scale_inv` in `scale_dtype` (DeepSeek-V3: float32;
+    Qwen3's dense FP8 releases: bfloat16); the rest in `dtype`, except the selection bias,
+    which DeepSeek-V3's release keeps in float32."""
+    layout = get_architecture(config.model_type).layout(config)
+    unquantized = {"model.embed_tokens.weight", "lm_head.weight"}
+    unquantized |= {layout.router_name(layer) for layer in config.moe_layer_indices}
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in items:
+        if tensor.dim() == 2 and name.endswith(".weight") and name not in unquantized:
+            out[name], scale_inv = block_fp8.quantize(tensor)
+            out[name + block_fp8.SCALE_SUFFIX] = scale_inv.to(scale_dtype)
+        elif name.endswith("e_score_correction_bias"):
+            out[name] = tensor.to(torch.float32)
+        else:
+            out[name] = tensor.to(dtype)
+    return out
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], out: Path, num_shards: int) -> None:
@@ -249,10 +322,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--moe-intermediate-size", type=int, default=32)
     parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="tensor dtype (default float32; with --fp8, of the unquantized tensors: bfloat16)",
+    )
     parser.add_argument("--initializer-range", type=float, default=0.1)
     parser.add_argument("--shards", type=int, default=1)
+    parser.add_argument(
+        "--fp8",
+        action="store_true",
+        help="write a block-FP8 release (float8_e4m3fn linear weights, 128x128 weight_scale_inv; "
+        f"for {', '.join(BLOCK_FP8_MODEL_TYPES)})",
+    )
     args = parser.parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.fp8 else "float32")
     out = make_tiny_checkpoint(
         args.arch,
         args.out,
@@ -267,8 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         top_k=args.top_k,
         moe_intermediate_size=args.moe_intermediate_size,
         initializer_range=args.initializer_range,
-        dtype=args.dtype,
+        dtype=dtype,
         num_shards=args.shards,
+        fp8=args.fp8,
     )
     print(out)
     return 0

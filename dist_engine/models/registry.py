@@ -6,10 +6,12 @@ Adding an architecture: write its module (see models/base.py) and add its line h
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from dist_engine.models.base import Architecture
+from dist_engine.models.block_fp8 import parse_quantization_config
 from dist_engine.models.config import REQUIRED_KEYS, ModelConfig, read_hf_config, require_keys
 from scheduler.registry import Lazy, Registry
 
@@ -25,6 +27,10 @@ ARCHITECTURES: Registry[Architecture] = Registry(
         "glm4_moe": Lazy("dist_engine.models.glm4_moe:ARCHITECTURE"),
     },
 )
+# The architectures whose block-FP8 checkpoints load (dequantized at load): those with releases
+# in that format (DeepSeek-V3/R1, Qwen3-MoE) and DeepSeek-V2, which shares V3's layers. GLM-4.5's
+# FP8 release is compressed-tensors (per-channel scales), another format.
+BLOCK_FP8_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "qwen3_moe")
 
 
 def supported_model_types() -> tuple[str, ...]:
@@ -40,15 +46,16 @@ def parse_config(hf: dict[str, Any]) -> ModelConfig:
     naming the bad key."""
     architecture = get_architecture(hf.get("model_type"))
     require_keys(hf, REQUIRED_KEYS)
-    if hf.get("quantization_config"):
-        # e.g. DeepSeek-V3's FP8 blocks: weights plus `weight_scale_inv` tensors this project
-        # does not dequantize.
-        method = hf["quantization_config"].get("quant_method", "?")
+    config = architecture.parse_config(hf)
+    if not hf.get("quantization_config"):
+        return config
+    quantization = parse_quantization_config(hf["quantization_config"])
+    if config.model_type not in BLOCK_FP8_MODEL_TYPES:
         raise ValueError(
-            f"config key 'quantization_config' (quant_method {method!r}): quantized checkpoints "
-            "are not supported; use a bfloat16 or float32 conversion"
+            f"config key 'quantization_config': block-FP8 checkpoints load for "
+            f"{list(BLOCK_FP8_MODEL_TYPES)}, not {config.model_type!r}; load a bfloat16 conversion"
         )
-    return architecture.parse_config(hf)
+    return dataclasses.replace(config, quantization=quantization)
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

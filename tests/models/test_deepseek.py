@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from dist_engine.attention.latent_cache import LatentKVCache, LatentKVSpec
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.attention.mla_torch import TorchMLA
 from dist_engine.backends import Backends, resolve_backends
+from dist_engine.models.block_fp8 import BlockFP8Format
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
 from dist_engine.models.registry import load_config, parse_config
@@ -310,7 +312,12 @@ DEEPSEEK_V2_LITE_HUB = {  # deepseek-ai/DeepSeek-V2-Lite
 }
 
 
-FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+FP8 = {  # deepseek-ai/DeepSeek-V3's quantization_config
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
 
 
 def test_deepseek_hub_configs_parse() -> None:
@@ -330,8 +337,11 @@ def test_deepseek_hub_configs_parse() -> None:
     assert (v2.routing.scoring, v2.routing.num_groups) == ("softmax", 1)
     assert v2.moe_layer_indices == list(range(1, 27)) and v2.shared_expert_intermediate_size == 2816
     assert v2.rope_scaling is not None and v2.rope_scaling.cos_sin_scale() == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="'quantization_config' \\(quant_method 'fp8'\\)"):
-        parse_config({**DEEPSEEK_V3_HUB, "quantization_config": FP8})
+    assert v3.quantization is None
+    fp8 = parse_config({**DEEPSEEK_V3_HUB, "quantization_config": FP8})
+    assert fp8.quantization == BlockFP8Format() and fp8 == replace(
+        v3, quantization=fp8.quantization
+    )
 
 
 def _v3_config(tmp_path: Path, **options) -> dict:
