@@ -21,6 +21,7 @@ def test_each_way_a_request_ends_gives_its_finish_reason():
     outputs = sched.schedule()
     assert [s.request_id for s in outputs.ignored_seqs] == ["too_long"]
     assert stop.status is SequenceStatus.RUNNING and stop.finish_reason is None
+    assert not stop.is_finished
     sampled = {"stop": 9, "capped": 5, "aborted": 5, "failed": 5}
     sched.process_outputs(outputs, [sampled[s.request_id] for s in outputs.scheduled_seqs])
     sched.abort("aborted")
