@@ -95,8 +95,9 @@ class EngineHost:
     torch op of the rank runs on that one thread. OpenMP (libgomp) keeps a worker pool per
     thread that has run a parallel region; once two pools exist and their threads outnumber
     the cores, it stops spinning between regions and every parallel op pays a futex wake-up:
-    loading on the caller's thread and stepping on this one made a 2-thread decode step ~25%
-    slower on 2 cores. Torch work the caller does on its own threads still costs that.
+    loading on the caller's thread and stepping on this one slowed every step of a 2-thread
+    rank on 2 cores (docs/benchmark_notes.md, "End to end", has the measurement). Torch work
+    the caller does on its own threads still costs that.
     """
 
     def __init__(self, config: EngineConfig, dist_ctx: Any = None) -> None:

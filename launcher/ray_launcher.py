@@ -112,8 +112,9 @@ class RankActor:
 
         if cpu_slot is not None:
             # Build (or load) the CPU kernels before pinning: a first build compiles its files
-            # in parallel, and a pinned rank would have only its own cores for it (the demo's
-            # start-up went 36 -> ~70 s).
+            # in parallel, and a pinned rank would have only its own cores for it: a fresh
+            # machine's first start-up was much slower that way (docs/benchmark_notes.md,
+            # "Start-up and failure detection").
             if may_use_native(self.config.backend_settings):
                 compute.prepare()
             threads = self.config.parallel.threads_per_rank
@@ -352,7 +353,8 @@ class RayClient:
 
         Each live rank always has one ``take`` outstanding, which returns as soon as that rank
         has outputs (or after ``_TAKE_S``); we wait on all of them together. Asking every rank
-        again every few milliseconds instead cost ~14% of DP=1 throughput on a 2-core machine.
+        again every few milliseconds instead cost a clear share of DP=1 throughput on a 2-core
+        machine (docs/benchmark_notes.md, "End to end").
         The takes are also the ranks' heartbeat: a rank whose take has not come back for
         `collective_timeout_s + RANK_SILENCE_MARGIN_S` has stopped answering and is failed.
         """

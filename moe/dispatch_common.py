@@ -60,7 +60,8 @@ def pack_rows(
 ) -> torch.Tensor:
     """[..., D] hidden rows + their [..., K] routing → one [..., D·e + 8K] uint8 row each.
 
-    Why bytes: each all-to-all is a latency-bound collective (0.1-1 ms on gloo, a launch plus a
+    Why bytes: each all-to-all is a latency-bound collective (on gloo a fixed cost per call
+    that a few more bytes hardly change, docs/benchmark_notes.md, "MoE layer"; a launch plus a
     sync on NCCL) and the routing is tiny, so a row and its routing travel in one collective
     whatever the hidden dtype (e = its element size). Reinterpreting is free; only the
     concatenation copies.

@@ -71,8 +71,8 @@ def normal_dispatch(
     send_splits, recv_splits = (tuple(s) for s in torch.stack([send_counts, recv_counts]).tolist())
     num_recv = sum(recv_splits)
 
-    # index_select, not hidden[pair_token]: the advanced-indexing gather is ~6x slower on CPU
-    # (1 MB of rows: 164 vs 27 us).
+    # index_select, not hidden[pair_token]: the advanced-indexing gather is several times slower
+    # on CPU (docs/benchmark_notes.md, "MoE layer").
     send = pack_rows(hidden.index_select(0, pair_token), send_slots, send_weights)  # [M, W]
     recv = send.new_empty(num_recv, send.shape[1])
     exchange.all_to_all_single(recv, send, list(recv_splits), list(send_splits))

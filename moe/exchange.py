@@ -57,7 +57,8 @@ def as_exchange(group: dist.ProcessGroup | Exchange) -> Exchange:
     """A process group wrapped in `GroupExchange`; an `Exchange` as is."""
     if isinstance(group, dist.ProcessGroup):
         return GroupExchange(group)
-    # Not isinstance(group, Exchange): a runtime protocol check costs ~10 us, per layer call.
+    # Not isinstance(group, Exchange): a runtime protocol check is far slower than this attribute
+    # look-up, and it would run per layer call (docs/benchmark_notes.md, "MoE layer").
     if not callable(getattr(group, "all_to_all_single", None)):
         raise TypeError(f"expected a torch.distributed ProcessGroup or an Exchange, got {group!r}")
     return group

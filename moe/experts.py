@@ -6,8 +6,8 @@ I = expert intermediate size, C = padded rows per slot.
 Weights are stored input-major (`x @ w`), the transpose of the Hugging Face layout:
 w13[s] = [D, gate columns | up columns], w2[s] = [I, D]. Weights are transposed once, at load
 (`LocalExperts.load_slot`); in exchange every expert GEMM reads its weight in the layout MKL's
-batched and plain GEMMs stream fastest (measured on this CPU: 1.4x on a decode-sized padded
-`bmm`, 1.1x on 128-row per-slot GEMMs, against the same calls on the HF layout).
+batched and plain GEMMs stream fastest (faster than the same calls on the HF layout, most for
+a decode-sized padded `bmm`: docs/benchmark_notes.md, "MoE layer").
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 # The padded batched path runs one `bmm` per projection over every slot, padding each slot's
-# rows to the largest group (C). Measured on this 2-core CPU (D=256, 16 slots): with 2 torch
-# threads it beats the per-slot loop 1.4-1.5x from 2 to 32 rows per slot and 1.2x at 64,
-# because one batched GEMM spreads the slots over the threads while a GEMM of a few rows does
-# not parallelise; at 128 rows per slot the loop wins (0.74x). With 1 thread the two are within
-# ~15% either way and the loop never computes padding, so it is kept. Hence: padded only with
-# more than one thread (or on an accelerator, where each loop step is a kernel launch), and only
-# while the padding adds at most PADDED_SLACK_ROWS rows per slot over the real rows.
+# rows to the largest group (C). With 2 torch threads it beats the per-slot loop at a few to a
+# few dozen rows per slot, because one batched GEMM spreads the slots over the threads while a
+# GEMM of a few rows does not parallelise; at 128 rows per slot the loop wins. With 1 thread
+# neither wins clearly and the loop never computes padding, so it is kept (the measurements:
+# docs/benchmark_notes.md, "MoE layer"). Hence: padded only with more than one thread (or on an
+# accelerator, where each loop step is a kernel launch), and only while the padding adds at
+# most PADDED_SLACK_ROWS rows per slot over the real rows.
 PADDED_SLACK_ROWS = 16
 
 # Another implementation of `LocalExperts.weighted_sum`: `(experts, hidden [N, D],
@@ -160,13 +160,14 @@ class LocalExperts(nn.Module):
         out: [M, D] float32 accumulator; hidden: [M, D]; rows, slot_ids, weights: [P].
         The fused form of `forward` + `index_add_` for the dispatch path: rows are gathered once,
         already grouped by slot, and results go straight into `out` — no second gather and no
-        scatter back into input order (measured: ~5% of the expert side at 1024 rows on CPU).
+        scatter back into input order (a few percent of the expert side on CPU:
+        docs/benchmark_notes.md, "MoE layer").
         Numerics are forward's: the weight is applied in float32, rounded to hidden's dtype, then
         accumulated in float32.
         """
         counts, order = self._group_by_slot(slot_ids)
         sorted_rows = rows[order]
-        sorted_hidden = hidden.index_select(0, sorted_rows)  # ~6x faster than hidden[sorted_rows]
+        sorted_hidden = hidden.index_select(0, sorted_rows)  # far faster than hidden[sorted_rows]
         sorted_out = self._grouped_swiglu(sorted_hidden, slot_ids[order], counts)
         scaled = _scale_rows(sorted_out, weights[order])
         out.index_add_(0, sorted_rows, scaled.float())

@@ -50,8 +50,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     lookahead_tokens: int = 0
     cp_size: int = 1
-    # deadline (the default: in scripts/simulate_vote.py it cuts vote's TTFT p99 5-15x and
-    # beats vote and every_step on throughput; docs/design.md) | vote (the reference) | every_step
+    # deadline (the default: a ready prompt waits at most prefill_deadline_steps, so its TTFT
+    # p99 is far below vote's, with fewer votes than every_step; docs/design.md, and the figures
+    # in docs/benchmarks.md, "Step policies") | vote (the reference) | every_step
     sync_policy: str = "deadline"
     # deadline policy: the most decode steps a ready head of waiting (schedulable, under the
     # watermark, admissible now) sits out before the group prefills.

@@ -130,8 +130,8 @@ def _absorbed(
 
     The heads become query rows of one single-head attention over the entries: scores are
     `[G, Lg*H, E] @ [G, E, S]`, values the latent part of the same entries. Two bmm calls with
-    the scale applied to the (small) query: SDPA, which scales inside, took ~1.4x as long on a
-    32 x 256 decode step on the CPU.
+    the scale applied to the (small) query rather than SDPA, which scales inside and was the
+    slower of the two on a CPU decode step (docs/benchmark_notes.md, "Model forward").
     """
     num_seqs, query_len, num_heads, nope_dim = q_nope.shape
     latent_dim = kv_up.shape[2]

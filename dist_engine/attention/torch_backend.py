@@ -56,7 +56,8 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Te
 
     index_select of whole blocks from a [NB, BS * Hkv * Dh] view: one contiguous row copy per
     block. Advanced indexing (`cache[block_tables]`) gives the same tensor but copies element by
-    element, about 8x slower here; this gather is the largest non-GEMM cost of a decode step.
+    element, several times slower on the CPU (docs/benchmark_notes.md, "Model forward"); this
+    gather is the largest non-GEMM cost of a decode step.
     """
     num_seqs, num_columns = block_tables.shape
     block_size = cache.shape[1]
@@ -155,8 +156,8 @@ def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:
 
     A decode step reads the whole context twice: once to gather it, once in the attention call.
     In sequence chunks whose gathered K and V fit DECODE_CHUNK_BYTES per thread, the second read
-    mostly hits the CPU cache instead of memory. Measured on a 2-core CPU, a 64 x 256 decode
-    step of the built-in model: 11% faster with one thread, unchanged with two. On an
+    mostly hits the CPU cache instead of memory: a decode step with one thread got faster, one
+    with two did not change (docs/benchmark_notes.md, "Model forward", commit b760f21). On an
     accelerator the whole batch goes in one call.
     """
     if cache.device.type != "cpu":

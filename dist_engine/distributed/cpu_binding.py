@@ -3,9 +3,8 @@
 A DP group on CPU runs one process per rank, and every MoE layer ends in an all-to-all that
 waits for the slowest rank. Left to the OS scheduler, the rank processes (and their helper
 threads: gloo, Ray) migrate between cores and preempt each other, so some rank is always late.
-Measured on this project's 2-core machine, two gloo ranks with 1 thread each, 64 sequences per
-rank, decode steps of the built-in model: 37.7 and 38.2 ms per step unpinned against 31.1 and
-34.6 ms pinned, and the all-to-all's p90 after the last rank arrived fell from 3.2 to 0.6 ms.
+Pinned, two ranks on a 2-core machine ran shorter decode steps and waited far less in each
+all-to-all for the last rank to arrive (docs/benchmark_notes.md, "End to end", "Pinning").
 
 The cores a host offers (this process's affinity) are split into consecutive runs of `threads`
 cores, one run per rank on the host, in local-rank order. If the ranks do not fit

@@ -31,8 +31,9 @@ import torch.multiprocessing as mp
 
 _POLL_S = 0.2
 _STORE: dist.Store | None = None  # the child's client of the parent's TCPStore
-# After the first failure, how long to wait for the other ranks' reports (a peer's error usually
-# follows within ~0.1 s on gloo) so the message shows every traceback, not only the first.
+# After the first failure, how long to wait for the other ranks' reports (on gloo a peer's error
+# usually follows well within it: docs/benchmark_notes.md, "Start-up and failure detection") so
+# the message shows every traceback, not only the first.
 _ERROR_GRACE_S = 2.0
 # After every rank reported, how long they get to leave the group on their own: killing one
 # mid-teardown makes its peers' gloo threads fail (std::terminate) while they still exit.

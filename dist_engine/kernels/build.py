@@ -39,8 +39,9 @@ import torch
 from dist_engine.log import get_logger
 
 CSRC = Path(__file__).parent / "csrc"
-# A ninja build normally takes ~25-60 s. torch's build lock waits forever for a lock file left
-# behind by a process killed mid-build; past this limit the caller gets None (and falls back).
+# Far longer than a normal ninja build (docs/benchmark_notes.md, "Start-up and failure
+# detection"). torch's build lock waits forever for a lock file left behind by a process killed
+# mid-build; past this limit the caller gets None (and falls back).
 BUILD_TIMEOUT_S = 600.0
 # Part of every cache key: bumped when the way things are built changes (not their sources).
 BUILD_LAYOUT = "copied-sources-1"

@@ -156,12 +156,16 @@ def test_engine_refuses_a_model_len_beyond_the_model(model_dir):
 
 
 def test_kv_pool_sized_from_a_memory_budget(model_dir):
-    from dist_engine.attention.kv_cache import bytes_per_block
-
+    # The shared tiny model, float32, block 16: (K + V) x 2 kv heads x 16 dims x 2 layers x
+    # 4 bytes = 512 bytes per token, 8,192 per block; 1,000,000 bytes hold 122 blocks.
+    assert (MODEL_SIZES["num_kv_heads"], MODEL_SIZES["head_dim"]) == (2, 16)
+    assert MODEL_SIZES["num_layers"] == 2
     config = EngineConfig.from_dict(
         {"model": model_dir, "kv_cache_bytes": 1_000_000, "scheduler": {"max_model_len": 64}}
     )
     engine = DPEngine(config)
-    per_block = bytes_per_block(engine.model_config, 16, config.torch_dtype)
-    assert engine.scheduler.kv.blocks.num_blocks == 1_000_000 // per_block
-    assert engine.model.kv_cache.num_blocks == 1_000_000 // per_block
+    assert engine.scheduler.config.block_size == 16 and config.dtype == "float32"
+    assert engine.scheduler.kv.blocks.num_blocks == 122
+    assert engine.model.kv_cache.num_blocks == 122
+    # What was allocated is those blocks: it fits the budget, and one block more would not.
+    assert engine.model.kv_cache.storage.nbytes == 122 * 8192 <= 1_000_000 < 123 * 8192

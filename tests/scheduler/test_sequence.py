@@ -1,25 +1,50 @@
 import pytest
+from sched_helpers import make_scheduler, make_seq, run_to_completion
 
 from scheduler import SamplingParams, Sequence, SequenceStatus
 
 
-def test_statuses_map_to_finish_reasons():
-    seq = Sequence("r", [1, 2, 3])
-    assert seq.finish_reason is None and not seq.is_finished
-    expected = {
-        SequenceStatus.STOPPED: "stop",
-        SequenceStatus.LENGTH_CAPPED: "length",
-        SequenceStatus.ABORTED: "abort",
-        SequenceStatus.IGNORED: "prompt_length_exceeded",
-        SequenceStatus.PREEMPTED: "insufficient_system_resource",
+def test_each_way_a_request_ends_gives_its_finish_reason():
+    """Every ending reached through the scheduler, not read off the status table: the status
+    each path sets and the reason a user sees for it (the names vLLM's and OpenAI's APIs use;
+    the reference article's for a preempted request)."""
+    sched = make_scheduler(max_model_len=16)
+    stop = Sequence("stop", [1, 2], SamplingParams(max_tokens=10), eos_token_id=9)
+    capped = make_seq("capped", 2, max_tokens=1)
+    aborted, failed = make_seq("aborted", 2), make_seq("failed", 2)
+    too_long = make_seq("too_long", 17)
+    seqs = (stop, capped, aborted, failed, too_long)
+    for seq in seqs:
+        sched.add_sequence(seq)
+    waiting = (stop, capped, aborted, failed)  # too_long is ended at the door
+    assert all(seq.finish_reason is None and not seq.is_finished for seq in waiting)
+    outputs = sched.schedule()
+    assert [s.request_id for s in outputs.ignored_seqs] == ["too_long"]
+    assert stop.status is SequenceStatus.RUNNING and stop.finish_reason is None
+    assert not stop.is_finished
+    sampled = {"stop": 9, "capped": 5, "aborted": 5, "failed": 5}
+    sched.process_outputs(outputs, [sampled[s.request_id] for s in outputs.scheduled_seqs])
+    sched.abort("aborted")
+    sched.abort("failed", reason="rank 1 died")
+    ended = {seq.request_id: (seq.status, seq.finish_reason) for seq in seqs}
+    assert ended == {
+        "stop": (SequenceStatus.STOPPED, "stop"),
+        "capped": (SequenceStatus.LENGTH_CAPPED, "length"),
+        "aborted": (SequenceStatus.ABORTED, "abort"),
+        "failed": (SequenceStatus.FAILED, "error: rank 1 died"),
+        "too_long": (SequenceStatus.IGNORED, "prompt_length_exceeded"),
     }
-    for status, reason in expected.items():
-        seq.status = status
-        assert seq.is_finished and seq.finish_reason == reason
-    seq.status = SequenceStatus.FAILED
-    seq.error_message = "rank 1 died"
-    assert seq.finish_reason == "error: rank 1 died"
-    assert not SequenceStatus.RUNNING.is_finished and SequenceStatus.FAILED.is_finished
+    assert all(status.is_finished for status, _ in ended.values())
+
+    # A pool too small for three growing sequences, with stop_preempted_request: the victim
+    # ends instead of being recomputed.
+    sched = make_scheduler(block_size=4, num_blocks=7, stop_preempted_request=True)
+    for rid in "abc":
+        sched.add_sequence(make_seq(rid, 8, max_tokens=6))
+    results = run_to_completion(sched)
+    victims = [seq for seq in results.values() if seq.status is not SequenceStatus.LENGTH_CAPPED]
+    assert victims and all(seq.status is SequenceStatus.PREEMPTED for seq in victims)
+    assert {seq.finish_reason for seq in victims} == {"insufficient_system_resource"}
 
 
 def test_kv_ledger_advances_optimistically_and_commits_accepted():

@@ -14,12 +14,12 @@
 //
 // Why not torch's GEMMs: one call per slot and projection costs a dispatch each, and a plain
 // register-blocked loop compiled for the host (-march=native) is as fast or faster on these
-// shapes where it was measured. On an AMD EPYC with AVX-512, one thread, D = 256, I = 512:
-// 99 GFLOP/s at 256 rows per slot including the activation, where torch.mm reaches 90-94 on
-// the gate/up GEMM alone and a loop of nothing but FMAs 110; the 6 x 64 blocking there is
-// 1.2-1.3x an 8 x 32 one at 2-32 rows per slot (decode), 1.05x at 128-256. On an AVX2 EPYC
-// (8-lane blocks, below) it is about twice PyTorch's speed at decode sizes with two threads and
-// 7-21% behind it with one thread at I = 512: `expert_backend: auto` times it on each host.
+// shapes where it was measured. On an AMD EPYC with AVX-512, one thread, it came close to a
+// loop of nothing but FMAs, activation included, ahead of torch.mm on the gate/up GEMM alone,
+// and the 6 x 64 blocking beat an 8 x 32 one most at decode sizes. On an AVX2 EPYC (8-lane
+// blocks, below) it is well ahead of PyTorch at decode sizes with two threads and behind it
+// with one thread at I = 512: `expert_backend: auto` times it on each host. The figures:
+// docs/benchmark_notes.md, "MoE layer"; docs/benchmarks.md, "One MoE layer" and "Backends".
 //
 // Work is split by slot: slots are dealt to threads largest first, each to the least loaded
 // thread, and a thread runs its slots' two GEMMs and the activation in between on its own
@@ -27,7 +27,8 @@
 // through a polynomial exp (relative error below 2e-7), so results match the PyTorch path to
 // float32 rounding, not bit for bit.
 
-// ATen only (not torch/extension.h): this file needs no Python, and compiles in half the time.
+// ATen only (not torch/extension.h): this file needs no Python, and compiles much faster
+// (docs/benchmark_notes.md, "Start-up and failure detection").
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -52,10 +53,9 @@ constexpr int64_t kPrefetchRows = 16;
 // The GEMM's vector: the target's own register width. AVX-512: 16 lanes, 32 registers, so a
 // 6 x 64 block (24 accumulators + 4 vectors of B). Otherwise 8 lanes (AVX2's 256-bit
 // registers, 16 of them): a 6 x 16 block (12 + 2). A 16-lane vector there is two registers
-// that GCC keeps in memory between operations: on an AVX2 host (2 threads, one layer of
-// bench_vs_vllm's model: 16 experts, D 256, I 128) the kernel took 5.2 ms per decode step
-// (256 rows) and 130 ms per 2048-token prefill against PyTorch's 4.0 / 23; with 8-lane
-// vectors, 1.6 / 25 against PyTorch's 3.3 / 32.
+// that GCC keeps in memory between operations: on an AVX2 host (two threads, bench_vs_vllm's
+// model) that left the kernel behind PyTorch's ops, far behind on prefill; with 8-lane vectors
+// it is ahead of them on both (docs/benchmark_notes.md, "MoE layer").
 #if defined(__AVX512F__)
 typedef float vgemm __attribute__((vector_size(64)));
 constexpr int kBlockVectors = 4;
@@ -84,9 +84,9 @@ inline void gemm_block(const float* A, int64_t lda, const float* B, int64_t ldb,
   }
   const float* b = B;
   for (int64_t k = 0; k < K; ++k, b += ldb) {
-    // B is walked down a column block: ask for the piece kPrefetchRows rows ahead (10-15%
-    // faster than leaving it to the hardware prefetcher; a prefetch past the end of B is a
-    // no-op, never a fault).
+    // B is walked down a column block: ask for the piece kPrefetchRows rows ahead (faster than
+    // leaving it to the hardware prefetcher, docs/benchmark_notes.md, "MoE layer"; a prefetch
+    // past the end of B is a no-op, never a fault).
     vgemm bv[NV];
     for (int v = 0; v < NV; ++v) {
       __builtin_prefetch(b + kPrefetchRows * ldb + v * kGemmLanes);
@@ -126,9 +126,9 @@ void gemm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* 
 // Register block: 6 rows x 64 columns is 24 accumulators plus 4 vectors of B, within AVX-512's
 // 32 registers, and 4 FMAs per load of A (8 x 32 had 2). Column panel: all row blocks pass over
 // kColumnPanel columns of B before the next, so the panel (K x 128 floats, 128-256 KiB here)
-// stays in L2 instead of the whole of B streaming once per row block. Measured on this CPU
-// (one thread, 240 x 256 @ 256 x 1024 and 240 x 512 @ 512 x 256): 100-112 GFLOP/s against
-// 78-97 for 8 x 32 blocks with rows outermost; an FMA-only loop peaks at 110.
+// stays in L2 instead of the whole of B streaming once per row block. On the AVX-512 machine
+// that took GEMMs of the experts' shapes to about an FMA-only loop's peak, clearly ahead of
+// 8 x 32 blocks with rows outermost (docs/benchmark_notes.md, "MoE layer").
 constexpr int kRowBlock = 6;
 constexpr int64_t kColumnPanel = 128;
 constexpr int64_t kRowChunk = 20 * kRowBlock;

@@ -202,8 +202,9 @@ torch::Tensor paged_decode_attention(
 
 // The extension module of Lockstep's CPU compute kernels (dist_engine/kernels/compute.py builds
 // it). It lives here rather than in a file of its own: every translation unit that includes
-// torch/extension.h costs ~20 s of compile time. The shared-memory transport is a library of
-// its own (shm_exchange.cpp), so a failed kernel build never costs the transport.
+// torch/extension.h adds a long compile of its own (docs/benchmark_notes.md, "Start-up and
+// failure detection"). The shared-memory transport is a library of its own (shm_exchange.cpp),
+// so a failed kernel build never costs the transport.
 torch::Tensor routed_swiglu(const torch::Tensor& hidden, const torch::Tensor& local_slots,
                             const torch::Tensor& weights, const torch::Tensor& w13,
                             const torch::Tensor& w2);

@@ -6,8 +6,9 @@
 // by x, then by the weight); the sum of squares runs in 16 lanes, so results match torch's to
 // float32 rounding, not bit for bit.
 //
-// Why: torch's F.rms_norm on the CPU runs as five separate passes, ~60 us for a [128, 256]
-// decode batch or for the [1024, 32] per-head q norm of the same step; one pass here.
+// Why: torch's F.rms_norm on the CPU runs as five separate passes, each a walk over the tensor
+// and an op's fixed cost, even for a decode batch or the per-head q norm of the same step; one
+// pass here (docs/benchmark_notes.md, "Model forward").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
