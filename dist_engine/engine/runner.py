@@ -11,10 +11,12 @@ must join; only a step the whole group knows to be empty (``known_empty``) skips
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata, StepMetadata
-from dist_engine.engine.sampler import Sampler, SamplingState
+from dist_engine.engine.sampler import Sampler, SamplingRow
 from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
 from scheduler import SchedulerOutputs, Sequence
@@ -37,7 +39,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.sampler = Sampler()
-        self._sampling: dict[str, SamplingState] = {}
+        # Each request's resolved seed: its own, or one drawn the first time it is sampled.
+        self._seeds: dict[str, int] = {}
 
     @torch.no_grad()
     def execute(self, outputs: SchedulerOutputs) -> tuple[list[int], list[tuple[Sequence, str]]]:
@@ -105,44 +108,49 @@ class ModelRunner:
         """logits: [R, V] for `seqs` → (row, token) for every row that sampled; rows that
         could not are added to `failures`. One batched call normally; row by row only when the
         batch fails, to find the row that fails it."""
-        states: dict[int, SamplingState] = {}
+        rows: dict[int, SamplingRow] = {}
         for row, seq in enumerate(seqs):
             try:
-                states[row] = self._state(seq)
+                rows[row] = self._row(seq)
             except Exception as error:
                 failures.append((seq, f"sampling settings rejected: {error}"))
-        usable = list(states)
+        usable = list(rows)
         if not usable:
             return []
         try:
             picked = logits if len(usable) == len(seqs) else logits[usable]
-            tokens = self.sampler(picked, [states[row] for row in usable]).tolist()
+            tokens = self.sampler(picked, [rows[row] for row in usable]).token_ids.tolist()
             return list(zip(usable, tokens, strict=True))
         except Exception:
             sampled = []
             for row in usable:
                 try:
-                    token = self.sampler(logits[row : row + 1], [states[row]]).tolist()[0]
+                    output = self.sampler(logits[row : row + 1], [rows[row]])
+                    token = output.token_ids.tolist()[0]
                 except Exception as error:
                     failures.append((seqs[row], f"sampling failed: {error}"))
                     continue
                 sampled.append((row, token))
             return sampled
 
-    def _state(self, seq: Sequence) -> SamplingState:
-        state = self._sampling.get(seq.request_id)
-        if state is None:
-            params = seq.sampling_params
-            state = SamplingState(
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                seed=params.seed,
-                device=self.device,
-            )
-            self._sampling[seq.request_id] = state
-        return state
+    def _row(self, seq: Sequence) -> SamplingRow:
+        """The sampler's row for `seq`: its next output token is number num_output_tokens."""
+        params = seq.sampling_params
+        seed = self._seeds.get(seq.request_id)
+        if seed is None:
+            seed = params.seed if params.seed is not None else secrets.randbits(64)
+            self._seeds[seq.request_id] = seed
+        index = seq.num_output_tokens
+        penalised = params.uses_penalties
+        return SamplingRow(
+            params,
+            seed,
+            index,
+            prompt_token_ids=seq.prompt_token_ids if params.repetition_penalty != 1.0 else (),
+            output_token_ids=seq.output_token_ids if penalised else (),
+            stop_token_ids=seq.stop_token_ids if index < params.min_tokens else frozenset(),
+        )
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's sampling state (its generator)."""
-        self._sampling.pop(request_id, None)
+        """Drop a finished request's sampling state (its resolved seed)."""
+        self._seeds.pop(request_id, None)
