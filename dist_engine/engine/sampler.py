@@ -145,6 +145,8 @@ class Sampler:
         vocab = logits.shape[1]
         for b, row in enumerate(rows):
             _check_row(b, row, vocab)
+        if not rows:
+            return SampleOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
         logits = logits.float()
         asking = [b for b, row in enumerate(rows) if row.params.logprobs is not None]
         raw_mode = self.logprobs_mode == "raw_logprobs"
@@ -262,7 +264,7 @@ def _adjust(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     penalised = [b for b, row in enumerate(rows) if row.params.uses_penalties]
     if not (bias_ids or masked_ids or penalised):
         return logits
-    logits = logits.clone()
+    logits = logits.clone()  # edited in place below; the caller's logits stay untouched
     device = logits.device
     if bias_ids:
         where = (_long(bias_rows, device), _long(bias_ids, device))
@@ -271,57 +273,61 @@ def _adjust(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         where = (_long(masked_rows, device), _long(masked_ids, device))
         logits.index_put_(where, torch.tensor(float("-inf"), device=device))
     if penalised:
-        index = _long(penalised, device)
-        logits[index] = _penalise(logits[index], [rows[b] for b in penalised])
+        _penalise(logits, rows, penalised)
     return logits
 
 
-def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """vLLM's repetition, then frequency and presence penalties. logits: [P, V] → [P, V].
+def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]) -> None:
+    """vLLM's repetition, then frequency and presence penalties, in place. logits: [B, V].
 
-    Per-row token counts come from one scatter over all rows' output ids; repetition also marks
-    the prompt's ids.
+    Only the logits of tokens a row has seen change, so the step's (row, token) pairs are
+    counted once (torch.unique over row * V + token) and just those logits are gathered,
+    penalised and written back: the cost follows the histories, not the vocabulary.
     """
+    vocab = logits.shape[1]
     device = logits.device
-    counts = torch.zeros_like(logits)
-    _scatter_ids(counts, [row.output_token_ids for row in rows], 1.0, accumulate=True)
-    in_output = counts > 0
-    repetition = [row.params.repetition_penalty for row in rows]
-    if any(value != 1.0 for value in repetition):
-        seen = in_output.clone()
-        prompts = [
-            row.prompt_token_ids if p != 1.0 else ()
-            for row, p in zip(rows, repetition, strict=True)
-        ]
-        _scatter_ids(seen, prompts, True, accumulate=False)
-        penalty = torch.tensor(repetition, device=device).unsqueeze(1)
-        logits = torch.where(
-            seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits
+    flat = logits.view(-1)
+    output_keys, output_counts = _keys(
+        penalised, [rows[b].output_token_ids for b in penalised], vocab, device
+    ).unique(return_counts=True)
+    repeating = [b for b in penalised if rows[b].params.repetition_penalty != 1.0]
+    if repeating:
+        prompt_keys = _keys(repeating, [rows[b].prompt_token_ids for b in repeating], vocab, device)
+        keys = torch.cat([prompt_keys, output_keys]).unique()  # a row at 1.0 keeps its values
+        penalty = _per_row(rows, "repetition_penalty", device)[keys // vocab]
+        values = flat[keys]
+        flat[keys] = torch.where(values > 0, values / penalty, values * penalty)
+    owners = output_keys // vocab
+    frequency = _per_row(rows, "frequency_penalty", device)[owners]
+    presence = _per_row(rows, "presence_penalty", device)[owners]
+    flat[output_keys] = flat[output_keys] - frequency * output_counts - presence
+
+
+def _keys(
+    batch_rows: list[int], ids_per_row: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """row * vocab + token for every token of ids_per_row[i], row = batch_rows[i]. → [N] int64.
+
+    An id outside the vocabulary would land in another row's logits: it is refused instead.
+    """
+    ids = list(chain.from_iterable(ids_per_row))
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        row, bad = next(
+            (b, [t for t in row_ids if not 0 <= t < vocab])
+            for b, row_ids in zip(batch_rows, ids_per_row, strict=True)
+            if any(not 0 <= t < vocab for t in row_ids)
         )
-    frequency = [row.params.frequency_penalty for row in rows]
-    if any(frequency):
-        logits = logits - torch.tensor(frequency, device=device).unsqueeze(1) * counts
-    presence = [row.params.presence_penalty for row in rows]
-    if any(presence):
-        logits = logits - torch.tensor(presence, device=device).unsqueeze(1) * in_output
-    return logits
+        raise ValueError(
+            f"row {row}: token ids {bad[:8]} in its history are outside the vocabulary [0, {vocab})"
+        )
+    lengths = _long([len(row_ids) for row_ids in ids_per_row], device)
+    owners = _long(batch_rows, device).repeat_interleave(lengths)
+    return owners * vocab + _long(ids, device)
 
 
-def _scatter_ids(
-    target: torch.Tensor, ids_per_row: Sequence[Sequence[int]], value: float, accumulate: bool
-) -> None:
-    """Write (or add) `value` at target[p, t] for every t in ids_per_row[p]. target: [P, V]."""
-    lengths = [len(ids) for ids in ids_per_row]
-    if not any(lengths):
-        return
-    device = target.device
-    rows = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), _long(lengths, device)
-    )
-    ids = _long(list(chain.from_iterable(ids_per_row)), device)
-    target.index_put_(
-        (rows, ids), torch.tensor(value, dtype=target.dtype, device=device), accumulate
-    )
+def _per_row(rows: Sequence[SamplingRow], name: str, device: torch.device) -> torch.Tensor:
+    """One float setting of every row's params. → [B]."""
+    return torch.tensor([getattr(row.params, name) for row in rows], device=device)
 
 
 # -- random rows --------------------------------------------------------------------------------
@@ -344,7 +350,7 @@ def _filtered_probs(
     if min_p_rows:
         index = _long(min_p_rows, device)
         min_p = torch.tensor([params[r].min_p for r in min_p_rows], device=device)
-        floor[index] = (min_p * probs[index].amax(-1)).clamp_min(_TINY)
+        floor[index] = (min_p * _take(probs, min_p_rows).amax(-1)).clamp_min(_TINY)
     threshold = floor.clone()
     top_k_rows = [r for r, p in enumerate(params) if 0 < p.top_k < vocab]
     top_p_rows = [r for r, p in enumerate(params) if p.top_p < 1.0 and not 0 < p.top_k < vocab]
@@ -352,7 +358,7 @@ def _filtered_probs(
         threshold[_long(top_k_rows, device)] = _top_k_cutoffs(probs, floor, params, top_k_rows)
     if top_p_rows:
         threshold[_long(top_p_rows, device)] = _top_p_cutoffs(probs, floor, params, top_p_rows)
-    kept = probs.mul_(probs >= threshold.unsqueeze(1))
+    kept = probs.masked_fill_(probs < threshold.unsqueeze(1), 0.0)
     return scaled, kept
 
 
@@ -365,11 +371,10 @@ def _top_k_cutoffs(
     copies, so the group's size and make-up cannot change its result.
     """
     device = probs.device
-    index = _long(rows, device)
     top_k = [params[r].top_k for r in rows]
-    values = probs[index].topk(max(top_k), dim=-1).values
+    values = _take(probs, rows).topk(max(top_k), dim=-1).values
     cut, _ = _cutoff(
-        values, _long(top_k, device), floor[index], _top_p(params, rows, device), total=None
+        values, _long(top_k, device), _take(floor, rows), _top_p(params, rows, device), total=None
     )
     return cut
 
@@ -380,28 +385,38 @@ def _top_p_cutoffs(
     """Cut-offs of rows with top_p and no top_k. probs: [R, W] → [G].
 
     The nucleus is measured against the row's whole min_p-kept mass (summed by blocks, the same
-    way whatever the batch); it is looked for in the top _TOP_P_PREFIX first, and only the rows
-    whose nucleus is wider sort everything (the two give the same cut-off: the same prefix).
+    way whatever the batch). A row looks for it among its _TOP_P_PREFIX most likely tokens and
+    sorts everything only when it is wider, or surely wider (that many tokens, none above the
+    row's largest probability, cannot reach it). Both give the same cut-off: the same prefix.
     """
     device = probs.device
-    index = _long(rows, device)
-    group = probs[index]
-    group_floor = floor[index]
+    group = _take(probs, rows)
+    group_floor = _take(floor, rows)
     width = group.shape[1]
     top_p = _top_p(params, rows, device)
-    total = _block_mass(group * (group >= group_floor.unsqueeze(1))).sum(-1)
-    length = min(_TOP_P_PREFIX, width)
+    total = _block_mass(group.masked_fill(group < group_floor.unsqueeze(1), 0.0)).sum(-1)
     unbounded = torch.full((len(rows),), width, dtype=torch.int64, device=device)
-    values = group.topk(length, dim=-1).values
-    cut, num_kept = _cutoff(values, unbounded, group_floor, top_p, total)
-    if length < width:
-        wider = (num_kept == length).nonzero().flatten()
-        if wider.numel():  # one host sync, only for rows with a top_p and no top_k
-            values = group[wider].sort(dim=-1, descending=True).values
-            cut_wider, _ = _cutoff(
-                values, unbounded[wider], group_floor[wider], top_p[wider], total[wider]
-            )
-            cut[wider] = cut_wider
+    cut = torch.empty(len(rows), device=device)
+    length = min(_TOP_P_PREFIX, width)
+    # Host syncs, for these rows only: which try the prefix, and which of those must sort.
+    reachable = length * group.amax(-1).double() >= top_p * total
+    prefix = reachable.nonzero().flatten().tolist() if length < width else list(range(len(rows)))
+    to_sort = sorted(set(range(len(rows))) - set(prefix))
+    if prefix:
+        values = _take(group, prefix).topk(length, dim=-1).values
+        index = _long(prefix, device)
+        cut[index], num_kept = _cutoff(
+            values, unbounded[index], group_floor[index], top_p[index], total[index]
+        )
+        if length < width:
+            wider = [prefix[i] for i in (num_kept == length).nonzero().flatten().tolist()]
+            to_sort = sorted(to_sort + wider)
+    if to_sort:
+        values = _take(group, to_sort).sort(dim=-1, descending=True).values
+        index = _long(to_sort, device)
+        cut[index], _ = _cutoff(
+            values, unbounded[index], group_floor[index], top_p[index], total[index]
+        )
     return cut
 
 
@@ -425,7 +440,7 @@ def _cutoff(
     """
     ranks = torch.arange(values.shape[1], device=values.device)
     inside = (ranks < top_k.unsqueeze(1)) & (values >= floor.unsqueeze(1))
-    weights = values * inside
+    weights = values.masked_fill(~inside, 0.0)
     cumulative = weights.cumsum(-1, dtype=torch.float64)
     if total is None:
         total = cumulative[:, -1]
@@ -512,6 +527,13 @@ def _spread(scored: Logprobs, asking: list[int], rows: Sequence[SamplingRow]) ->
     top_ids[index] = scored.top_token_ids
     top_values[index] = scored.top_logprobs
     return Logprobs(token_logprobs, token_ranks, top_ids, top_values)
+
+
+def _take(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """tensor[rows] along dim 0 (rows ascending, distinct), without a copy when they are all."""
+    if len(rows) == tensor.shape[0]:
+        return tensor
+    return tensor[_long(rows, tensor.device)]
 
 
 def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:

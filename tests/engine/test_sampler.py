@@ -451,6 +451,13 @@ def test_a_logit_bias_id_outside_the_vocabulary_names_row_and_id() -> None:
         Sampler()(_logits(2), rows)
 
 
+def test_a_history_id_outside_the_vocabulary_is_refused_not_aliased() -> None:
+    """row * V + id would land in the next row's logits; the row is refused by name instead."""
+    rows = [_row(), _row(output=[3, VOCAB + 1], frequency_penalty=0.5), _row()]
+    with pytest.raises(ValueError, match=rf"row 1: token ids \[{VOCAB + 1}\] in its history"):
+        Sampler()(_logits(3), rows)
+
+
 def test_min_tokens_masking_the_whole_vocabulary_is_refused() -> None:
     row = _row(min_tokens=2, stops=range(VOCAB + 3))
     with pytest.raises(ValueError, match="row 0: min_tokens=2 would mask every token"):
