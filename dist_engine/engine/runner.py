@@ -16,7 +16,7 @@ import secrets
 import torch
 
 from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata, StepMetadata
-from dist_engine.engine.sampler import Sampler, SamplingRow
+from dist_engine.engine.sampler import Sampler, SamplingRow, check_row
 from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
 from scheduler import SchedulerOutputs, Sequence
@@ -111,9 +111,12 @@ class ModelRunner:
         rows: dict[int, SamplingRow] = {}
         for row, seq in enumerate(seqs):
             try:
-                rows[row] = self._row(seq)
+                sampling_row = self._row(seq)
+                check_row(sampling_row, logits.shape[1])
             except Exception as error:
                 failures.append((seq, f"sampling settings rejected: {error}"))
+                continue
+            rows[row] = sampling_row
         usable = list(rows)
         if not usable:
             return []

@@ -144,7 +144,10 @@ class Sampler:
             )
         vocab = logits.shape[1]
         for b, row in enumerate(rows):
-            _check_row(b, row, vocab)
+            try:
+                check_row(row, vocab)
+            except ValueError as error:
+                raise ValueError(f"row {b}: {error}") from None
         if not rows:
             return SampleOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
         logits = logits.float()
@@ -222,18 +225,20 @@ def prompt_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int)
 
 
 # -- validation --------------------------------------------------------------------------------
-def _check_row(b: int, row: SamplingRow, vocab: int) -> None:
+def check_row(row: SamplingRow, vocab_size: int) -> None:
+    """Refuse what only the vocabulary can rule out: a logit_bias id beyond it, or min_tokens
+    masking all of it. SamplingParams has checked everything else."""
     params = row.params
-    if params.logit_bias and max(params.logit_bias) >= vocab:
-        outside = sorted(t for t in params.logit_bias if t >= vocab)
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        outside = sorted(t for t in params.logit_bias if t >= vocab_size)
         raise ValueError(
-            f"row {b}: logit_bias token ids {outside[:8]} are outside the vocabulary [0, {vocab})"
+            f"logit_bias token ids {outside[:8]} are outside the vocabulary [0, {vocab_size})"
         )
-    masking = row.index < params.min_tokens and len(row.stop_token_ids) >= vocab
-    if masking and sum(1 for t in row.stop_token_ids if t < vocab) == vocab:
+    masking = row.index < params.min_tokens and len(row.stop_token_ids) >= vocab_size
+    if masking and sum(1 for t in row.stop_token_ids if t < vocab_size) == vocab_size:
         raise ValueError(
-            f"row {b}: min_tokens={params.min_tokens} would mask every token of the "
-            f"vocabulary of {vocab} (its stop ids cover it)"
+            f"min_tokens={params.min_tokens} would mask every token of the vocabulary of "
+            f"{vocab_size} (its stop ids cover it)"
         )
 
 
@@ -440,13 +445,15 @@ def _cutoff(
     """
     ranks = torch.arange(values.shape[1], device=values.device)
     inside = (ranks < top_k.unsqueeze(1)) & (values >= floor.unsqueeze(1))
-    weights = values.masked_fill(~inside, 0.0)
-    cumulative = weights.cumsum(-1, dtype=torch.float64)
+    num_inside = inside.sum(-1)  # top_k and min_p keep a prefix: its length
+    # Prefix sums in float32, as vLLM's top_p; the draw itself sums in float64.
+    cumulative = torch.where(inside, values, 0.0).cumsum(-1)
     if total is None:
         total = cumulative[:, -1]
-    before = F.pad(cumulative[:, :-1], (1, 0))
-    nucleus = (before < (top_p * total).unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
-    num_kept = (inside & nucleus).sum(-1)
+    # Token j is kept while cumulative[j - 1] < top_p * total: 1 + how many prefix sums are.
+    # (Counted, not binary-searched: a parallel scan need not be exactly monotone.)
+    num_nucleus = (cumulative < (top_p * total).unsqueeze(1)).sum(-1) + 1
+    num_kept = torch.where(top_p >= 1.0, num_inside, torch.minimum(num_nucleus, num_inside))
     return values.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1), num_kept
 
 

@@ -20,7 +20,13 @@ from transformers.generation.logits_process import (
 )
 
 import dist_engine.engine.sampler as sampler_module
-from dist_engine.engine.sampler import Sampler, SamplingRow, draw_uniform, prompt_logprobs
+from dist_engine.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    check_row,
+    draw_uniform,
+    prompt_logprobs,
+)
 from scheduler import SamplingParams
 
 VOCAB = 50
@@ -445,10 +451,12 @@ def test_top_k_rows_use_topk_and_never_sort(monkeypatch) -> None:
 # -- errors ----------------------------------------------------------------------------------------
 def test_a_logit_bias_id_outside_the_vocabulary_names_row_and_id() -> None:
     rows = [_row(), _row(logit_bias={3: 1.0, VOCAB + 5: 2.0})]
-    with pytest.raises(
-        ValueError, match=rf"row 1: logit_bias token ids \[{VOCAB + 5}\] .*\[0, 50\)"
-    ):
+    outside = rf"logit_bias token ids \[{VOCAB + 5}\] are outside the vocabulary \[0, 50\)"
+    with pytest.raises(ValueError, match=rf"row 1: {outside}"):
         Sampler()(_logits(2), rows)
+    with pytest.raises(ValueError, match=rf"^{outside}"):
+        check_row(rows[1], VOCAB)  # what the runner asks of each row before the batch
+    check_row(rows[1], VOCAB + 6)
 
 
 def test_a_history_id_outside_the_vocabulary_is_refused_not_aliased() -> None:
