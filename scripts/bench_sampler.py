@@ -8,7 +8,7 @@ made once as its runner kept them; the new sampler's time includes building its 
 runner does every step. Rounds interleave the two; each cell is the median and range over rounds.
 Prints a table and writes JSON with the processor's flags and the load average.
 
-    .venv/bin/python scripts/bench_sampler.py [--rounds 5] [--out bench_results/sampler.json]
+    .venv/bin/python scripts/bench_sampler.py [--rounds 5] [--threads N] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -161,8 +161,13 @@ def main() -> None:
     parser.add_argument("--vocabs", type=int, nargs="+", default=[32000, 152064])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--baseline-rev", default=BASELINE_REV)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     parser.add_argument("--out", default="bench_results/sampler.json")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     baseline = load_baseline(args.baseline_rev)
     load_before = os.getloadavg()
     cells = []
