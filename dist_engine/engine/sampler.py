@@ -12,11 +12,11 @@ and draw one token by inverse CDF. Ties at a cut-off are all kept.
 Reproducibility: a row's only randomness is one uniform number, a pure function of (its seed, the
 index of the output token being drawn): the seed's SplitMix64 stream read at that index. Every
 float a decision rests on comes from a row-wise kernel (softmax, log_softmax), is an exact copy
-(topk and sort values) or a sequential prefix sum over the row's own values, never a reduction
-whose order depends on the batch. So a seeded row draws the same token whatever shares its batch,
-on whichever rank and step it runs, and again after a resumption that recomputes its prompt and
-committed output (same seed, same index, same logits). tests/engine/test_sampler.py checks this
-bit for bit on CPU.
+(topk and sort values), or is a prefix sum or a fixed block's sum of the row's own values; never
+a reduction whose order depends on the batch. So a seeded row draws the same token whatever
+shares its batch, on whichever rank and step it runs, and again after a resumption that recomputes
+its prompt and committed output (same seed, same index, same logits). tests/engine/test_sampler.py
+checks this bit for bit on CPU.
 
 Logprobs follow vLLM's ``logprobs_mode``: ``raw_logprobs`` (vLLM's default) are the log-softmax of
 the model's logits before any penalty, bias, temperature or filter; ``processed_logprobs`` are
@@ -404,8 +404,8 @@ def _top_p_cutoffs(
     cut = torch.empty(len(rows), device=device)
     length = min(_TOP_P_PREFIX, width)
     # Host syncs, for these rows only: which try the prefix, and which of those must sort.
-    reachable = length * group.amax(-1).double() >= top_p * total
-    prefix = reachable.nonzero().flatten().tolist() if length < width else list(range(len(rows)))
+    may_fit = length * group.amax(-1).double() >= top_p * total
+    prefix = may_fit.nonzero().flatten().tolist() if length < width else list(range(len(rows)))
     to_sort = sorted(set(range(len(rows))) - set(prefix))
     if prefix:
         values = _take(group, prefix).topk(length, dim=-1).values

@@ -5,6 +5,7 @@ logprobs, prompt logprobs and the errors a row can cause."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -84,19 +85,12 @@ def test_degenerate_random_settings_are_greedy(settings: dict) -> None:
 def _adjusted(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """A greedy row's logits after bias, min_tokens and penalties, read back as their log-softmax
     (its processed logprobs over the whole vocabulary). logits: [1, V] → [V]."""
-    params = SamplingParams(**{**_fields(row.params), "logprobs": -1})
-    asked = SamplingRow(
-        params, row.seed, row.index, row.prompt_token_ids, row.output_token_ids, row.stop_token_ids
-    )
+    asked = replace(row, params=replace(row.params, logprobs=-1))
     out = Sampler("processed_logprobs")(logits, [asked]).logprobs
     assert out is not None
     dense = torch.empty(logits.shape[1])
     dense[out.top_token_ids[0]] = out.top_logprobs[0]
     return dense
-
-
-def _fields(params: SamplingParams) -> dict:
-    return {name: getattr(params, name) for name in params.__dataclass_fields__}
 
 
 def test_repetition_penalty_matches_transformers() -> None:
