@@ -68,6 +68,13 @@ def test_greedy_is_argmax_and_ignores_the_seed() -> None:
     assert torch.equal(Sampler()(logits, rows).token_ids, logits.argmax(-1))
 
 
+def test_greedy_rows_among_random_ones_stay_argmax() -> None:
+    logits = _logits(6, seed=17)
+    rows = [_row(seed=1), _row(seed=2, temperature=1.5), _row(seed=3, temperature=1.0, top_p=0.3)]
+    tokens = Sampler()(logits, rows * 2).token_ids
+    assert tokens[0] == logits[0].argmax() and tokens[3] == logits[3].argmax()
+
+
 @pytest.mark.parametrize(
     "settings",
     [{"top_k": 1}, {"top_p": 1e-6}, {"temperature": 1e-4}, {"min_p": 1.0}],
