@@ -47,7 +47,9 @@ class KvManager:
         total = self.num_blocks_for(len(seq.token_ids))
         cached: list[int] = []
         hashes: list[int] = []
-        if self.prefix_cache is not None:
+        # A request that wants its prompt's logprobs computes every prompt token: a cached
+        # prefix would have none to score.
+        if self.prefix_cache is not None and seq.sampling_params.prompt_logprobs is None:
             cached, hashes = self.prefix_cache.match(seq.token_ids)
         num_new = total - len(cached)
         if total > self.blocks.num_usable:

@@ -1,27 +1,51 @@
-"""Per-request generation settings, validated at construction."""
+"""Per-request generation settings, validated at construction.
+
+Field names, meanings and defaults follow vLLM's ``SamplingParams`` except where this file says
+otherwise (``temperature`` defaults to 0, greedy; ``top_k`` takes 0, not -1, for "off"). This is
+the only place sampling settings are validated: every value a tensor op could later reject is
+refused here, with a message naming the field, the value and what is allowed.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-# Seeds go to torch.Generator.manual_seed, which takes an unsigned 64-bit value; anything
-# outside would raise inside a step, on the rank that serves the request.
+# Seeds are hashed as unsigned 64-bit integers (the sampler's counter-based draws).
 MAX_SEED = 2**64 - 1
 # Temperatures below this sample greedily: dividing logits by ~1e-38 overflows to inf and the
 # softmax of infs is NaN (vLLM uses the same cut-off).
 GREEDY_TEMPERATURE = 1e-5
 # Token ids are int64 on every path (and a vocabulary is far smaller).
 MAX_TOKEN_ID = 2**63 - 1
+# vLLM's (and OpenAI's) range for the additive penalties.
+MAX_ABS_PENALTY = 2.0
+# OpenAI's range for a logit bias; vLLM clamps to it, here a value outside is refused.
+MAX_ABS_LOGIT_BIAS = 100.0
+# vLLM only asks repetition_penalty > 0. Useful values lie near 1 to 2; these bounds keep a
+# penalised logit finite in float32 even after the smallest temperature divides it.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request is decoded.
 
-    ``temperature == 0`` (or below ``GREEDY_TEMPERATURE``) means greedy. ``top_k == 0`` and
-    ``top_p == 1.0`` disable those filters. ``seed`` (0 to 2**64 - 1) makes sampling
-    reproducible per request, whatever else shares its batch.
+    ``temperature == 0`` (or below ``GREEDY_TEMPERATURE``) means greedy. ``top_k == 0``,
+    ``top_p == 1.0`` and ``min_p == 0`` disable those filters. ``seed`` (0 to 2**64 - 1) makes
+    sampling reproducible per request, whatever else shares its batch and on whichever rank it
+    runs, also after a resumption.
+
+    Penalties (vLLM's): ``presence_penalty`` subtracts itself from the logit of every token already
+    in the output, ``frequency_penalty`` subtracts itself once per occurrence there (both in
+    [-2, 2], 0 disables); ``repetition_penalty`` divides a positive logit and multiplies a
+    negative one of every token seen in the prompt or the output (1 disables). ``min_tokens``
+    masks the stop ids and EOS until that many tokens are out. ``logit_bias`` maps token ids to a
+    bias added to their logits (ids are checked against the vocabulary by the sampler, which
+    knows it). ``logprobs``: None, or how many top log-probabilities to return per output token
+    besides the sampled token's (0: that one only; -1: the whole vocabulary);
+    ``prompt_logprobs`` the same per prompt token.
 
     Everything a tensor op could later reject is checked here, at the door: a request must never
     fail inside a step, where it would cost every other request of the group.
@@ -34,9 +58,20 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    # vLLM's further fields, after the existing ones so positional use keeps its meaning.
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # A private copy, so nobody can change it after validation; left out of the hash (a dict
+    # has none) but compared.
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+        if not _is_int(self.max_tokens):
             raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
@@ -44,37 +79,86 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int)
-            or isinstance(self.seed, bool)
-            or not 0 <= self.seed <= MAX_SEED
-        ):
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be an int in [0, 2**64 - 1] or None, got {self.seed!r}")
-        stop = self.stop_token_ids
-        if isinstance(stop, (str, bytes)) or not hasattr(stop, "__iter__"):
-            raise ValueError(f"stop_token_ids must be a collection of ints, got {stop!r}")
-        stop = frozenset(stop)
-        bad = [
-            t
-            for t in stop
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TOKEN_ID
-        ]
-        if bad:
-            raise ValueError(f"stop_token_ids must be ints >= 0, got {sorted(map(repr, bad))}")
-        object.__setattr__(self, "stop_token_ids", stop)
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {value!r}")
+        penalty = self.repetition_penalty
+        if not _is_real(penalty) or not (
+            MIN_REPETITION_PENALTY <= penalty <= MAX_REPETITION_PENALTY
+        ):
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, "
+                f"{MAX_REPETITION_PENALTY:g}] (1 disables it), got {penalty!r}"
+            )
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise ValueError(
+                    f"{name} must be None, an int >= 0 or -1 (the whole vocabulary), got {value!r}"
+                )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the output token ids (and, for repetition_penalty, the prompt's) matter."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _token_ids(ids: object) -> frozenset[int]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"stop_token_ids must be a collection of ints, got {ids!r}")
+    result = frozenset(ids)
+    bad = [t for t in result if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID]
+    if bad:
+        raise ValueError(f"stop_token_ids must be ints >= 0, got {sorted(map(repr, bad))}")
+    return result
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    for token, value in bias.items():
+        if not _is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if not _is_real(value) or not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias values must be in [-100, 100], got {value!r} for token {token}"
+            )
+    return {token: float(value) for token, value in bias.items()}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 def _is_real(value: object) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond float's range
+        return False

@@ -157,7 +157,6 @@ class DPEngine:
         self.step_counters = StepCounters()  # outlives the trace's limit; read by stats()
         self._inbox: collections.deque[InboxMessage] = collections.deque()
         self._inbox_lock = threading.Lock()
-        self._device = device or "cpu"
         self._requests: dict[str, Request] = {}  # every request this rank holds, by id
         # Seeds for requests without one: drawn in arrival order, so a rerun samples alike.
         self._seeds = (
@@ -386,7 +385,7 @@ class DPEngine:
             return
         seed = self._seeds.getrandbits(63) if self._seeds is not None else None
         try:
-            request = Request.admit(seq, stream, self._device, seed)
+            request = Request.admit(seq, stream, seed)
         except ValueError as error:
             self._reject(seq, f"sampling settings rejected: {error}")
             return

@@ -19,6 +19,17 @@ class ErrorKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability, its rank among the vocabulary (1: the most likely) and the
+    most likely tokens at its position, most likely first (as many as the request asked)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
@@ -35,6 +46,10 @@ class RequestOutput:
     # exceeded, the pool it could not fit); None otherwise.
     detail: str | None = None
     error_kind: ErrorKind | None = None  # set exactly when finish_reason is "error: ..."
+    # With SamplingParams.logprobs: one entry per token of new_token_ids. With prompt_logprobs:
+    # one per prompt token (the first None: nothing predicts it), in the first output only.
+    new_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -1,25 +1,24 @@
 """One request on a rank, from intake to its one terminal output: the record the engine, the
 runner and the sampler share.
 
-    intake (engine) -> Request.admit -> scheduler (record.seq) -> runner reads record.sampling
-    -> scheduler commits tokens into record.seq -> engine emits deltas (record.num_streamed)
-    -> one terminal output -> the record is dropped
+    intake (engine) -> Request.admit -> scheduler (record.seq) -> runner draws with
+    record.seed, keeps logprobs in the record -> scheduler commits tokens into record.seq
+    -> engine emits deltas (record.num_streamed) -> one terminal output -> record dropped
 
 Everything a rank knows about a request lives here and nowhere else: the scheduler's
-`Sequence` (prompt and committed output tokens, and its KV and schedule ledgers), the sampling
-state (settings and the seed its random stream is keyed by), whether and how far it has been
-streamed, and, if it ended with an error, what kind of error. `resumable()` is what another
-rank would need to continue it.
+`Sequence` (prompt and committed output tokens, its sampling settings, its KV and schedule
+ledgers), the seed its random stream is keyed by (draw i is a function of the seed and i
+alone, so a request resumed from its committed tokens draws on as it would have), whether and
+how far it has been streamed, the logprobs it asked for, and, if it ended with an error, what
+kind of error. `resumable()` is what another rank would need to continue it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field, replace
 
-import torch
-
-from dist_engine.engine.outputs import ErrorKind, RequestOutput
-from dist_engine.engine.sampler import SamplingState
+from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
 from scheduler import SamplingParams, Sequence
 
 
@@ -41,34 +40,32 @@ class ResumableRequest:
 @dataclass(eq=False)
 class Request:
     seq: Sequence
-    sampling: SamplingState
+    seed: int  # keys the request's random stream: draw i is a function of (seed, i) alone
     stream: bool  # report new tokens as they come, not only the terminal result
     num_streamed: int = 0  # output tokens already reported
     error_kind: ErrorKind | None = None  # set when the engine ends it with an error
+    # With SamplingParams.logprobs: one entry per output token drawn so far (the runner's).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, filled chunk by chunk
+    # (the first stays None: nothing predicts it); reported once, with the first output.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @classmethod
-    def admit(
-        cls,
-        seq: Sequence,
-        stream: bool,
-        device: torch.device | str = "cpu",
-        seed: int | None = None,
-    ) -> Request:
-        """The record of a new request; raises ValueError if its sampling settings cannot be
-        honoured here (the engine then answers it at once, with nothing scheduled).
-
-        ``seed``: the seed of a request that gives none (the engine draws it from its own
-        seed); the request's own `SamplingParams.seed` wins. With neither, a random one. It is
-        fixed here, once, so the request's random stream is known from its record alone."""
+    def admit(cls, seq: Sequence, stream: bool, seed: int | None = None) -> Request:
+        """The record of a new request. ``seed``: the seed of a request that gives none (the
+        engine draws it from its own seed); the request's own `SamplingParams.seed` wins;
+        with neither, a random one. It is fixed here, once, so the request's random stream is
+        known from its record alone."""
         params = seq.sampling_params
-        sampling = SamplingState(
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            seed=params.seed if params.seed is not None else seed,
-            device=device,
-        )
-        return cls(seq, sampling, stream)
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None:
+            seed = secrets.randbits(64)
+        request = cls(seq, seed, stream)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * seq.num_prompt_tokens
+        return request
 
     @property
     def request_id(self) -> str:
@@ -79,24 +76,35 @@ class Request:
         seq = self.seq
         if not self.stream or seq.is_finished or seq.num_output_tokens <= self.num_streamed:
             return None
-        output = RequestOutput.of(seq, dp_rank, self.num_streamed)
+        output = self._with_logprobs(RequestOutput.of(seq, dp_rank, self.num_streamed))
         self.num_streamed = seq.num_output_tokens
         return output
 
     def terminal(self, dp_rank: int) -> RequestOutput:
         """The one terminal output, with whatever was not streamed yet."""
         assert self.seq.is_finished, self.seq
-        return RequestOutput.of(self.seq, dp_rank, self.num_streamed, self.error_kind)
+        output = RequestOutput.of(self.seq, dp_rank, self.num_streamed, self.error_kind)
+        return self._with_logprobs(output)
+
+    def _with_logprobs(self, output: RequestOutput) -> RequestOutput:
+        params = self.seq.sampling_params
+        changes: dict = {}
+        if params.logprobs is not None:
+            end = self.num_streamed + len(output.new_token_ids)
+            changes["new_logprobs"] = self.logprobs[self.num_streamed : end]
+        if params.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            changes["prompt_logprobs"] = list(self.prompt_logprobs)
+            self.prompt_logprobs_sent = True
+        return replace(output, **changes) if changes else output
 
     def resumable(self) -> ResumableRequest:
         seq = self.seq
-        assert self.sampling.seed is not None  # SamplingState draws one when none is given
         return ResumableRequest(
             request_id=seq.request_id,
             prompt_token_ids=list(seq.prompt_token_ids),
             output_token_ids=list(seq.output_token_ids),
             params=seq.sampling_params,
-            seed=self.sampling.seed,
+            seed=self.seed,
             stream=self.stream,
             num_streamed=self.num_streamed,
         )

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata, StepMetadata
-from dist_engine.engine.sampler import Sampler, SamplingState
+from dist_engine.engine.outputs import TokenLogprob
+from dist_engine.engine.sampler import Logprobs, Sampler, SamplingRow, check_row, prompt_logprobs
 from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
 from scheduler import SchedulerOutputs, Sequence, StepKind
@@ -88,11 +89,13 @@ class ModelRunner:
         ]
         tokens = [NO_TOKEN] * len(seqs)
         failures: list[tuple[Sequence, str]] = []
+        if outputs.is_prefill:
+            self._score_prompts(outputs, hidden, attn, cached, requests)
         if rows:
             last_token_rows = attn.query_start_loc[1:][rows] - 1
             logits = self.model.compute_logits(hidden[last_token_rows])
-            states = [requests[seqs[b].request_id].sampling for b in rows]
-            for b, token in self._sample(logits, states, [seqs[b] for b in rows], failures):
+            picked = [seqs[b] for b in rows]
+            for b, token in self._sample(logits, picked, requests, failures):
                 tokens[rows[b]] = token
         return tokens, failures
 
@@ -121,23 +124,141 @@ class ModelRunner:
     def _sample(
         self,
         logits: torch.Tensor,
-        states: list[SamplingState],
         seqs: list[Sequence],
+        requests: Mapping[str, Request],
         failures: list[tuple[Sequence, str]],
     ) -> list[tuple[int, int]]:
-        """logits: [R, V] for `seqs` (sampled by `states`) → (row, token) for every row that
-        sampled; rows that could not are added to `failures`. One batched call normally; row by
-        row only when the batch fails, to find the row that fails it."""
+        """logits: [R, V] for `seqs` → (row, token) for every row that sampled; rows that
+        could not are added to `failures`. One batched call normally; row by row only when the
+        batch fails, to find the row that fails it. A row whose request asked for logprobs
+        gets the sampled token's in its record."""
+        rows: dict[int, SamplingRow] = {}
+        for row, seq in enumerate(seqs):
+            try:
+                sampling_row = _sampling_row(seq, requests[seq.request_id])
+                check_row(sampling_row, logits.shape[1])
+            except Exception as error:
+                failures.append((seq, f"sampling settings rejected: {error}"))
+                continue
+            rows[row] = sampling_row
+        usable = list(rows)
+        if not usable:
+            return []
         try:
-            tokens = self.sampler(logits, states).tolist()
-            return list(enumerate(tokens))
+            picked = logits if len(usable) == len(seqs) else logits[usable]
+            output = self.sampler(picked, [rows[row] for row in usable])
+            sampled = list(zip(usable, output.token_ids.tolist(), strict=True))
+            if output.logprobs is not None:
+                for position, (row, token) in enumerate(sampled):
+                    request = requests[seqs[row].request_id]
+                    _keep_logprob(request, rows[row], output.logprobs, position, token)
+            return sampled
         except Exception:
             sampled = []
-            for row, state in enumerate(states):
+            for row in usable:
                 try:
-                    token = self.sampler(logits[row : row + 1], [state]).tolist()[0]
+                    output = self.sampler(logits[row : row + 1], [rows[row]])
+                    token = output.token_ids.tolist()[0]
                 except Exception as error:
                     failures.append((seqs[row], f"sampling failed: {error}"))
                     continue
+                if output.logprobs is not None:
+                    request = requests[seqs[row].request_id]
+                    _keep_logprob(request, rows[row], output.logprobs, 0, token)
                 sampled.append((row, token))
             return sampled
+
+    def _score_prompts(
+        self,
+        outputs: SchedulerOutputs,
+        hidden: torch.Tensor,
+        attn: StepMetadata,
+        cached: list[int],
+        requests: Mapping[str, Request],
+    ) -> None:
+        """Prompt logprobs (vLLM's `prompt_logprobs`, and completions' echo with logprobs):
+        each prompt chunk of a request that asks scores the prompt tokens its positions
+        predict, into the request's record. hidden: [T, D] for the step's flat batch."""
+        seqs = outputs.scheduled_seqs
+        starts = (
+            attn.query_start_loc.tolist()
+            if any(seq.sampling_params.prompt_logprobs is not None for seq in seqs)
+            else None
+        )
+        if starts is None:
+            return
+        for b, seq in enumerate(seqs[: len(seqs) - outputs.num_decode_seqs]):
+            count = seq.sampling_params.prompt_logprobs
+            request = requests.get(seq.request_id)
+            if count is None or request is None:
+                continue
+            first = cached[b]  # position of the chunk's first token
+            # Position p predicts token p + 1; only prompt tokens are scored (a recomputed
+            # output, after a preemption, is not the prompt).
+            end = min(first + outputs.seqlens_q[b], seq.num_prompt_tokens - 1)
+            if end <= first:
+                continue
+            rows = hidden[starts[b] : starts[b] + end - first]
+            targets = torch.tensor(seq.token_ids[first + 1 : end + 1], device=self.device)
+            scored = prompt_logprobs(self.model.compute_logits(rows), targets, count)
+            entries = _entries(scored, targets.tolist())
+            record = request.prompt_logprobs
+            for offset, entry in enumerate(entries):
+                record[first + 1 + offset] = entry
+
+
+def _sampling_row(seq: Sequence, request: Request) -> SamplingRow:
+    """The sampler's row for `seq`: its next output token is number num_output_tokens, drawn
+    from the random stream its record's seed keys."""
+    params = seq.sampling_params
+    index = seq.num_output_tokens
+    penalised = params.uses_penalties
+    return SamplingRow(
+        params,
+        request.seed,
+        index,
+        prompt_token_ids=seq.prompt_token_ids if params.repetition_penalty != 1.0 else (),
+        output_token_ids=seq.output_token_ids if penalised else (),
+        stop_token_ids=seq.stop_token_ids if index < params.min_tokens else frozenset(),
+    )
+
+
+def _keep_logprob(
+    request: Request, row: SamplingRow, scored: Logprobs, position: int, token: int
+) -> None:
+    """The logprob of ``token``, drawn for output ``row.index``, into the record (a token
+    drawn again at that index, after a preemption, replaces it)."""
+    if row.params.logprobs is None:
+        return
+    at = slice(position, position + 1)
+    one = Logprobs(
+        scored.token_logprobs[at],
+        scored.token_ranks[at],
+        scored.top_token_ids[at],
+        scored.top_logprobs[at],
+    )
+    (entry,) = _entries(one, [token])
+    del request.logprobs[row.index :]
+    request.logprobs.append(entry)
+
+
+def _entries(scored: Logprobs, token_ids: list[int]) -> list[TokenLogprob]:
+    """Plain entries of scored positions, ``token_ids`` the token each position scored (the
+    sampler leaves -1 in the top ids past what a row asked for)."""
+    values = scored.token_logprobs.tolist()
+    ranks = scored.token_ranks.tolist()
+    top_ids = scored.top_token_ids.tolist()
+    top_values = scored.top_logprobs.tolist()
+    return [
+        TokenLogprob(
+            token_ids[index],
+            float(values[index]),
+            int(ranks[index]),
+            tuple(
+                (top, logprob)
+                for top, logprob in zip(top_ids[index], top_values[index], strict=True)
+                if top >= 0
+            ),
+        )
+        for index in range(len(values))
+    ]

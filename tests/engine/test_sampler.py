@@ -1,105 +1,493 @@
-"""Sampler: greedy and its degenerate cases, seeded reproducibility, distribution sanity."""
+"""Sampler: each setting against an independent reference (plain loops, transformers' logits
+processors), the drawn distribution against the filtered softmax, batch invariance, resumption,
+logprobs, prompt logprobs and the errors a row can cause."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from dist_engine.engine.sampler import Sampler, SamplingState
+import dist_engine.engine.sampler as sampler_module
+from dist_engine.engine.sampler import (
+    Sampler,
+    SamplingRow,
+    check_row,
+    draw_uniform,
+    prompt_logprobs,
+)
+from scheduler import SamplingParams
 
 VOCAB = 50
 
 
-def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+def _logits(num_rows: int, seed: int = 0, vocab: int = VOCAB, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def test_greedy_is_argmax() -> None:
+def _row(seed: int = 0, index: int = 0, **settings) -> SamplingRow:
+    history = {k: settings.pop(k) for k in ("prompt", "output", "stops") if k in settings}
+    return SamplingRow(
+        SamplingParams(**settings),
+        seed,
+        index,
+        prompt_token_ids=history.get("prompt", ()),
+        output_token_ids=history.get("output", ()),
+        stop_token_ids=frozenset(history.get("stops", ())),
+    )
+
+
+def _hf_filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """transformers' warpers in vLLM's order: temperature, min_p, top_k, top_p. [1, V] → [1, V]."""
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
+    if params.min_p > 0:
+        warpers.append(MinPLogitsWarper(params.min_p))
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers(torch.zeros(1, 1, dtype=torch.long), logits.clone())
+
+
+# -- greedy ----------------------------------------------------------------------------------------
+def test_greedy_is_argmax_and_ignores_the_seed() -> None:
     logits = _logits(6)
-    states = [SamplingState(temperature=0.0) for _ in range(6)]
-    assert torch.equal(Sampler()(logits, states), logits.argmax(-1))
+    rows = [_row(seed=s, index=s) for s in range(6)]
+    assert torch.equal(Sampler()(logits, rows).token_ids, logits.argmax(-1))
+
+
+def test_greedy_rows_among_random_ones_stay_argmax() -> None:
+    logits = _logits(6, seed=17)
+    rows = [_row(seed=1), _row(seed=2, temperature=1.5), _row(seed=3, temperature=1.0, top_p=0.3)]
+    tokens = Sampler()(logits, rows * 2).token_ids
+    assert tokens[0] == logits[0].argmax() and tokens[3] == logits[3].argmax()
 
 
 @pytest.mark.parametrize(
-    "state_kwargs",
-    [{"top_k": 1}, {"top_p": 1e-6}, {"temperature": 1e-4}],
-    ids=["top_k=1", "tiny top_p", "tiny temperature"],
+    "settings",
+    [{"top_k": 1}, {"top_p": 1e-6}, {"temperature": 1e-4}, {"min_p": 1.0}],
+    ids=["top_k=1", "tiny top_p", "tiny temperature", "min_p=1"],
 )
-def test_degenerate_random_settings_are_greedy(state_kwargs: dict) -> None:
+def test_degenerate_random_settings_are_greedy(settings: dict) -> None:
     logits = _logits(8, seed=1)
-    sampler = Sampler()
+    settings = {"temperature": 1.0, **settings}
     for step in range(5):
-        states = [SamplingState(seed=step * 8 + row, **state_kwargs) for row in range(8)]
-        assert torch.equal(sampler(logits, states), logits.argmax(-1))
+        rows = [_row(seed=step * 8 + r, index=step, **settings) for r in range(8)]
+        assert torch.equal(Sampler()(logits, rows).token_ids, logits.argmax(-1))
 
 
-def _sample_sequence(seed: int, other_rows: int, num_steps: int, batch_seed: int) -> list[int]:
-    """Sample `num_steps` tokens for one seeded request placed among `other_rows` others."""
-    sampler = Sampler()
-    target = SamplingState(temperature=0.9, top_k=20, top_p=0.95, seed=seed)
-    others = [SamplingState(temperature=1.3, seed=100 + i) for i in range(other_rows)]
-    tokens = []
-    for step in range(num_steps):
-        logits = _logits(other_rows + 1, seed=batch_seed + step)
-        # The target's own logits are the same in both runs; its row position differs.
-        logits[other_rows // 2] = _logits(1, seed=1000 + step)[0]
-        states = [*others[: other_rows // 2], target, *others[other_rows // 2 :]]
-        tokens.append(int(sampler(logits, states)[other_rows // 2]))
-    return tokens
+# -- adjustments against references (processed logprobs of greedy rows show the adjusted logits) ---
+def _adjusted(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """A greedy row's logits after bias, min_tokens and penalties, read back as their log-softmax
+    (its processed logprobs over the whole vocabulary). logits: [1, V] → [V]."""
+    asked = replace(row, params=replace(row.params, logprobs=-1))
+    out = Sampler("processed_logprobs")(logits, [asked]).logprobs
+    assert out is not None
+    dense = torch.empty(logits.shape[1])
+    dense[out.top_token_ids[0]] = out.top_logprobs[0]
+    return dense
 
 
-def test_same_seed_same_tokens_regardless_of_batch() -> None:
-    alone = _sample_sequence(seed=42, other_rows=0, num_steps=30, batch_seed=0)
-    crowded = _sample_sequence(seed=42, other_rows=7, num_steps=30, batch_seed=555)
-    assert alone == crowded
-    other_seed = _sample_sequence(seed=43, other_rows=0, num_steps=30, batch_seed=0)
-    assert other_seed != alone  # the seed matters (30 draws from a spread distribution)
+def test_repetition_penalty_matches_transformers() -> None:
+    logits = _logits(1, seed=2)
+    prompt, output = [1, 4, 4, 9, 30], [9, 12, 12, 49]
+    row = _row(prompt=prompt, output=output, repetition_penalty=1.7)
+    history = torch.tensor([prompt + output])
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(history, logits.clone())
+    torch.testing.assert_close(_adjusted(logits, row), expected[0].log_softmax(-1))
 
 
-def test_sampled_frequencies_follow_softmax() -> None:
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -9.0]])
-    num_draws = 4000
-    state = SamplingState(temperature=1.0, seed=7)
-    sampler = Sampler()
-    rows = logits.expand(num_draws, -1)
-    # Many rows sharing one state draw from its generator in turn, like consecutive steps.
-    counts = torch.bincount(sampler(rows, [state] * num_draws), minlength=6).float()
-    expected = logits[0].softmax(-1)
-    # Binomial std of a frequency is <= 0.5 / sqrt(4000) ~ 0.008; allow ~4 sigma.
-    torch.testing.assert_close(counts / num_draws, expected, atol=0.03, rtol=0)
+def test_frequency_and_presence_penalties_match_a_loop() -> None:
+    logits = _logits(1, seed=3)
+    output = [5, 5, 5, 8, 13, 13]
+    row = _row(prompt=[8, 20], output=output, frequency_penalty=0.4, presence_penalty=-1.1)
+    expected = logits[0].clone()
+    for token in range(VOCAB):
+        count = output.count(token)  # the prompt does not count for these two
+        expected[token] -= 0.4 * count + (-1.1 if count else 0.0)
+    torch.testing.assert_close(_adjusted(logits, row), expected.log_softmax(-1))
 
 
-def test_top_k_and_top_p_restrict_support() -> None:
-    logits = torch.tensor([[3.0, 2.9, 2.8, 0.0, -1.0]]).expand(500, -1)
-    sampler = Sampler()
-    top_k = sampler(logits, [SamplingState(top_k=2, seed=1)] * 500)
-    assert set(top_k.tolist()) == {0, 1}
-    # Probabilities ~[0.33, 0.30, 0.27, 0.02, 0.006]: top_p 0.5 keeps the first two only.
-    top_p = sampler(logits, [SamplingState(top_p=0.5, seed=2)] * 500)
-    assert set(top_p.tolist()) == {0, 1}
+def test_all_penalties_apply_in_vllms_order() -> None:
+    """Repetition first (on the biased logits), then frequency, then presence."""
+    logits = _logits(1, seed=4)
+    prompt, output = [2, 3], [3, 3, 7]
+    row = _row(
+        prompt=prompt,
+        output=output,
+        repetition_penalty=0.6,
+        frequency_penalty=0.3,
+        presence_penalty=0.9,
+        logit_bias={2: -4.0, 7: 2.5, 11: 1.0},
+    )
+    expected = logits[0].clone().tolist()
+    for token, bias in {2: -4.0, 7: 2.5, 11: 1.0}.items():
+        expected[token] += bias
+    for token in range(VOCAB):
+        if token in prompt or token in output:
+            value = expected[token]
+            expected[token] = value / 0.6 if value > 0 else value * 0.6
+        count = output.count(token)
+        expected[token] -= 0.3 * count + (0.9 if count else 0.0)
+    torch.testing.assert_close(_adjusted(logits, row), torch.tensor(expected).log_softmax(-1))
 
 
-def test_greedy_and_random_rows_mix() -> None:
-    logits = _logits(4, seed=3)
-    states = [SamplingState(temperature=0.0), SamplingState(seed=1)] * 2
-    tokens = Sampler()(logits, states)
-    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+def test_logit_bias_matches_transformers_sequence_bias() -> None:
+    logits = _logits(1, seed=5)
+    bias = {0: 7.5, 17: -100.0, 49: 0.25}
+    expected = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(
+        torch.tensor([[3]]), logits.clone()
+    )
+    torch.testing.assert_close(
+        _adjusted(logits, _row(logit_bias=bias)), expected[0].log_softmax(-1)
+    )
+    # A bias is strong enough to decide a greedy row.
+    assert Sampler()(logits, [_row(logit_bias={23: 100.0})]).token_ids.item() == 23
+
+
+def test_min_tokens_masks_stop_ids_like_transformers() -> None:
+    logits = _logits(1, seed=6)
+    stops = [4, 31]
+    for index in range(4):
+        row = _row(index=index, stops=stops, min_tokens=3, max_tokens=8)
+        # transformers counts new tokens from the input length: index tokens past the prompt.
+        reference = MinNewTokensLengthLogitsProcessor(1, 3, stops)(
+            torch.zeros(1, 1 + index, dtype=torch.long), logits.clone()
+        )
+        got = _adjusted(logits, row)
+        assert torch.equal(torch.isinf(got), torch.isinf(reference[0]))
+        assert torch.isinf(got[stops]).all() == (index < 3)
+
+
+def test_min_tokens_keeps_a_greedy_row_off_eos_until_reached() -> None:
+    logits = _logits(1, seed=7)
+    logits[0, 9] = 50.0  # EOS is by far the most likely token
+    tokens = [
+        Sampler()(logits, [_row(index=i, stops=[9], min_tokens=3)]).token_ids.item()
+        for i in range(5)
+    ]
+    best_other = int(logits[0].index_fill(0, torch.tensor([9]), float("-inf")).argmax())
+    assert tokens == [best_other] * 3 + [9, 9]
+
+
+# -- filters against transformers' warpers ---------------------------------------------------------
+FILTERS = [
+    {"temperature": 0.7},
+    {"temperature": 1.3, "top_k": 7},
+    {"temperature": 1.0, "top_p": 0.8},
+    {"temperature": 0.9, "min_p": 0.08},
+    {"temperature": 0.8, "top_k": 12, "top_p": 0.7},
+    {"temperature": 1.1, "min_p": 0.02, "top_k": 20, "top_p": 0.9},
+    {"temperature": 1.0, "min_p": 0.05, "top_p": 0.6},
+]
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    "settings", FILTERS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())
+)
+def test_processed_logprobs_match_transformers_warpers(settings: dict) -> None:
+    logits = _logits(1, seed=8)
+    row = _row(seed=1, logprobs=-1, **settings)
+    out = Sampler("processed_logprobs")(logits, [row]).logprobs
+    assert out is not None
+    dense = torch.empty(VOCAB)
+    dense[out.top_token_ids[0]] = out.top_logprobs[0]
+    expected = _hf_filtered(logits, row.params)[0].log_softmax(-1)
+    assert torch.equal(torch.isinf(dense), torch.isinf(expected))  # the same support
+    finite = ~torch.isinf(expected)
+    torch.testing.assert_close(dense[finite], expected[finite])
+
+
+def _chi_square_bound(degrees: int) -> float:
+    """Wilson-Hilferty quantile of chi-square at 1 - 1e-5."""
+    z = 4.265
+    return degrees * (1 - 2 / (9 * degrees) + z * math.sqrt(2 / (9 * degrees))) ** 3
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    num_draws = float(counts.sum())
+    support = probs > 0
+    expected = probs[support].double() * num_draws
+    statistic = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    return statistic, int(support.sum()) - 1
+
+
+@pytest.mark.parametrize(
+    "settings", FILTERS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())
+)
+def test_drawn_frequencies_follow_the_filtered_softmax(settings: dict) -> None:
+    """6000 draws of one row (consecutive indices, as in a generation) against the filtered
+    softmax; the same statistic rejects the unfiltered softmax, so the bound has teeth."""
+    logits = _logits(1, seed=9, scale=1.5)
+    num_draws = 6000
+    rows = [_row(seed=12345, index=i, **settings) for i in range(num_draws)]
+    tokens = Sampler()(logits.expand(num_draws, -1), rows).token_ids
+    probs = _hf_filtered(logits, rows[0].params)[0].softmax(-1)
+    counts = torch.bincount(tokens, minlength=VOCAB)
+    assert (counts[probs == 0] == 0).all(), "drew a token the filters remove"
+    statistic, degrees = _chi_square(counts, probs)
+    assert statistic < _chi_square_bound(degrees), (statistic, degrees)
+    wrong = logits[0].softmax(-1)  # ignores temperature and every filter
+    wrong_statistic, wrong_degrees = _chi_square(counts, wrong)
+    assert wrong_statistic > _chi_square_bound(wrong_degrees)
+
+
+def test_large_vocabulary_draws_follow_the_softmax() -> None:
+    """A vocabulary of many blocks (and not a whole number of them): the two-level draw."""
+    vocab = 3 * 256 + 17
+    logits = torch.zeros(1, vocab)
+    logits[0, ::97] = 3.0  # a few likely tokens spread over the blocks
+    num_draws = 4000
+    rows = [_row(seed=99, index=i, temperature=1.0) for i in range(num_draws)]
+    tokens = Sampler()(logits.expand(num_draws, -1), rows).token_ids
+    assert int(tokens.max()) < vocab
+    probs = logits[0].softmax(-1)
+    likely = logits[0] > 0
+    frequency = float(likely[tokens].float().mean())
+    # Binomial std of that frequency ~ sqrt(p(1-p)/4000) ~ 0.008: allow ~5 sigma.
+    assert abs(frequency - float(probs[likely].sum())) < 0.04
+
+
+# -- reproducibility -------------------------------------------------------------------------------
+TARGETS = {
+    "top_k+top_p+presence": {
+        "temperature": 0.9,
+        "top_k": 20,
+        "top_p": 0.95,
+        "presence_penalty": 0.5,
+    },
+    "wide top_p (sorts)": {"temperature": 1.5, "top_p": 0.97},
+    "min_p+repetition": {"temperature": 1.0, "min_p": 0.01, "repetition_penalty": 1.3},
+}
+OTHERS = [
+    {},
+    {"temperature": 1.3, "logprobs": 1},
+    {"temperature": 1.0, "top_p": 0.5},
+    {"temperature": 0.6, "top_k": 40, "repetition_penalty": 1.2},
+    {"temperature": 1.0, "min_p": 0.1, "logit_bias": {3: 2.0}},
+    {"temperature": 1.0, "top_k": 3, "logprobs": 7},
+    {"temperature": 2.0, "top_p": 0.99},
+]
+
+
+def _generate(
+    seed: int, target: dict, num_steps: int, num_others: int, batch_seed: int
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Generate one seeded request placed among `num_others` rows of other settings. Its logits
+    depend on its own history only (a toy model); the others' change with batch_seed."""
+    vocab = 3000  # several blocks, not a whole number of them, and nuclei wider than the prefix
+    table = _logits(64, seed=1000, vocab=vocab, scale=0.5)
+    history: list[int] = []
+    logprobs = []
+    for step in range(num_steps):
+        row = _row(seed=seed, index=step, output=history, prompt=[0, 1], logprobs=3, **target)
+        others = [
+            _row(seed=batch_seed + i, index=step, **OTHERS[(batch_seed + i) % len(OTHERS)])
+            for i in range(num_others)
+        ]
+        position = (batch_seed + step) % (num_others + 1)
+        rows = [*others[:position], row, *others[position:]]
+        logits = _logits(num_others + 1, seed=batch_seed + step, vocab=vocab)
+        logits[position] = table[history[-1] % 64 if history else 0]
+        out = Sampler()(logits, rows)
+        history = [*history, int(out.token_ids[position])]
+        assert out.logprobs is not None
+        logprobs.append(
+            torch.cat(
+                [
+                    out.logprobs.token_logprobs[position : position + 1],
+                    out.logprobs.top_logprobs[position, :3],
+                    out.logprobs.top_token_ids[position, :3].float(),
+                ]
+            )
+        )
+    return history, logprobs
+
+
+@pytest.mark.parametrize("target", TARGETS.values(), ids=TARGETS.keys())
+def test_a_seeded_row_draws_the_same_whatever_shares_its_batch(target: dict) -> None:
+    alone, alone_logprobs = _generate(42, target, 12, num_others=0, batch_seed=0)
+    for num_others, batch_seed in ((3, 555), (10, 77)):
+        crowded, crowded_logprobs = _generate(42, target, 12, num_others, batch_seed)
+        assert crowded == alone
+        for a, c in zip(alone_logprobs, crowded_logprobs, strict=True):
+            assert torch.equal(a, c)
+    other_seed, _ = _generate(43, target, 12, num_others=0, batch_seed=0)
+    assert other_seed != alone  # the seed matters (12 draws from a spread distribution)
+
+
+def test_top_p_prefix_and_full_sort_give_the_same_cutoff(monkeypatch) -> None:
+    """A top_p row without top_k looks for its cut-off in a prefix and sorts only when the
+    nucleus is wider; both ways must keep the same tokens."""
+    vocab = 700
+    logits = torch.cat([_logits(4, seed=16, vocab=vocab, scale=s) for s in (0.3, 1.0, 4.0)])
+    rows = [
+        _row(seed=r, index=r, temperature=1.0, top_p=p, min_p=m, logprobs=-1)
+        for r, (p, m) in enumerate([(0.9, 0.0), (0.5, 0.0), (0.99, 0.02), (0.7, 0.1)] * 3)
+    ]
+    results = []
+    for prefix in (4, 64, vocab + 1):  # mostly sorting, mixed, never sorting
+        monkeypatch.setattr(sampler_module, "_TOP_P_PREFIX", prefix)
+        out = Sampler("processed_logprobs")(logits, rows)
+        assert out.logprobs is not None
+        results.append((out.token_ids, out.logprobs.top_logprobs))
+    for tokens, logprobs in results[1:]:
+        assert torch.equal(tokens, results[0][0]) and torch.equal(logprobs, results[0][1])
+
+
+def test_a_resumed_request_draws_the_same_tail() -> None:
+    """Generate 20 tokens; then restart from the committed first k (as after a failure, on
+    another rank with other batch-mates): the same seed and index give the same tail."""
+    vocab = 300
+    table = _logits(vocab, seed=11, vocab=vocab, scale=2.0)
+    params = {"temperature": 1.0, "top_p": 0.9, "frequency_penalty": 0.7}
+
+    def continue_from(history: list[int], num_tokens: int, num_others: int) -> list[int]:
+        history = list(history)
+        while len(history) < num_tokens:
+            row = _row(seed=7, index=len(history), output=history, **params)
+            others = [_row(seed=i, index=i, temperature=1.0) for i in range(num_others)]
+            logits = torch.cat(
+                [
+                    _logits(num_others, seed=len(history), vocab=vocab),
+                    table[history[-1] if history else 0].unsqueeze(0),
+                ]
+            )
+            history.append(int(Sampler()(logits, [*others, row]).token_ids[-1]))
+        return history
+
+    full = continue_from([], 20, num_others=0)
+    for k in (1, 8, 19):
+        assert continue_from(full[:k], 20, num_others=k % 5 + 1) == full
+
+
+def test_uniforms_are_distinct_and_spread() -> None:
+    draws = [draw_uniform(seed, index) for seed in (0, 1, 2**64 - 1) for index in range(4000)]
+    assert len(set(draws)) == len(draws)
+    assert all(0.0 < u < 1.0 for u in draws)
+    # Kolmogorov-Smirnov against U(0, 1): critical value at 1e-4 for n = 12000 is ~0.018.
+    ordered = sorted(draws)
+    n = len(ordered)
+    distance = max(max((i + 1) / n - u, u - i / n) for i, u in enumerate(ordered))
+    assert distance < 0.018
+    assert draw_uniform(5, 3) == draw_uniform(5, 3) != draw_uniform(6, 3)
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+def test_raw_logprobs_are_the_models_before_penalties_and_filters() -> None:
+    logits = _logits(4, seed=12)
+    rows = [
+        _row(seed=1, temperature=0.5, top_k=3, logprobs=4, logit_bias={0: 9.0}),
+        _row(seed=2, temperature=1.0),  # asks for none
+        _row(logprobs=0, repetition_penalty=2.0, prompt=[1, 2]),
+        _row(seed=3, temperature=1.0, logprobs=-1),
+    ]
+    out = Sampler()(logits, rows)
+    assert out.logprobs is not None
+    reference = logits.double().log_softmax(-1)
+    tokens = out.token_ids
+    for b, count in ((0, 4), (2, 0), (3, VOCAB)):
+        expected = reference[b]
+        torch.testing.assert_close(out.logprobs.token_logprobs[b].double(), expected[tokens[b]])
+        assert out.logprobs.token_ranks[b] == int((expected > expected[tokens[b]]).sum()) + 1
+        ids = out.logprobs.top_token_ids[b, :count]
+        assert ids.tolist() == expected.argsort(descending=True)[:count].tolist()
+        torch.testing.assert_close(out.logprobs.top_logprobs[b, :count].double(), expected[ids])
+        assert (out.logprobs.top_token_ids[b, count:] == -1).all()
+    assert math.isnan(out.logprobs.token_logprobs[1]) and out.logprobs.token_ranks[1] == 0
+    assert Sampler()(logits, [_row(temperature=1.0)] * 4).logprobs is None
+
+
+def test_prompt_logprobs_match_a_reference_in_any_chunking(monkeypatch) -> None:
+    logits = _logits(37, seed=13)
+    token_ids = torch.randint(VOCAB, (37,), generator=torch.Generator().manual_seed(1))
+    whole = prompt_logprobs(logits, token_ids, 5)
+    reference = logits.double().log_softmax(-1)
+    torch.testing.assert_close(
+        whole.token_logprobs.double(), reference.gather(1, token_ids[:, None]).squeeze(1)
+    )
+    expected_ranks = (reference > reference.gather(1, token_ids[:, None])).sum(-1) + 1
+    assert torch.equal(whole.token_ranks, expected_ranks)
+    assert torch.equal(whole.top_token_ids, reference.topk(5).indices)
+    monkeypatch.setattr(sampler_module, "_PROMPT_CHUNK_ELEMENTS", 4 * VOCAB)  # 4 rows a chunk
+    chunked = prompt_logprobs(logits, token_ids, 5)
+    for name in ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name))
+    assert prompt_logprobs(logits, token_ids, -1).top_token_ids.shape == (37, VOCAB)
+
+
+# -- what a batch without filters costs ------------------------------------------------------------
+def test_a_batch_without_filters_never_sorts(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("sorted a batch that has no filter")
+
+    monkeypatch.setattr(torch.Tensor, "sort", refuse)
+    monkeypatch.setattr(torch.Tensor, "topk", refuse)
+    rows = [_row(seed=i, temperature=1.0, presence_penalty=0.3, output=[i]) for i in range(4)]
+    Sampler()(_logits(5, seed=14), [*rows, _row()])
+
+
+def test_top_k_rows_use_topk_and_never_sort(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("sorted for top_k")
+
+    monkeypatch.setattr(torch.Tensor, "sort", refuse)
+    rows = [_row(seed=i, temperature=1.0, top_k=5 + i, top_p=0.9) for i in range(4)]
+    tokens = Sampler()(_logits(4, seed=15), rows).token_ids
+    assert len(tokens) == 4
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def test_a_logit_bias_id_outside_the_vocabulary_names_row_and_id() -> None:
+    rows = [_row(), _row(logit_bias={3: 1.0, VOCAB + 5: 2.0})]
+    outside = rf"logit_bias token ids \[{VOCAB + 5}\] are outside the vocabulary \[0, 50\)"
+    with pytest.raises(ValueError, match=rf"row 1: {outside}"):
+        Sampler()(_logits(2), rows)
+    with pytest.raises(ValueError, match=rf"^{outside}"):
+        check_row(rows[1], VOCAB)  # what the runner asks of each row before the batch
+    check_row(rows[1], VOCAB + 6)
+
+
+def test_a_history_id_outside_the_vocabulary_is_refused_not_aliased() -> None:
+    """row * V + id would land in the next row's logits; the row is refused by name instead."""
+    rows = [_row(), _row(output=[3, VOCAB + 1], frequency_penalty=0.5), _row()]
+    with pytest.raises(ValueError, match=rf"row 1: token ids \[{VOCAB + 1}\] in its history"):
+        Sampler()(_logits(3), rows)
+
+
+def test_min_tokens_masking_the_whole_vocabulary_is_refused() -> None:
+    row = _row(min_tokens=2, stops=range(VOCAB + 3))
+    with pytest.raises(ValueError, match="row 0: min_tokens=2 would mask every token"):
+        Sampler()(_logits(1), [row])
+
+
+def test_stop_ids_beyond_the_vocabulary_are_ignored_by_min_tokens() -> None:
+    row = _row(min_tokens=2, stops=[2**40])
+    assert Sampler()(_logits(1), [row]).token_ids.item() == _logits(1).argmax().item()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
     [
-        ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
-        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-        ({"top_k": -2}, "top_k must be -1, 0 .* got -2"),
+        (lambda: Sampler()(_logits(3), [_row(), _row()]), r"B = 2 rows, got \(3, 50\)"),
+        (lambda: Sampler("processed_logits"), "logprobs_mode must be one of"),
+        (lambda: _row(seed=-1), r"seed must be in \[0, 2\*\*64 - 1\], got -1"),
+        (lambda: _row(index=-2), "index must be >= 0, got -2"),
+        (lambda: prompt_logprobs(_logits(3), torch.zeros(4, dtype=torch.long), 1), "token_ids"),
     ],
 )
-def test_bad_sampling_values_raise(kwargs: dict, message: str) -> None:
+def test_bad_calls_raise(make, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SamplingState(**kwargs)
-
-
-def test_logits_rows_must_match_states() -> None:
-    with pytest.raises(ValueError, match=r"B = 2 states, got \(3, 50\)"):
-        Sampler()(_logits(3), [SamplingState(), SamplingState()])
+        make()

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from scheduler import SamplingParams
@@ -8,8 +10,53 @@ def test_defaults_are_greedy():
     assert params.greedy and params.max_tokens == 16 and params.stop_token_ids == frozenset()
 
 
+def test_vllm_fields_default_to_vllms_values_and_disable_themselves():
+    params = SamplingParams()
+    assert (params.min_p, params.min_tokens) == (0.0, 0)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.0,
+        0.0,
+        1.0,
+    )
+    assert params.logit_bias is None and params.logprobs is None and params.prompt_logprobs is None
+    assert not params.uses_penalties
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty", "repetition_penalty"])
+def test_any_penalty_means_the_token_history_is_needed(field):
+    assert SamplingParams(**{field: 1.5}).uses_penalties
+
+
 def test_stop_ids_become_a_frozenset():
     assert SamplingParams(stop_token_ids=[3, 3, 5]).stop_token_ids == frozenset({3, 5})
+
+
+def test_logit_bias_is_a_private_copy_of_floats_and_params_stay_hashable():
+    bias = {7: 1, 3: -2.5}
+    params = SamplingParams(logit_bias=bias)
+    bias[7] = 99.0
+    assert params.logit_bias == {7: 1.0, 3: -2.5}
+    assert all(isinstance(value, float) for value in params.logit_bias.values())
+    assert hash(params) == hash(SamplingParams(logit_bias={7: 1.0}))  # bias is left out of it
+    assert params == SamplingParams(logit_bias={3: -2.5, 7: 1.0})
+    assert params != SamplingParams(logit_bias={7: 1.0})
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"presence_penalty": -2.0, "frequency_penalty": 2},
+        {"repetition_penalty": 0.01},
+        {"repetition_penalty": 100},
+        {"min_p": 1.0},
+        {"min_tokens": 16},
+        {"logit_bias": {0: -100, 2**40: 100.0}},
+        {"logprobs": -1, "prompt_logprobs": 0},
+        {"logprobs": 20, "prompt_logprobs": -1},
+    ],
+)
+def test_edge_values_are_accepted(kwargs):
+    SamplingParams(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -19,6 +66,7 @@ def test_stop_ids_become_a_frozenset():
         ({"max_tokens": 2.5}, "max_tokens must be an int"),
         ({"temperature": -0.1}, "temperature must be a finite number >= 0, got -0.1"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 10**400}, "temperature must be a finite number >= 0"),
         ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k must be an int >= 0"),
@@ -26,8 +74,41 @@ def test_stop_ids_become_a_frozenset():
         ({"stop_token_ids": [1, -2]}, "stop_token_ids must be ints >= 0"),
         ({"stop_token_ids": "abc"}, "stop_token_ids must be a collection of ints"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1] (0 disables it), got 1.5"),
+        ({"min_p": -0.1}, "min_p must be in [0, 1] (0 disables it), got -0.1"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2] (0 disables it), got 2.5"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2] (0 disables it), got -3"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty must be in [-2, 2]"),
+        ({"presence_penalty": True}, "presence_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be in [0.01, 100] (1 disables it)"),
+        ({"repetition_penalty": -1.2}, "repetition_penalty must be in [0.01, 100]"),
+        (
+            {"repetition_penalty": 1e3},
+            "repetition_penalty must be in [0.01, 100] (1 disables it), got 1000.0",
+        ),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be in [0.01, 100]"),
+        ({"min_tokens": -1}, "min_tokens must be an int in [0, max_tokens=16], got -1"),
+        ({"min_tokens": 17}, "min_tokens must be an int in [0, max_tokens=16], got 17"),
+        ({"min_tokens": 2.0}, "min_tokens must be an int in [0, max_tokens=16], got 2.0"),
+        ({"logit_bias": [(1, 2.0)]}, "logit_bias must be a dict of token id -> bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids (ints >= 0), got '5'"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias keys must be token ids (ints >= 0), got -3"),
+        ({"logit_bias": {True: 1.0}}, "logit_bias keys must be token ids (ints >= 0), got True"),
+        (
+            {"logit_bias": {4: 100.5}},
+            "logit_bias values must be in [-100, 100], got 100.5 for token 4",
+        ),
+        ({"logit_bias": {4: float("nan")}}, "logit_bias values must be in [-100, 100], got nan"),
+        ({"logit_bias": {4: "1"}}, "logit_bias values must be in [-100, 100], got '1'"),
+        (
+            {"logprobs": -2},
+            "logprobs must be None, an int >= 0 or -1 (the whole vocabulary), got -2",
+        ),
+        ({"logprobs": 1.0}, "logprobs must be None, an int >= 0 or -1"),
+        ({"logprobs": True}, "logprobs must be None, an int >= 0 or -1"),
+        ({"prompt_logprobs": -3}, "prompt_logprobs must be None, an int >= 0 or -1"),
     ],
 )
 def test_bad_values_name_the_field_and_value(kwargs, message):
-    with pytest.raises(ValueError, match=pytest.importorskip("re").escape(message)):
+    with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**kwargs)
