@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -26,12 +27,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dist_engine.engine.config import EngineConfig
-from dist_engine.engine.outputs import ErrorKind, RequestOutput
 from dist_engine.log import LOGGER_NAME, get_logger
 from dist_engine.models.registry import load_config
 from launcher.clients import Client
 from launcher.server.config import ServerConfig
 from launcher.server.frontend import EngineFrontend, RequestStream, Unavailable
+from launcher.server.generation import Choice, answer_stream, answer_whole
 from launcher.server.http import (
     OneLineLogger,
     check_body_headers,
@@ -45,16 +46,22 @@ from launcher.server.protocol import (
     GenerationRequest,
     ModelLimits,
     RequestError,
+    detokenize_body,
     error_body,
     parse_chat,
     parse_completion,
+    tokenize_body,
 )
-from launcher.server.responses import ResponseShape, Usage, sse
-from launcher.server.tokenization import IncrementalDetokenizer, ModelTokenizer
+from launcher.server.responses import ResponseShape
+from launcher.server.tokenization import ModelTokenizer
 
 log = get_logger()
 # A child of lockstep's logger: its handler writes the lines; the name lets them be filtered.
 _access_logger = logging.getLogger(f"{LOGGER_NAME}.access")
+try:
+    _VERSION = importlib.metadata.version("lockstep")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+    _VERSION = "unknown"
 _SHUTDOWN_GRACE_S = 5.0  # after the drain: how long handlers get to write their last bytes
 # Threads that parse bodies, render chat templates and tokenize, off the event loop; requests
 # reach them only once admitted (server.max_pending_requests), so their queue is bounded.
@@ -73,6 +80,7 @@ class LockstepServer:
             vocab_size=load_config(model_dir).vocab_size,
             num_ranks=client.num_ranks,
             tokenizer=ModelTokenizer.load(model_dir),
+            strict_requests=config.strict_requests,
         )
         self.metrics = ServerMetrics(name, client.num_ranks, self.limits.max_model_len)
         stats_log = None
@@ -91,10 +99,14 @@ class LockstepServer:
             middlewares=[self._middleware], client_max_size=config.max_body_bytes
         )
         self._prepare_pool = ThreadPoolExecutor(_PREPARE_WORKERS, "lockstep-prepare")
+        self._warned_fields: set[str] = set()
         expect = self._expect_continue
         self.app.router.add_post("/v1/completions", self._completions, expect_handler=expect)
         self.app.router.add_post("/v1/chat/completions", self._chat, expect_handler=expect)
         self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_post("/tokenize", self._tokenize, expect_handler=expect)
+        self.app.router.add_post("/detokenize", self._detokenize, expect_handler=expect)
+        self.app.router.add_get("/version", self._version)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.on_response_prepare.append(set_server_header)
@@ -266,158 +278,88 @@ class LockstepServer:
             generation: GenerationRequest = await loop.run_in_executor(
                 self._prepare_pool, _prepare, raw, parse, self.limits
             )
+            self._warn_ignored(generation.ignored_fields)
             request_id = f"{prefix}{uuid.uuid4().hex}"
-            stream = self.frontend.open_request(
-                request_id, generation.prompt_token_ids, generation.params, generation.dp_rank
-            )
+            streams = self._open_samples(request_id, generation)
         shape = ResponseShape(
             request_id, self.limits.served_model_name, generation.endpoint,
-            generation.return_token_ids,
+            generation.return_token_ids, self.limits.tokenizer,
         )  # fmt: skip
-        timer = RequestTimer(
-            self.metrics, stream.rank, arrival, len(generation.prompt_token_ids),
-            generation.params.max_tokens,
-        )  # fmt: skip
-        reply = _Reply(generation, self.limits.tokenizer, timer, stream)
+        choices = [
+            Choice(sample, generation, self.limits.tokenizer, stream,
+                   RequestTimer(self.metrics, stream.rank, arrival,
+                                len(generation.prompts[sample // generation.best_of]),
+                                generation.params.max_tokens))
+            for sample, stream in enumerate(streams)
+        ]  # fmt: skip
         try:
             if generation.stream:
-                return await self._send_stream(request, generation, stream, shape, reply)
-            return await self._send_whole(generation, stream, shape, reply)
+                return await answer_stream(request, generation, choices, shape)
+            return await answer_whole(generation, choices, shape)
         finally:
-            stream.abort()  # no-op if the rank already ended it
-            reply.record_end()
+            for choice in choices:
+                choice.stream.abort()  # no-op if the rank already ended it
+                choice.record_end()
 
-    async def _send_whole(
-        self, generation: GenerationRequest, stream: RequestStream, shape: ResponseShape,
-        reply: _Reply,
-    ) -> web.Response:  # fmt: skip
-        while not reply.done:
-            reply.take(await stream.next())
-        if reply.error is not None:
-            raise reply.error
-        assert reply.finish_reason is not None
-        body = shape.full(reply.text, reply.token_ids, reply.finish_reason, reply.usage)
-        return web.json_response(body)
+    def _open_samples(self, request_id: str, generation: GenerationRequest) -> list[RequestStream]:
+        """One request on a rank per sample; if one cannot open, the others are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for sample in range(generation.num_samples):
+                prompt = generation.prompts[sample // generation.best_of]
+                name = request_id if generation.num_samples == 1 else f"{request_id}-{sample}"
+                streams.append(
+                    self.frontend.open_request(
+                        name, prompt, generation.sample_params(sample), generation.dp_rank
+                    )
+                )
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
 
-    async def _send_stream(
-        self, request: web.Request, generation: GenerationRequest, stream: RequestStream,
-        shape: ResponseShape, reply: _Reply,
-    ) -> web.StreamResponse:  # fmt: skip
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        if generation.endpoint == "chat":
-            await response.write(sse(shape.chunk("", [], first=True)))
-        while not reply.done:
-            text, tokens = reply.take(await stream.next())
-            # Tokens whose text is held back (a split character, a possible stop string) send
-            # nothing, unless the client asked for token ids.
-            if text or (tokens and generation.return_token_ids):
-                await response.write(sse(shape.chunk(text, tokens)))
-        if reply.error is not None:
-            # The status line went out with the first byte; the error travels as an event,
-            # which the openai client raises as an APIError.
-            await response.write(sse(reply.error.body()))
-        else:
-            await response.write(sse(shape.chunk("", [], reply.finish_reason)))
-            if generation.include_usage:
-                await response.write(sse(shape.usage_chunk(reply.usage)))
-        await response.write(sse("[DONE]"))
-        await response.write_eof()
-        return response
-
-
-class _Reply:
-    """One request's outputs turned into text, kept token ids, an ending, and its timings."""
-
-    def __init__(
-        self,
-        generation: GenerationRequest,
-        tokenizer: ModelTokenizer | None,
-        timer: RequestTimer,
-        stream: RequestStream,
-    ) -> None:
-        self.generation = generation
-        self.detokenizer = IncrementalDetokenizer(tokenizer, generation.stop)
-        self.stop_token_ids = generation.params.stop_token_ids
-        self.timer = timer
-        self.stream = stream
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: RequestError | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-    @property
-    def text(self) -> str:
-        return self.detokenizer.text
-
-    @property
-    def usage(self) -> Usage:
-        return Usage(len(self.generation.prompt_token_ids), len(self.token_ids))
-
-    def take(self, output: RequestOutput) -> tuple[str, list[int]]:
-        """Account one output; returns the text and token ids to send for it."""
-        tokens = list(output.new_token_ids)
-        text_tokens = tokens
-        if output.finish_reason == "stop" and tokens and tokens[-1] in self.stop_token_ids:
-            text_tokens = tokens[:-1]  # an EOS or stop token ends the text; it is not part of it
-        before = len(self.detokenizer.token_ids)
-        delta = self.detokenizer.add(text_tokens, finished=output.finished)
-        kept = tokens[: len(self.detokenizer.token_ids) - before] if delta.stopped else tokens
-        self.timer.tokens(len(kept), time.monotonic())
-        self.token_ids += kept
-        if delta.stopped:
-            self.finish_reason = "stop"
-        elif output.finished:
-            self._end(output)
-        return delta.text, kept
-
-    def _end(self, output: RequestOutput) -> None:
-        reason = output.finish_reason or "error: no finish reason"
-        if reason in ("stop", "length"):
-            self.finish_reason = reason
-            return
-        where = f"request {output.request_id} on DP rank {output.dp_rank}"
-        if reason == "prompt_length_exceeded":
-            self.error = RequestError(
-                f"{where}: the prompt does not fit the rank's limits (max_model_len, or "
-                "max_num_batched_tokens without chunked prefill, or the KV pool)",
-                param="prompt",
-            )
-        elif reason == "insufficient_system_resource":
-            self.error = RequestError(
-                f"{where} was preempted for lack of KV blocks "
-                "(scheduler.stop_preempted_request is true); retry later",
-                status=503,
-                error_type="server_error",
-            )
-        else:
-            detail = reason.removeprefix("error: ")
-            kind = output.error_kind
-            if kind is ErrorKind.INVALID_REQUEST:
-                self.error = RequestError(f"{where} was refused: {detail}")
-                return
-            # The group failed or the server is going away: the service is unavailable; any
-            # other error is this request's own.
-            unavailable = kind in (ErrorKind.GROUP_FAILED, ErrorKind.ENGINE_STOPPED)
-            self.error = RequestError(
-                f"{where} failed: {detail}",
-                status=503 if unavailable else 500,
-                error_type="server_error",
+    def _warn_ignored(self, fields: tuple[str, ...]) -> None:
+        """One warning per unknown field name over the server's life (vLLM's policy)."""
+        new = [name for name in fields if name not in self._warned_fields]
+        if new:
+            self._warned_fields.update(new)
+            log.warning(
+                "ignoring unknown request field(s) %s (set server.strict_requests to refuse "
+                "them); this is said once per field",
+                new,
             )
 
-    def record_end(self) -> None:
-        if self.finish_reason is not None:
-            reason = self.finish_reason
-        elif self.error is not None:
-            reason = "error"
-        else:
-            reason = "abort"  # the client went away first
-        self.timer.finish(reason, time.monotonic())
+    # -- tokenizer endpoints ----------------------------------------------------------------
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        raw = await read_body(request, self.config.max_body_bytes, self.config.read_timeout_s)
+        body = parse_json(raw)
+        tokenizer = self._tokenizer_or_error()
+        loop = asyncio.get_running_loop()
+        tokens = await loop.run_in_executor(self._prepare_pool, tokenize_body, body, self.limits)
+        reply: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": self.limits.max_model_len,
+            "tokens": tokens,
+        }
+        if body.get("return_token_strs"):
+            reply["token_strs"] = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+        return web.json_response(reply)
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        raw = await read_body(request, self.config.max_body_bytes, self.config.read_timeout_s)
+        body = parse_json(raw)
+        tokenizer = self._tokenizer_or_error()
+        tokens = detokenize_body(body, self.limits)
+        return web.json_response({"prompt": tokenizer.decode(tokens)})
+
+    def _tokenizer_or_error(self) -> ModelTokenizer:
+        if self.limits.tokenizer is None:
+            raise RequestError("this model has no tokenizer", status=404)
+        return self.limits.tokenizer
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": _VERSION})
 
 
 def _prepare(raw: bytes, parse: Any, limits: ModelLimits) -> GenerationRequest:

@@ -15,6 +15,8 @@
       routing: least_loaded        # or round_robin (launcher/routing.py)
       stats_log_interval_s: 10     # a stats line this often while there is traffic; 0: never
       access_log: false            # one log line per HTTP request (method, path, status, time)
+      strict_requests: false       # unknown request fields: false ignores each (one warning per
+                                   # field name, as vLLM does), true refuses them with a 400
 
 The engine's sections are left to `EngineConfig`; nothing here reaches a rank.
 """
@@ -43,6 +45,7 @@ class ServerConfig:
     routing: str = "least_loaded"
     stats_log_interval_s: float = 10.0
     access_log: bool = False
+    strict_requests: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -84,6 +87,10 @@ class ServerConfig:
             )
         if not isinstance(self.access_log, bool):
             raise ValueError(f"server.access_log must be true or false, got {self.access_log!r}")
+        if not isinstance(self.strict_requests, bool):
+            raise ValueError(
+                f"server.strict_requests must be true or false, got {self.strict_requests!r}"
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ServerConfig:

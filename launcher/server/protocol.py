@@ -1,20 +1,27 @@
 """OpenAI request bodies in, validated `GenerationRequest`s out; errors name the field.
 
 Everything a client sends is checked here, before anything reaches a rank: types, ranges,
-token ids against the vocabulary, the prompt and `max_tokens` against `max_model_len`. A field
-OpenAI defines but Lockstep does not implement is refused when set to anything but its
-neutral value (`n` other than 1, `logprobs`, penalties, tools, ...), and unknown fields are
-refused, as OpenAI's own API does, so a client never gets silently different behaviour.
+token ids against the vocabulary, the prompts and `max_tokens` against `max_model_len`.
 
-Extensions beyond OpenAI's fields (vLLM spells the first four the same way): `top_k`,
-`ignore_eos`, `stop_token_ids`, `return_token_ids` (the output token ids in each choice and
-chunk), and `dp_rank` (pin the request to one DP rank).
+The policy on fields is vLLM's, so the clients written for it work unchanged:
+- the fields vLLM and OpenAI define are honoured (`_HONOURED`): sampling settings and
+  penalties, `n` / `best_of`, `logprobs` / `top_logprobs` / `echo` / `prompt_logprobs`, stop
+  strings and ids, batched prompts on `/v1/completions`, streaming options;
+- a field this server cannot honour is accepted at its neutral value and refused with a 400
+  naming it otherwise (`_NEUTRAL`: beam search, tools, suffix, structured output, ...);
+- fields that do not change the output (`user`, `metadata`, ...) are accepted;
+- an unknown field is ignored, and the server logs one warning per field name
+  (`GenerationRequest.ignored_fields`); with `server.strict_requests` it is a 400, as
+  OpenAI's own API answers.
+
+Lockstep's extensions: `dp_rank` (pin the request to one DP rank) and vLLM's `return_token_ids`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from launcher.server.tokenization import ModelTokenizer
@@ -23,7 +30,9 @@ from scheduler import SamplingParams
 # Completions' default `max_tokens` is OpenAI's; chat's default is the rest of the context.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_CHOICES = 128  # n, best_of, and prompts x n in one request
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for logprobs / top_logprobs
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class RequestError(Exception):
@@ -64,22 +73,56 @@ class ModelLimits:
     vocab_size: int
     num_ranks: int
     tokenizer: ModelTokenizer | None
+    strict_requests: bool = False  # unknown fields: 400 instead of a warning
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """One request of either endpoint: every choice it asks for, and how to answer it.
+
+    Choice ``c`` samples prompt ``c // n``; its settings are `choice_params(c)` (with
+    `best_of` > n, `num_samples` choices are drawn and the `n` most likely kept)."""
+
     endpoint: str  # "completion" or "chat"
-    prompt_token_ids: list[int]
+    prompts: list[list[int]]  # one prompt for chat; a batch for completions
+    n: int  # choices returned per prompt
+    best_of: int  # samples drawn per prompt (>= n); the n with the best cumulative logprob win
     params: SamplingParams
     stop: tuple[str, ...]  # stop strings, cut from the text
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats: usage in every chunk
     dp_rank: int | None
     return_token_ids: bool
+    echo: bool  # completions: the prompt's text (and logprobs) before the output's
+    logprobs: int | None  # top logprobs per output token (None: no logprobs at all)
+    prompt_logprobs: int | None  # top logprobs per prompt token (echo with logprobs, or asked)
+    ignored_fields: tuple[str, ...] = ()  # unknown fields, for the server's one warning each
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The first (for chat: the only) prompt."""
+        return self.prompts[0]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompts) * self.best_of
+
+    def sample_params(self, sample: int) -> SamplingParams:
+        """The settings of sample ``sample`` (prompt ``sample // best_of``): each sample of a
+        prompt draws its own random stream, derived from the request's seed when it has one
+        (so a seeded request with n > 1 is reproducible, and its samples differ)."""
+        index = sample % self.best_of
+        if index == 0 or self.params.seed is None:
+            return self.params
+        digest = hashlib.blake2b(f"{self.params.seed}:{index}".encode(), digest_size=8)
+        return replace(self.params, seed=int.from_bytes(digest.digest(), "little"))
 
 
-# Fields both endpoints accept, and the neutral values of those Lockstep does not implement.
-_COMMON_FIELDS = {
+# Fields honoured by both endpoints.
+_HONOURED = {
     "model",
     "stream",
     "stream_options",
@@ -87,66 +130,106 @@ _COMMON_FIELDS = {
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
     "seed",
     "stop",
     "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
     "n",
     "ignore_eos",
-    "dp_rank",
-    "return_token_ids",
-    "user",
+    "min_tokens",
     "presence_penalty",
     "frequency_penalty",
+    "repetition_penalty",
     "logit_bias",
     "logprobs",
+    "prompt_logprobs",
+    "dp_rank",
+    "return_token_ids",
 }
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "best_of", "echo", "suffix"}
-_CHAT_FIELDS = _COMMON_FIELDS | {
+_COMPLETION_FIELDS = _HONOURED | {"prompt", "best_of", "echo", "add_special_tokens"}
+_CHAT_FIELDS = _HONOURED | {
     "messages",
     "max_completion_tokens",
     "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
+    "add_generation_prompt",
+    "chat_template_kwargs",
+}
+# Fields that do not change what is generated: accepted whatever their value.
+_HARMLESS = {
+    "user",
     "metadata",
     "store",
+    "service_tier",
+    "request_id",
+    "cache_salt",
+    "priority",
+    "spaces_between_special_tokens",
+    "documents",
+    "mm_processor_kwargs",
+    "kv_transfer_params",
+    "vllm_xargs",
 }
-# field -> values that mean "not used"; anything else is refused as unsupported.
-_NEUTRAL = {
-    "n": (None, 1),
-    "best_of": (None, 1),
-    "echo": (None, False),
+# field -> the values that mean "not used"; anything else is refused as unsupported here.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
     "tools": (None, []),
-    "tool_choice": (None, "none"),
+    "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, False, True),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "prompt_embeds": (None,),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
     "response_format": (None, {"type": "text"}),
-    "metadata": (None, {}),
-    "store": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "structured_outputs": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
 }
 
 
 def parse_completion(body: Any, limits: ModelLimits) -> GenerationRequest:
     body = _object(body)
-    _check_fields(body, _COMPLETION_FIELDS)
-    prompt = _completion_prompt(body, limits)
-    return _generation(body, limits, "completion", prompt, "max_tokens")
+    ignored = _check_fields(body, _COMPLETION_FIELDS, limits)
+    add_special = _optional_bool(body, "add_special_tokens", True)
+    prompts = _completion_prompts(body, limits, add_special)
+    return _generation(body, limits, "completion", prompts, "max_tokens", ignored)
 
 
 def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
     body = _object(body)
-    _check_fields(body, _CHAT_FIELDS)
+    ignored = _check_fields(body, _CHAT_FIELDS, limits)
     if limits.tokenizer is None:
-        raise RequestError("chat needs the model's tokenizer.json", param="messages")
+        raise RequestError("chat needs the model's tokenizer", param="messages")
     messages = _messages(body)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RequestError(
+            f"chat_template_kwargs must be an object, got {shorten(kwargs)}",
+            param="chat_template_kwargs",
+        )
     try:
-        text = limits.tokenizer.render_chat(messages)
+        text = limits.tokenizer.render_chat(
+            messages,
+            add_generation_prompt=_optional_bool(body, "add_generation_prompt", True),
+            **(kwargs or {}),
+        )
     except ValueError as error:
         raise RequestError(str(error), param="messages") from None
     _check_text_fits(text, limits, "messages")
@@ -156,7 +239,7 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
         raise RequestError(
             "give max_completion_tokens or max_tokens, not both", param="max_completion_tokens"
         )
-    return _generation(body, limits, "chat", prompt, key or "max_tokens")
+    return _generation(body, limits, "chat", [prompt], key or "max_tokens", ignored)
 
 
 # -- the shared part ----------------------------------------------------------------------------
@@ -164,8 +247,9 @@ def _generation(
     body: dict[str, Any],
     limits: ModelLimits,
     endpoint: str,
-    prompt: list[int],
+    prompts: list[list[int]],
     max_tokens_key: str,
+    ignored: tuple[str, ...],
 ) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str):
@@ -180,18 +264,20 @@ def _generation(
         )
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(_same(body[name], value) for value in neutral):
-            allowed = " or ".join(repr(v) for v in neutral if v is not None)
+            allowed = " or ".join(repr(v) for v in neutral if v is not None) or "null"
             raise RequestError(
                 f"{name}={shorten(body[name])} is not supported by this server "
                 f"(allowed: {allowed})",
                 param=name,
             )
-    room = limits.max_model_len - len(prompt)
+    param = "messages" if endpoint == "chat" else "prompt"
+    longest = max(len(prompt) for prompt in prompts)
+    room = limits.max_model_len - longest
     if room < 1:
         raise RequestError(
-            f"the prompt has {len(prompt)} tokens; max_model_len is {limits.max_model_len}, "
+            f"the prompt has {longest} tokens; max_model_len is {limits.max_model_len}, "
             "which leaves no room for output",
-            param="messages" if endpoint == "chat" else "prompt",
+            param=param,
         )
     max_tokens = body.get(max_tokens_key)
     if max_tokens is None:
@@ -201,19 +287,32 @@ def _generation(
         _int(max_tokens, max_tokens_key, minimum=1)
         if max_tokens > room:
             raise RequestError(
-                f"{max_tokens_key} is {max_tokens}, but the prompt's {len(prompt)} tokens leave "
+                f"{max_tokens_key} is {max_tokens}, but the prompt's {longest} tokens leave "
                 f"{room} of max_model_len {limits.max_model_len}",
                 param=max_tokens_key,
             )
+    n, best_of = _choices(body, len(prompts))
+    stream = _optional_bool(body, "stream", False)
+    if stream and best_of > n:
+        raise RequestError("best_of > n cannot stream: the best is known only at the end",
+                           param="best_of")  # fmt: skip
+    logprobs = _logprobs(body, endpoint)
+    echo = endpoint == "completion" and _optional_bool(body, "echo", False)
+    prompt_logprobs = _optional_count(body, "prompt_logprobs", MAX_TOP_LOGPROBS)
+    if echo and logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = logprobs  # echoed prompt tokens come with their logprobs
     stop, stop_ids = _stops(body, limits)
     ignore_eos = _optional_bool(body, "ignore_eos", False)
     if not ignore_eos and limits.tokenizer is not None:
         # End-of-turn ids the engine does not know (generation_config.json, the tokenizer's
         # eos_token); ignore_eos leaves them out like the engine's own EOS ids.
         stop_ids |= limits.tokenizer.eos_token_ids
-    params = _sampling_params(body, max_tokens, stop_ids, ignore_eos)
-    stream = _optional_bool(body, "stream", False)
-    include_usage = _stream_options(body, stream)
+    # best_of ranks the samples by cumulative logprob: they need the sampled token's.
+    sample_logprobs = logprobs if logprobs is not None else (0 if best_of > n else None)
+    params = _sampling_params(
+        body, max_tokens, stop_ids, ignore_eos, sample_logprobs, prompt_logprobs, limits
+    )
+    include_usage, continuous = _stream_options(body, stream)
     dp_rank = body.get("dp_rank")
     if dp_rank is not None and (not _is_int(dp_rank) or not 0 <= dp_rank < limits.num_ranks):
         raise RequestError(
@@ -222,18 +321,74 @@ def _generation(
         )
     return GenerationRequest(
         endpoint=endpoint,
-        prompt_token_ids=prompt,
+        prompts=prompts,
+        n=n,
+        best_of=best_of,
         params=params,
         stop=stop,
+        include_stop_str_in_output=_optional_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=_optional_bool(body, "skip_special_tokens", True),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous,
         dp_rank=dp_rank,
         return_token_ids=_optional_bool(body, "return_token_ids", False),
+        echo=echo,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        ignored_fields=ignored,
     )
 
 
+def _choices(body: dict[str, Any], num_prompts: int) -> tuple[int, int]:
+    n = body.get("n")
+    n = 1 if n is None else n
+    _int(n, "n", minimum=1)
+    best_of = body.get("best_of")
+    best_of = n if best_of is None else best_of
+    _int(best_of, "best_of", minimum=1)
+    if best_of < n:
+        raise RequestError(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+    if num_prompts * best_of > MAX_CHOICES:
+        raise RequestError(
+            f"{num_prompts} prompt(s) x {best_of} samples is more than this server takes in "
+            f"one request ({MAX_CHOICES})",
+            param="best_of" if best_of > n else "n",
+        )
+    return n, best_of
+
+
+def _logprobs(body: dict[str, Any], endpoint: str) -> int | None:
+    """Top logprobs per output token: completions' `logprobs` is that count; chat's
+    `logprobs` is a bool and `top_logprobs` the count."""
+    if endpoint == "completion":
+        return _optional_count(body, "logprobs", MAX_TOP_LOGPROBS)
+    wanted = _optional_bool(body, "logprobs", False)
+    top = _optional_count(body, "top_logprobs", MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _optional_count(body: dict[str, Any], name: str, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= high:
+        raise RequestError(
+            f"{name} must be an int in [0, {high}] or null, got {shorten(value)}", param=name
+        )
+    return value
+
+
 def _sampling_params(
-    body: dict[str, Any], max_tokens: int, stop_ids: set[int], ignore_eos: bool
+    body: dict[str, Any],
+    max_tokens: int,
+    stop_ids: set[int],
+    ignore_eos: bool,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    limits: ModelLimits,
 ) -> SamplingParams:
     temperature = _number(body, "temperature", 1.0, low=0.0, high=2.0)
     top_p = _number(body, "top_p", 1.0, low=0.0, high=1.0)
@@ -248,15 +403,68 @@ def _sampling_params(
         raise RequestError(
             f"seed must be an int in [0, 2**63) or null, got {shorten(seed)}", param="seed"
         )
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        seed=seed,
-        stop_token_ids=frozenset(stop_ids),
-        ignore_eos=ignore_eos,
-    )
+    min_tokens = body.get("min_tokens")
+    min_tokens = 0 if min_tokens is None else min_tokens
+    _int(min_tokens, "min_tokens", minimum=0)
+    if min_tokens > max_tokens:
+        raise RequestError(
+            f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})", param="min_tokens"
+        )
+    values = {
+        "min_p": _number(body, "min_p", 0.0, low=0.0, high=1.0),
+        "presence_penalty": _number(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0, low=0.01, high=100.0),
+    }
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=top_k,
+            seed=seed,
+            stop_token_ids=frozenset(stop_ids),
+            ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            logit_bias=_logit_bias(body, limits),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            **values,
+        )
+    except ValueError as error:  # what only SamplingParams checks; its message names the field
+        raise RequestError(str(error)) from None
+
+
+def _logit_bias(body: dict[str, Any], limits: ModelLimits) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids as JSON object keys (strings), biases in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise RequestError(
+            f"logit_bias must be an object of token id -> bias, got {shorten(bias)}",
+            param="logit_bias",
+        )
+    parsed = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < limits.vocab_size:
+            raise RequestError(
+                f"logit_bias key {shorten(key)} is not a token id in [0, {limits.vocab_size})",
+                param="logit_bias",
+            )
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not math.isfinite(value)
+            or not -100 <= value <= 100
+        ):
+            raise RequestError(
+                f"logit_bias[{key}] must be a number in [-100, 100], got {shorten(value)}",
+                param="logit_bias",
+            )
+        parsed[token] = float(value)
+    return parsed
 
 
 def _stops(body: dict[str, Any], limits: ModelLimits) -> tuple[tuple[str, ...], set[int]]:
@@ -292,64 +500,96 @@ def _stops(body: dict[str, Any], limits: ModelLimits) -> tuple[tuple[str, ...], 
     return tuple(strings), set(ids)
 
 
-def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) from stream_options."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise RequestError("stream_options needs stream: true", param="stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+    allowed = {"include_usage", "continuous_usage_stats"}
+    if not isinstance(options, dict) or set(options) - allowed:
         raise RequestError(
-            f"stream_options must be an object with include_usage, got {shorten(options)}",
+            f"stream_options must be an object with include_usage and/or "
+            f"continuous_usage_stats, got {shorten(options)}",
             param="stream_options",
         )
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise RequestError(
-            f"stream_options.include_usage must be true or false, got {shorten(include)}",
-            param="stream_options.include_usage",
-        )
-    return include
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name, False)
+        if value is None:
+            value = False
+        if not isinstance(value, bool):
+            raise RequestError(
+                f"stream_options.{name} must be true or false, got {shorten(value)}",
+                param=f"stream_options.{name}",
+            )
+        flags.append(value)
+    return flags[0], flags[1]
 
 
-def _completion_prompt(body: dict[str, Any], limits: ModelLimits) -> list[int]:
+def _completion_prompts(
+    body: dict[str, Any], limits: ModelLimits, add_special_tokens: bool
+) -> list[list[int]]:
+    """`prompt`: a string, a list of token ids, or a batch (a list of strings or of id lists)."""
     if "prompt" not in body:
         raise RequestError("prompt is required", param="prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) or (isinstance(prompt, list) and all(_is_int(t) for t in prompt)):
+        batch, where = [prompt], lambda index: "prompt"
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        batch, where = prompt, lambda index: f"prompt[{index}]"
+    else:
+        raise RequestError(
+            f"prompt must be a string, a list of token ids, or a list of those, got "
+            f"{shorten(prompt)}",
+            param="prompt",
+        )
+    if len(batch) > MAX_CHOICES:
+        raise RequestError(
+            f"prompt holds {len(batch)} prompts; this server takes at most {MAX_CHOICES} in "
+            "one request",
+            param="prompt",
+        )
+    return [
+        _one_prompt(item, limits, where(index), add_special_tokens)
+        for index, item in enumerate(batch)
+    ]
+
+
+def _one_prompt(
+    prompt: Any, limits: ModelLimits, param: str, add_special_tokens: bool
+) -> list[int]:
     if isinstance(prompt, str):
         if limits.tokenizer is None:
             raise RequestError(
-                "text prompts need the model's tokenizer.json; send token ids", param="prompt"
+                "text prompts need the model's tokenizer; send token ids", param=param
             )
-        _check_text_fits(prompt, limits, "prompt")
-        tokens = limits.tokenizer.encode(prompt)
+        _check_text_fits(prompt, limits, param)
+        tokens = limits.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
         if bad:
             raise RequestError(
-                f"prompt token id {bad[0]} at position {prompt.index(bad[0])} is outside the "
+                f"{param} token id {bad[0]} at position {prompt.index(bad[0])} is outside the "
                 f"vocabulary [0, {limits.vocab_size})",
-                param="prompt",
+                param=param,
             )
         tokens = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise RequestError(
-            f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
-            param="prompt",
-        )
     else:
         raise RequestError(
-            f"prompt must be a string or a list of token ids, got {shorten(prompt)}",
-            param="prompt",
+            f"{param} must be a string or a list of token ids, got {shorten(prompt)}",
+            param=param,
         )
     if not tokens:
-        raise RequestError("prompt is empty", param="prompt")
+        raise RequestError(f"{param} is empty", param=param)
     return tokens
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation for the chat template: each message's content as one string (text
+    parts joined); its other fields (name, tool_calls, tool_call_id, ...) passed on as they are,
+    since templates read them."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(
@@ -360,21 +600,24 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise RequestError(f"{where} must be an object, got {shorten(message)}", param=where)
-        unknown = sorted(set(message) - {"role", "content", "name"})
-        if unknown:
-            raise RequestError(f"{where} has unsupported field(s) {shorten(unknown)}", param=where)
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise RequestError(
                 f"{where}.role must be one of {list(CHAT_ROLES)}, got {shorten(role)}",
                 param=f"{where}.role",
             )
-        result.append({"role": role, "content": _content(message.get("content"), where)})
+        content = message.get("content")
+        if content is None and role != "assistant":
+            raise RequestError(f"{where}.content is required", param=f"{where}.content")
+        result.append({**message, "content": _content(content, where)})
     return result
 
 
 def _content(content: Any, where: str) -> str:
-    """A message's text: a string, or a list of text parts (joined)."""
+    """A message's text: a string, or a list of text parts (joined); an assistant message
+    that only calls tools has none."""
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -398,6 +641,54 @@ def _content(content: Any, where: str) -> str:
     )
 
 
+# -- /tokenize and /detokenize (vLLM's) ---------------------------------------------------------
+def tokenize_body(body: Any, limits: ModelLimits) -> list[int]:
+    """`/tokenize`: {"prompt": text, "add_special_tokens"?} or {"messages": [...],
+    "add_generation_prompt"?, "chat_template_kwargs"?} -> the token ids."""
+    body = _object(body)
+    assert limits.tokenizer is not None
+    if "messages" in body:
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise RequestError(
+                "chat_template_kwargs must be an object", param="chat_template_kwargs"
+            )
+        try:
+            text = limits.tokenizer.render_chat(
+                _messages(body),
+                add_generation_prompt=_optional_bool(body, "add_generation_prompt", True),
+                **kwargs,
+            )
+        except ValueError as error:
+            raise RequestError(str(error), param="messages") from None
+        return limits.tokenizer.encode(
+            text, add_special_tokens=_optional_bool(body, "add_special_tokens", False)
+        )
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise RequestError(
+            f"prompt must be a string (or give messages), got {shorten(prompt)}", param="prompt"
+        )
+    return limits.tokenizer.encode(
+        prompt, add_special_tokens=_optional_bool(body, "add_special_tokens", True)
+    )
+
+
+def detokenize_body(body: Any, limits: ModelLimits) -> list[int]:
+    """`/detokenize`: {"tokens": [ids]} -> the ids, checked against the vocabulary."""
+    body = _object(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        _is_int(t) and 0 <= t < limits.vocab_size for t in tokens
+    ):
+        raise RequestError(
+            f"tokens must be a list of token ids in [0, {limits.vocab_size}), got "
+            f"{shorten(tokens)}",
+            param="tokens",
+        )
+    return tokens
+
+
 # -- small checks -------------------------------------------------------------------------------
 def _check_text_fits(text: str, limits: ModelLimits, param: str) -> None:
     """Refuse text too long for max_model_len before paying for its encoding."""
@@ -417,13 +708,18 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(body) - allowed)
-    if unknown:
+def _check_fields(body: dict[str, Any], honoured: set[str], limits: ModelLimits) -> tuple[str, ...]:
+    """The body's unknown fields (to warn about), or a 400 naming them when requests are
+    strict. Fields at their neutral value and harmless fields are known."""
+    known = honoured | _HARMLESS | set(_NEUTRAL)
+    unknown = tuple(sorted(name[:80] for name in set(body) - known))
+    if unknown and limits.strict_requests:
         raise RequestError(
-            f"unrecognized request argument(s): {shorten(unknown)}; supported: {sorted(allowed)}",
-            param=unknown[0][:80],
+            f"unrecognized request argument(s): {shorten(list(unknown))}; supported: "
+            f"{sorted(honoured)} (server.strict_requests is on)",
+            param=unknown[0],
         )
+    return unknown
 
 
 def _int(value: Any, name: str, *, minimum: int) -> None:

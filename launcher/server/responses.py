@@ -28,10 +28,14 @@ class Usage:
 
 @dataclass(frozen=True)
 class ResponseShape:
+    """One request's reply: its id, model, creation time and endpoint; builds the whole body,
+    each choice, each server-sent-event chunk and the logprobs in the endpoint's format."""
+
     request_id: str
     model: str
     endpoint: str  # "completion" or "chat"
     return_token_ids: bool
+    tokenizer: Any = None  # a ModelTokenizer, for token texts (None: ids stand in for them)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -47,39 +51,51 @@ class ResponseShape:
             "choices": choices,
         }
 
-    def full(
-        self, text: str, token_ids: list[int], finish_reason: str, usage: Usage
+    def choice(
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The whole reply of a request that did not stream."""
+        """One choice of a whole (not streamed) reply."""
         if self.endpoint == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None}
+            body: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            choice["logprobs"] = None
-        choice["finish_reason"] = finish_reason
+            message = {"role": "assistant", "content": text}
+            body = {"index": index, "message": message, "logprobs": logprobs}
+        body["finish_reason"] = finish_reason
         if self.return_token_ids:
-            choice["token_ids"] = token_ids
-        body = self._envelope(self._object, [choice])
+            body["token_ids"] = token_ids
+        return body
+
+    def full(self, choices: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+        """The whole reply of a request that did not stream."""
+        body = self._envelope(self._object, choices)
         body["usage"] = usage.body()
         return body
 
     def chunk(
         self,
+        index: int,
         text: str,
         token_ids: list[int],
         finish_reason: str | None = None,
         *,
         first: bool = False,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One streamed piece; ``first`` opens a chat reply with the assistant's role."""
+        """One streamed piece of choice ``index``; ``first`` opens a chat choice with the
+        assistant's role."""
         if self.endpoint == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None}
+            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
             obj = "text_completion"
         else:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
             obj = "chat.completion.chunk"
         choice["finish_reason"] = finish_reason
         if self.return_token_ids:
@@ -92,6 +108,74 @@ class ResponseShape:
         body = self._envelope(obj, [])
         body["usage"] = usage.body()
         return body
+
+    # -- logprobs ---------------------------------------------------------------------------
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as logprobs name it (vLLM's `token_id:N` without a tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(
+        self, token_ids: list[int], entries: list[Any] | None, text_offset: int
+    ) -> dict[str, Any] | None:
+        """``entries``: one `TokenLogprob` (or None, for a prompt's first token) per token."""
+        if entries is None:
+            return None
+        if self.endpoint == "completion":
+            tokens, values, tops, offsets = [], [], [], []
+            offset = text_offset
+            for token_id, entry in zip(token_ids, entries, strict=False):
+                text = self.token_text(token_id)
+                tokens.append(text)
+                offsets.append(offset)
+                offset += len(text)
+                values.append(None if entry is None else entry.logprob)
+                tops.append(None if entry is None else self._top_by_text(entry.top))
+            return {
+                "tokens": tokens,
+                "token_logprobs": values,
+                "top_logprobs": tops,
+                "text_offset": offsets,
+            }
+        content = []
+        for token_id, entry in zip(token_ids, entries, strict=False):
+            if entry is None:
+                continue
+            text = self.token_text(token_id)
+            content.append(
+                {
+                    "token": text,
+                    "logprob": entry.logprob,
+                    "bytes": list(text.encode("utf-8", "replace")),
+                    "top_logprobs": [
+                        {
+                            "token": (top := self.token_text(t)),
+                            "logprob": lp,
+                            "bytes": list(top.encode("utf-8", "replace")),
+                        }
+                        for t, lp in entry.top
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def _top_by_text(self, top: Any) -> dict[str, float] | None:
+        """Completions' top logprobs, keyed by token text: where two tokens have the same text
+        (pieces of one UTF-8 character), the more likely one keeps the key."""
+        by_text: dict[str, float] = {}
+        for token_id, logprob in top:  # most likely first
+            by_text.setdefault(self.token_text(token_id), logprob)
+        return by_text or None
+
+    @staticmethod
+    def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+        """Completions' logprobs of the echoed prompt followed by the output's (whose text
+        offsets already count the prompt's text)."""
+        return {key: first[key] + second[key] for key in first}
 
 
 def sse(body: dict[str, Any] | str) -> bytes:

@@ -65,13 +65,17 @@ class ModelTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """The prompt text for ``messages`` (role and string content each), ending with the
-        assistant's opening. Raises ValueError if the checkpoint has no chat template or the
-        template rejects the conversation."""
+        assistant's opening unless ``add_generation_prompt`` is false; ``kwargs`` reach the
+        template as variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`). Raises
+        ValueError if the checkpoint has no chat template or the template rejects the
+        conversation."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer_config.json has no chat_template")
         if self._template is None:
@@ -79,12 +83,14 @@ class ModelTokenizer:
         from jinja2 import TemplateError
 
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
+            variables = {
+                **kwargs,
+                "messages": messages,
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+            }
+            return self._template.render(**variables)
         except TemplateError as error:
             raise ValueError(f"the chat template rejected the messages: {error}") from None
 
@@ -97,11 +103,21 @@ class TextDelta:
 
 
 class IncrementalDetokenizer:
-    """One request's output tokens to text, token by token, with stop strings cut exactly."""
+    """One request's output tokens to text, token by token, with stop strings cut exactly
+    (before the stop string, or after it with ``include_stop``)."""
 
-    def __init__(self, tokenizer: ModelTokenizer | None, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer | None,
+        stop: Sequence[str] = (),
+        *,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
         self.text = ""  # decoded so far, up to any stop string
@@ -135,8 +151,11 @@ class IncrementalDetokenizer:
         tokens = self.token_ids
         # Decode a window that starts a token before the unread ones: tokenizers whose pieces
         # depend on their left neighbour (leading spaces) decode the new part right.
-        before = self.tokenizer.decode(tokens[self._prefix_offset : self._read_offset])
-        now = self.tokenizer.decode(tokens[self._prefix_offset :])
+        skip = self.skip_special_tokens
+        before = self.tokenizer.decode(
+            tokens[self._prefix_offset : self._read_offset], skip_special_tokens=skip
+        )
+        now = self.tokenizer.decode(tokens[self._prefix_offset :], skip_special_tokens=skip)
         if len(now) > len(before) and (flush or not now.endswith(_REPLACEMENT)):
             self.text += now[len(before) :]
             self._prefix_offset = self._read_offset
@@ -146,9 +165,10 @@ class IncrementalDetokenizer:
         if not self.stop:
             return
         start = max(0, self._searched - self._hold)
-        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        found = [(i, len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if found:
-            self.text = self.text[: min(found)]
+            index, length = min(found)
+            self.text = self.text[: index + length if self.include_stop else index]
             self.stopped = True
         self._searched = len(self.text)
 

@@ -276,12 +276,12 @@ def test_the_pending_limit_answers_503_with_retry_after(server):
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"extra_body": {"use_beam_search": True}}, "use_beam_search"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -0.5}, "temperature"),
         ({"extra_body": {"top_k": "many"}}, "top_k"),
         ({"extra_body": {"dp_rank": 1}}, "dp_rank"),
-        ({"extra_body": {"colour": "blue"}}, "colour"),
         ({"prompt": [5, 100000]}, "prompt"),
     ],
 )

@@ -4,6 +4,7 @@ chat template against transformers, request validation, settings, step counters.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 
 import pytest
@@ -116,8 +117,22 @@ BASE = {"model": "tiny", "prompt": [1, 2, 3]}
 @pytest.mark.parametrize(
     ("change", "param", "status", "words"),
     [
-        ({"n": 2}, "n", 400, "n=2 is not supported"),
-        ({"n": True}, "n", 400, "not supported"),
+        ({"n": 0}, "n", 400, "n must be an int >= 1, got 0"),
+        ({"n": True}, "n", 400, "n must be an int >= 1, got True"),
+        ({"n": 2, "best_of": 1}, "best_of", 400, "best_of (1) must be >= n (2)"),
+        ({"n": 200}, "n", 400, "more than this server takes in one request (128)"),
+        ({"best_of": 3, "stream": True}, "best_of", 400, "best_of > n cannot stream"),
+        ({"use_beam_search": True}, "use_beam_search", 400, "use_beam_search=True is not"),
+        ({"suffix": "x"}, "suffix", 400, "suffix='x' is not supported"),
+        ({"min_tokens": 20}, "min_tokens", 400, "min_tokens (20) must be <= max_tokens (16)"),
+        ({"repetition_penalty": 0}, "repetition_penalty", 400, "[0.01, 100.0]"),
+        ({"presence_penalty": 3}, "presence_penalty", 400, "[-2.0, 2.0]"),
+        ({"min_p": 2}, "min_p", 400, "min_p must be a number in [0.0, 1.0]"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", 400, "logit_bias key 'x' is not a token id"),
+        ({"logit_bias": {"500": 1}}, "logit_bias", 400, "not a token id in [0, 384)"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", 400, "logit_bias[5] must be a number in"),
+        ({"logprobs": 21}, "logprobs", 400, "logprobs must be an int in [0, 20] or null"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs", 400, "prompt_logprobs must be an int in"),
         ({"max_tokens": 0}, "max_tokens", 400, "max_tokens must be an int >= 1, got 0"),
         ({"max_tokens": 62}, "max_tokens", 400, "leave 61 of max_model_len 64"),
         ({"temperature": -1}, "temperature", 400, "temperature must be a number in [0.0, 2.0]"),
@@ -128,14 +143,15 @@ BASE = {"model": "tiny", "prompt": [1, 2, 3]}
         ({"stop": 5}, "stop", 400, "stop must be a string or a list of strings"),
         ({"stop_token_ids": [384]}, "stop_token_ids", 400, "[0, 384)"),
         ({"dp_rank": 2}, "dp_rank", 400, "dp_rank must be an int in [0, 2)"),
-        ({"logprobs": 2}, "logprobs", 400, "logprobs=2 is not supported"),
         ({"stream_options": {"include_usage": True}}, "stream_options", 400, "stream: true"),
-        ({"frobnicate": 1}, "frobnicate", 400, "unrecognized request argument(s): ['frobnicate']"),
+        ({"stream": True, "stream_options": {"x": 1}}, "stream_options", 400, "continuous"),
         ({"model": "gpt-4"}, "model", 404, "'gpt-4' does not exist"),
         ({"prompt": []}, "prompt", 400, "prompt is empty"),
         ({"prompt": [1, 400]}, "prompt", 400, "token id 400 at position 1 is outside"),
-        ({"prompt": ["a", "b"]}, "prompt", 400, "one prompt per request"),
-        ({"prompt": {"text": "a"}}, "prompt", 400, "prompt must be a string or a list of"),
+        ({"prompt": [[1], []]}, "prompt[1]", 400, "prompt[1] is empty"),
+        ({"prompt": [[1], [400]]}, "prompt[1]", 400, "prompt[1] token id 400 at position 0"),
+        ({"prompt": [[1]] * 129}, "prompt", 400, "holds 129 prompts; this server takes at most"),
+        ({"prompt": {"text": "a"}}, "prompt", 400, "prompt must be a string, a list of token"),
         ({"prompt": list(range(1, 65))}, "prompt", 400, "64 tokens; max_model_len is 64"),
     ],
 )
@@ -153,7 +169,7 @@ def test_bad_completion_requests_name_the_field(limits, change, param, status, w
         ([{"role": "robot", "content": "hi"}], "messages[0].role"),
         ([{"role": "user", "content": 5}], "messages[0].content"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
-        ([{"role": "user", "content": "hi", "tool_calls": []}], "messages[0]"),
+        ([{"role": "user"}], "messages[0].content"),
     ],
 )
 def test_bad_chat_messages_name_the_field(limits, messages, param):
@@ -194,6 +210,67 @@ def test_a_good_request_becomes_its_sampling_params(limits, tokenizer):
     assert parse_completion({**BASE, "prompt": "Hello"}, limits).prompt_token_ids == (
         tokenizer.encode("Hello")
     )
+
+
+def test_unknown_fields_are_ignored_and_named_or_refused_when_strict(limits):
+    body = {**BASE, "frobnicate": 1, "ttl": 2, "user": "u", "metadata": {"a": 1}}
+    request = parse_completion(body, limits)
+    assert request.ignored_fields == ("frobnicate", "ttl")  # user/metadata change nothing
+    strict = dataclasses.replace(limits, strict_requests=True)
+    with pytest.raises(RequestError, match=r"unrecognized request argument\(s\): \['frobnic"):
+        parse_completion(body, strict)
+    # vLLM's neutral values always pass: vllm bench serve sends repetition_penalty 1.0.
+    neutral = {"repetition_penalty": 1.0, "use_beam_search": False, "suffix": None, "n": 1}
+    assert parse_completion({**BASE, **neutral}, strict).params.repetition_penalty == 1.0
+
+
+def test_vllms_fields_become_the_sampling_params(limits):
+    request = parse_completion(
+        {
+            **BASE,
+            "prompt": [[1, 2], [3, 4, 5]],
+            "n": 2,
+            "best_of": 3,
+            "seed": 11,
+            "min_p": 0.1,
+            "min_tokens": 2,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "repetition_penalty": 1.2,
+            "logit_bias": {"7": -5, "9": 2.5},
+            "logprobs": 3,
+            "echo": True,
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+        },
+        limits,
+    )
+    params = request.params
+    assert request.prompts == [[1, 2], [3, 4, 5]] and (request.n, request.best_of) == (2, 3)
+    assert (params.min_p, params.min_tokens, params.presence_penalty) == (0.1, 2, 0.5)
+    assert (params.frequency_penalty, params.repetition_penalty) == (-0.5, 1.2)
+    assert params.logit_bias == {7: -5.0, 9: 2.5} and params.logprobs == 3
+    assert params.prompt_logprobs == 3 and request.echo  # echo with logprobs scores the prompt
+    assert request.include_stop_str_in_output and not request.skip_special_tokens
+    # Six samples (2 prompts x best_of 3); each sample of a prompt has its own stream.
+    seeds = [request.sample_params(s).seed for s in range(request.num_samples)]
+    assert seeds[0] == seeds[3] == 11 and len(set(seeds[:3])) == 3
+    assert seeds[:3] == seeds[3:]  # the same per-sample seeds for each prompt
+    chat = parse_chat(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "x"}],
+            "logprobs": True,
+            "top_logprobs": 4,
+            "stream": True,
+            "stream_options": {"continuous_usage_stats": True},
+        },
+        limits,
+    )
+    assert chat.logprobs == 4 and chat.continuous_usage and not chat.include_usage
+    with pytest.raises(RequestError, match="top_logprobs needs logprobs: true"):
+        parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                    "top_logprobs": 2}, limits)  # fmt: skip
 
 
 # -- settings -----------------------------------------------------------------------------------

@@ -1,0 +1,286 @@
+"""The request fields vLLM's clients send, through the official `openai` client, each against a
+reference: transformers' own logits (logprobs, echo, penalties, logit_bias, min_tokens) and the
+offline `LLM` (n, best_of, seeds, batched prompts).
+
+One server (launcher local, DP=1, float64 so logprobs compare to 1e-6) serves the module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+
+import openai
+import pytest
+import torch
+from model_fixtures import hf_model
+from server_harness import ServerThread
+
+from dist_engine.engine.config import EngineConfig
+from launcher import LLM, SamplingParams
+from launcher.server.config import ServerConfig
+
+ENGINE = {
+    "dtype": "float64",
+    "parallel": {"dp_size": 1, "launcher": "local", "threads_per_rank": 1},
+    "scheduler": {"max_num_seqs": 16, "max_model_len": 256, "num_blocks": 512, "block_size": 8},
+}
+PROMPT = [5, 17, 42, 99, 7, 3]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    instance = ServerThread(
+        EngineConfig.from_dict({"model": model_dir, **ENGINE}),
+        ServerConfig(port=0, served_model_name="tiny"),
+    )
+    yield instance
+    instance.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return hf_model(model_dir, torch.float64)
+
+
+def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at every position: [len(tokens), V]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0]
+    return logits.double().log_softmax(-1)
+
+
+def hf_penalised_greedy(model, prompt, steps, *, presence=0.0, frequency=0.0, repetition=1.0,
+                        bias=None, min_tokens=0, eos=()):  # fmt: skip
+    """Greedy decoding by hand over transformers' logits, with vLLM's penalties (repetition
+    over prompt and output, presence and frequency over the output), logit_bias, and the EOS
+    ids masked until min_tokens."""
+    tokens, out = list(prompt), []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1].double().clone()
+        for token_id, value in (bias or {}).items():
+            logits[token_id] += value
+        if len(out) < min_tokens:
+            for token_id in eos:
+                logits[token_id] = -math.inf
+        for token_id in set(tokens):
+            if repetition != 1.0:
+                value = logits[token_id]
+                logits[token_id] = value / repetition if value > 0 else value * repetition
+        for token_id in set(out):
+            logits[token_id] -= presence + frequency * out.count(token_id)
+        choice = int(logits.argmax())
+        out.append(choice)
+        tokens.append(choice)
+    return out
+
+
+def test_completion_logprobs_are_transformers_log_softmax(client, server, reference):
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    tokens = choice.token_ids
+    expected = hf_logprobs(reference, PROMPT + tokens)
+    for step, token in enumerate(tokens):
+        row = expected[len(PROMPT) - 1 + step]
+        assert choice.logprobs.token_logprobs[step] == pytest.approx(float(row[token]), abs=1e-6)
+        # Keyed by each token's text, as OpenAI's format is: two tokens whose text is the same
+        # (pieces of one UTF-8 character) share a key, so there may be fewer than 3.
+        top = choice.logprobs.top_logprobs[step]
+        best = row.topk(3).values.tolist()
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(best[0], abs=1e-6)
+        assert all(any(abs(v - b) < 1e-6 for b in best) for v in top.values())
+    assert choice.logprobs.text_offset[0] == 0 and len(choice.logprobs.tokens) == len(tokens)
+
+
+def test_echo_with_logprobs_scores_every_prompt_token_like_lm_eval_asks(server, reference):
+    """lm-eval's loglikelihood request: batched token-list prompts, echo, logprobs 1,
+    max_tokens 1 (sent raw, as lm-eval's local-completions does)."""
+    prompts = [PROMPT, [9, 8, 7, 6, 5]]
+    body = {"model": "tiny", "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0.0, "seed": 1234}  # fmt: skip
+    request = urllib.request.Request(
+        f"{server.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        reply = json.loads(response.read())
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
+    for prompt, choice in zip(prompts, reply["choices"], strict=True):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(prompt) + 1  # the prompt, then 1 token
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        expected = hf_logprobs(reference, prompt)
+        for position in range(1, len(prompt)):
+            got = logprobs["token_logprobs"][position]
+            assert got == pytest.approx(float(expected[position - 1, prompt[position]]), abs=1e-6)
+            assert len(logprobs["top_logprobs"][position]) >= 1
+    assert reply["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+
+
+def test_chat_logprobs_and_top_logprobs(client):
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-9)  # greedy
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 1.0},
+        {"repetition_penalty": 1.8},
+        {"presence_penalty": -1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+    ],
+)
+def test_penalties_match_a_greedy_loop_over_transformers_logits(client, reference, penalties):
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+        presence_penalty=penalties.get("presence_penalty", 0),
+        frequency_penalty=penalties.get("frequency_penalty", 0),
+        extra_body={"ignore_eos": True, "return_token_ids": True,
+                    "repetition_penalty": penalties.get("repetition_penalty", 1.0)},
+    )  # fmt: skip
+    expected = hf_penalised_greedy(
+        reference, PROMPT, 12,
+        presence=penalties.get("presence_penalty", 0.0),
+        frequency=penalties.get("frequency_penalty", 0.0),
+        repetition=penalties.get("repetition_penalty", 1.0),
+    )  # fmt: skip
+    assert reply.choices[0].token_ids == expected
+
+
+def test_logit_bias_and_min_tokens(client, server, reference):
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logit_bias={"33": 100},
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert reply.choices[0].token_ids == [33] * 5
+    # min_tokens: the EOS ids the engine stops at are masked until that many tokens are out.
+    eos = sorted(server.server.limits.tokenizer.eos_token_ids)
+    biased = {str(eos[0]): 50.0}  # make EOS the greedy choice at once
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, logit_bias=biased,
+        extra_body={"min_tokens": 4, "return_token_ids": True},
+    )  # fmt: skip
+    expected = hf_penalised_greedy(reference, PROMPT, 5, bias={eos[0]: 50.0}, min_tokens=4, eos=eos)
+    assert reply.choices[0].token_ids == expected[:4] + [eos[0]]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_n_samples_are_the_offline_paths_seeded_samples(client, model_dir):
+    reply = client.completions.create(
+        model="tiny", prompt=[[1, 2, 3], [4, 5]], max_tokens=8, temperature=1.0, n=3, seed=99,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    assert [c.index for c in reply.choices] == list(range(6))
+    got = [c.token_ids for c in reply.choices]
+    assert len({tuple(t) for t in got[:3]}) == 3  # three different samples of prompt 0
+    from launcher.server.protocol import GenerationRequest
+
+    generation = GenerationRequest(
+        "completion", [[1, 2, 3], [4, 5]], 3, 3,
+        SamplingParams(max_tokens=8, temperature=1.0, seed=99, ignore_eos=True),
+        (), False, True, False, False, False, None, False, False, None, None,
+    )  # fmt: skip
+    settings = {"dtype": "float64", "threads_per_rank": 1, **ENGINE["scheduler"]}
+    with LLM(model=model_dir, launcher="local", **settings) as llm:
+        offline = llm.generate(
+            [generation.prompts[s // 3] for s in range(6)],
+            [generation.sample_params(s) for s in range(6)],
+            use_tqdm=False,
+        )
+    assert got == [o.output_token_ids for o in offline]
+
+
+def test_best_of_keeps_the_most_likely_samples(client):
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, n=2, best_of=5, seed=3,
+        logprobs=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    every = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=1.0, n=5, seed=3, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    totals = sorted((sum(c.logprobs.token_logprobs) for c in every.choices), reverse=True)
+    kept = sorted((sum(c.logprobs.token_logprobs) for c in reply.choices), reverse=True)
+    assert kept == pytest.approx(totals[:2])
+
+
+def test_streaming_carries_choice_indices_and_continuous_usage(client):
+    stream = client.completions.create(
+        model="tiny", prompt=[[1, 2], [3, 4]], max_tokens=5, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    seen, finished, usage, last_completion_tokens = set(), set(), None, 0
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens >= last_completion_tokens
+            last_completion_tokens = chunk.usage.completion_tokens
+            usage = chunk.usage
+        for choice in chunk.choices:
+            seen.add(choice.index)
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert seen == finished == {0, 1, 2, 3}
+    assert usage.completion_tokens == 20 and usage.prompt_tokens == 4
+
+
+def test_stop_strings_can_stay_in_the_output(client, server):
+    tokenizer = server.server.limits.tokenizer
+    full = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0,
+        extra_body={"ignore_eos": True},
+    ).choices[0].text  # fmt: skip
+    stop = full[5:8]
+    assert stop and tokenizer is not None
+    cut = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0, stop=stop,
+        extra_body={"ignore_eos": True},
+    ).choices[0]  # fmt: skip
+    kept = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=30, temperature=0, stop=stop,
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    ).choices[0]  # fmt: skip
+    start = full.index(stop)
+    assert cut.text == full[:start] and kept.text == full[: start + len(stop)]
+    assert cut.finish_reason == kept.finish_reason == "stop"
+
+
+def test_tokenize_detokenize_and_version(server):
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(
+            f"{server.url}{path}", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read())
+
+    tokenizer = server.server.limits.tokenizer
+    tokens = post("/tokenize", {"prompt": "Hello there"})
+    assert tokens["tokens"] == tokenizer.encode("Hello there") and tokens["count"] > 0
+    assert post("/detokenize", {"tokens": tokens["tokens"]})["prompt"] == "Hello there"
+    chat = post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert chat["tokens"] == tokenizer.encode(
+        tokenizer.render_chat([{"role": "user", "content": "hi"}]), add_special_tokens=False
+    )
+    with urllib.request.urlopen(f"{server.url}/version", timeout=30) as response:
+        assert json.loads(response.read())["version"]
