@@ -48,6 +48,9 @@ BACKEND_CHOICES = {
     "expert_backend": get_args(ExpertBackend),
     "norm_backend": get_args(NormBackend),
 }
+# generation_config: the model's generation_config.json ("auto"), none ("vllm"), or a directory
+# holding one (vLLM's --generation-config; launcher/generation_config.py reads it).
+GENERATION_CONFIG_MODES = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,18 @@ class EngineConfig:
     attention_backend: AttentionBackend = "auto"
     expert_backend: ExpertBackend = "auto"
     norm_backend: NormBackend = "auto"
+    # The front ends' settings (the LLM API, `lockstep run`, `lockstep serve`); the ranks take
+    # token ids and read none of them.
+    # A directory whose tokenizer files (tokenizer.json, tokenizer_config.json) encode prompts
+    # and decode outputs; null: the model's own.
+    tokenizer: str | None = None
+    # The default sampling of requests that set none: "auto" the model's generation_config.json,
+    # "vllm" none (temperature 1.0), or a directory holding a generation_config.json.
+    generation_config: str = "auto"
+    # vLLM's KV sizing by a share of GPU memory: accepted, but the engine sizes its pool by
+    # num_blocks or kv_cache_bytes; the front ends say it does not apply on a CPU group and
+    # refuse it on a GPU one (launcher/llm.py, check_gpu_memory_utilization).
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -135,6 +150,21 @@ class EngineConfig:
             _choice(key, getattr(self, key), allowed)
         if self.kv_cache_bytes is not None:
             _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        tokenizer = self.tokenizer
+        if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer):
+            raise ValueError(
+                f"tokenizer must be a directory with tokenizer files or null, got {tokenizer!r}"
+            )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                f"generation_config must be one of {list(GENERATION_CONFIG_MODES)} or a "
+                f"directory holding a generation_config.json, got {self.generation_config!r}"
+            )
+        value = self.gpu_memory_utilization
+        if value is not None and (
+            not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] or null, got {value!r}")
         if not isinstance(self.check_lockstep, bool):
             raise ValueError(f"check_lockstep must be true or false, got {self.check_lockstep!r}")
         for key, (neutral, why) in _SCHEDULER_ONLY.items():

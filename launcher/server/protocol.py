@@ -8,15 +8,18 @@ refused, as OpenAI's own API does, so a client never gets silently different beh
 
 Extensions beyond OpenAI's fields (vLLM spells the first four the same way): `top_k`,
 `ignore_eos`, `stop_token_ids`, `return_token_ids` (the output token ids in each choice and
-chunk), and `dp_rank` (pin the request to one DP rank).
+chunk), and `dp_rank` (pin the request to one DP rank). A request without `temperature`,
+`top_p` or `top_k` takes the model's defaults (`ModelLimits.defaults`: its
+generation_config.json, else vLLM's), and `model` may be any of the served names.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from launcher.generation_config import GenerationDefaults
 from launcher.server.tokenization import ModelTokenizer
 from scheduler import SamplingParams
 
@@ -59,11 +62,18 @@ def error_body(
 class ModelLimits:
     """What validation needs to know about the served model and group."""
 
-    served_model_name: str
+    served_model_name: str  # the first of the names; metrics count under it
     max_model_len: int
     vocab_size: int
     num_ranks: int
     tokenizer: ModelTokenizer | None
+    other_model_names: tuple[str, ...] = ()  # more names a request may give (aliases)
+    # What a request that sets no temperature, top_p or top_k gets (generation_config).
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.other_model_names)
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     dp_rank: int | None
     return_token_ids: bool
+    model: str  # the served name the request gave; its reply carries the same
 
 
 # Fields both endpoints accept, and the neutral values of those Lockstep does not implement.
@@ -170,10 +181,10 @@ def _generation(
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError(f"model must be a string, got {shorten(model)}", param="model")
-    if model != limits.served_model_name:
+    if model not in limits.served_model_names:
+        served = " or ".join(repr(name) for name in limits.served_model_names)
         raise RequestError(
-            f"the model {shorten(model)} does not exist; this server serves "
-            f"{limits.served_model_name!r}",
+            f"the model {shorten(model)} does not exist; this server serves {served}",
             param="model",
             status=404,
             code="model_not_found",
@@ -211,7 +222,9 @@ def _generation(
         # End-of-turn ids the engine does not know (generation_config.json, the tokenizer's
         # eos_token); ignore_eos leaves them out like the engine's own EOS ids.
         stop_ids |= limits.tokenizer.eos_token_ids
-    params = _sampling_params(body, max_tokens, stop_ids, ignore_eos)
+    if not ignore_eos:
+        stop_ids |= limits.defaults.eos_token_ids  # the generation_config setting's file
+    params = _sampling_params(body, max_tokens, stop_ids, ignore_eos, limits.defaults)
     stream = _optional_bool(body, "stream", False)
     include_usage = _stream_options(body, stream)
     dp_rank = body.get("dp_rank")
@@ -229,18 +242,27 @@ def _generation(
         include_usage=include_usage,
         dp_rank=dp_rank,
         return_token_ids=_optional_bool(body, "return_token_ids", False),
+        model=model,
     )
 
 
 def _sampling_params(
-    body: dict[str, Any], max_tokens: int, stop_ids: set[int], ignore_eos: bool
+    body: dict[str, Any],
+    max_tokens: int,
+    stop_ids: set[int],
+    ignore_eos: bool,
+    defaults: GenerationDefaults,
 ) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0, low=0.0, high=2.0)
-    top_p = _number(body, "top_p", 1.0, low=0.0, high=1.0)
+    # A field the request leaves out takes the model's default (generation_config.json, else
+    # vLLM's: temperature 1.0, no filters), each on its own, as vLLM's server does.
+    temperature = _number(body, "temperature", defaults.temperature, low=0.0, high=2.0)
+    top_p = _number(body, "top_p", defaults.top_p, low=0.0, high=1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be in (0, 1], got 0", param="top_p")
     top_k = body.get("top_k")
-    if top_k is None or top_k == -1:  # -1 is vLLM's spelling of "off"
+    if top_k is None:
+        top_k = defaults.top_k
+    elif top_k == -1:  # -1 is vLLM's spelling of "off"
         top_k = 0
     _int(top_k, "top_k", minimum=0)
     seed = body.get("seed")
