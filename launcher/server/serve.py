@@ -112,6 +112,7 @@ async def serve_until_signal(server: Any) -> None:
         raise
     config = server.config
     log.info("serving %s: %s", list(server.limits.served_model_names), config.public())
+    log.info("%s", server.limits.defaults.describe())
     host = f"[{config.host}]" if ":" in config.host else config.host
     print(f"lockstep serve: listening on http://{host}:{port}", flush=True)
     await stop.wait()
