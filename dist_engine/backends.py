@@ -41,6 +41,7 @@ from dist_engine.attention import (
     attention_backend,
     has_backend,
 )
+from dist_engine.engine.config import BACKEND_CHOICES
 from dist_engine.layers.moe import expert_impl
 from dist_engine.layers.norm import NormKernel
 from dist_engine.log import get_logger
@@ -49,11 +50,6 @@ from moe import DispatchMode, ExpertImpl
 if TYPE_CHECKING:
     from dist_engine.autotune import TuneShapes
 
-BACKEND_CHOICES = {
-    "attention_backend": ("auto", "native", "torch"),
-    "expert_backend": ("auto", "native", "torch", "grouped_mm"),
-    "norm_backend": ("auto", "native", "torch"),
-}
 BACKEND_KEYS = tuple(BACKEND_CHOICES)
 _OPS = {"attention_backend": "attention", "expert_backend": "experts", "norm_backend": "norm"}
 _REGIMES = ("decode", "prefill")

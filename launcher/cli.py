@@ -1,12 +1,15 @@
-"""The `lockstep` command line.
+"""The `lockstep` command line, in vLLM's spelling.
 
-    lockstep run [--config YAML] [--launcher ray|torchrun|local] [--dp-size N]
-                 [--prompts FILE.jsonl] [--output FILE.jsonl] [--max-tokens N] [--set k=v ...]
+    lockstep run   [MODEL] [--config YAML] [--set KEY=VALUE ...] [settings flags]
+                   [--prompts FILE.jsonl] [--output FILE.jsonl] [--max-tokens N] [--quiet]
+    lockstep serve [MODEL] [--config YAML] [--set KEY=VALUE ...] [settings flags]
     lockstep make-model --arch MODEL_TYPE --out DIR [...]   (any registered model_type)
-    lockstep serve [--config YAML] [--set k=v ...] [--host H] [--port N] [--api-key KEY]
 
-With no config, `run` serves the built-in tiny Qwen3-MoE with DP=2 on a local Ray. Under
-torchrun every process runs the same command; rank 0 prints and writes the output.
+Every config key is a flag (launcher/flags.py: `--max-model-len`, `-dp/--data-parallel-size`,
+`--served-model-name`, ...); the YAML gives the base, `--set` overrides it and the flags
+override both. With neither MODEL nor --config, `run` serves the built-in tiny Qwen3-MoE with
+DP=2 on a local Ray. Under torchrun every process runs the same command; rank 0 prints and
+writes the output.
 
 This module imports nothing heavy at the top (no torch): `lockstep --help` answers at once.
 """
@@ -28,12 +31,15 @@ PROMPTS_HELP = """prompts file (JSONL): one JSON object per line, with exactly o
   "prompt_token_ids": [1, 2, 3]
 and optionally
   "max_tokens": int >= 1           (default: --max-tokens)
-  "temperature": float >= 0        (default 0: greedy; below 1e-5 counts as greedy)
-  "top_p": float in (0, 1]         (default 1: off)
-  "top_k": int >= 0                (default 0: off)
+  "temperature": float >= 0        (below 1e-5: greedy)
+  "top_p": float in (0, 1]         (1: off)
+  "top_k": int >= 0                (0: off)
   "seed": int in [0, 2**64 - 1]    (default: none, a random seed per request)
   "ignore_eos": bool               (default false)
   "dp_rank": int in [0, dp_size)   (pin the request to a rank; default: round robin)
+A line without temperature, top_p or top_k takes the model's generation_config.json values
+for them, and vLLM's (temperature 1.0, the filters off) where it has none; its EOS ids stop
+the request unless it sets ignore_eos (--generation-config: auto, vllm for none, or a DIR).
 
 output file (JSONL): one record per request, written and flushed as each finishes, with
 "index" (its line among the prompts), "prompt_token_ids", "output_token_ids", "text",
@@ -48,45 +54,18 @@ SUCCESSFUL = ("stop", "length")
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="lockstep", description="Lockstep MoE serving runtime")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser(
-        "run",
-        help="run a generation job",
-        epilog=PROMPTS_HELP,
-        formatter_class=_Formatter,
-    )
-    run.add_argument("--config", help="YAML engine config (default: the built-in job)")
-    run.add_argument(
-        "--launcher", choices=["ray", "torchrun", "local"], help="override parallel.launcher"
-    )
-    run.add_argument("--dp-size", type=int, help="override parallel.dp_size")
-    run.add_argument("--prompts", help="JSONL file of prompts (default: built-in prompts)")
-    run.add_argument("--output", help="write results here as JSONL (see below)")
-    run.add_argument("--max-tokens", type=int, default=32, help="per request, unless it says")
-    run.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting"
-    )
-    run.add_argument("--quiet", action="store_true", help="print only the summary table")
-    commands.add_parser(
-        "make-model",
-        help="write a tiny random Hugging Face-format MoE checkpoint",
-        add_help=False,  # the subcommand parses (and documents) its own options
-    )
-    from launcher.server import serve
-
-    serve.add_arguments(
-        commands.add_parser("serve", help="an OpenAI-compatible HTTP server for the DP group")
-    )
+    parser, commands = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "serve" and not rest:
-        return serve_command(args)
     if args.command == "make-model":
         from dist_engine.models.make_model import main as make_model_main
 
         return make_model_main(rest)
     if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from launcher import flags
+
+        flags.unknown_arguments_error(commands[args.command], rest)
+    if args.command == "serve":
+        return serve_command(args)
     from dist_engine.errors import LockstepError
 
     try:
@@ -99,17 +78,55 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `lockstep` parser and its subcommands' parsers, by name."""
+    from launcher import flags
+    from launcher.server import serve
+
+    parser = argparse.ArgumentParser(
+        prog="lockstep", description="Lockstep MoE serving runtime", allow_abbrev=False
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="run a generation job",
+        epilog=PROMPTS_HELP,
+        formatter_class=_Formatter,
+        allow_abbrev=False,
+    )
+    job = run.add_argument_group("the job")
+    job.add_argument("--prompts", help="JSONL file of prompts (default: built-in prompts)")
+    job.add_argument("--output", help="write results here as JSONL (see below)")
+    job.add_argument("--max-tokens", type=int, default=32, help="per request, unless it says")
+    job.add_argument("--quiet", action="store_true", help="print only the summary table")
+    flags.add_common_arguments(run, server=False)
+    make_model = commands.add_parser(
+        "make-model",
+        help="write a tiny random Hugging Face-format MoE checkpoint",
+        add_help=False,  # the subcommand parses (and documents) its own options
+    )
+    serve_parser = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server for the DP group",
+        description=serve.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    serve.add_arguments(serve_parser)
+    return parser, {"run": run, "make-model": make_model, "serve": serve_parser}
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults shown after each option; the epilog (the file formats) kept as written."""
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    """`lockstep serve` (launcher/server/serve.py); with no --config, the built-in job's engine."""
+    """`lockstep serve` (launcher/server/serve.py); with neither MODEL nor --config, the
+    built-in job's engine."""
     from launcher.server import serve
 
-    builtin = argparse.Namespace(config=None, launcher=None, dp_size=None, set=[])
     try:
-        return serve.main(args, lambda: _job_config(builtin))
+        return serve.main(args, builtin_job)
     except ValueError as error:
         print(f"lockstep: error: {error}", file=sys.stderr)
         return 2
@@ -117,10 +134,11 @@ def serve_command(args: argparse.Namespace) -> int:
 
 def run_job(args: argparse.Namespace) -> int:
     from dist_engine.errors import LockstepError
+    from launcher.generation_config import load_generation_defaults
     from launcher.llm import LLM, started_by_torchrun
     from scheduler import SamplingParams
 
-    config = _job_config(args)
+    config = job_config(args)
     if config.parallel.launcher != "torchrun" and started_by_torchrun():
         raise ValueError(
             f"torchrun started this process, but the config's parallel.launcher is "
@@ -131,7 +149,10 @@ def run_job(args: argparse.Namespace) -> int:
         SamplingParams(max_tokens=args.max_tokens)
     except ValueError as error:
         raise ValueError(f"--max-tokens: {error}") from None
-    prompts, sampling, pins = _load_prompts(args.prompts, args.max_tokens, config.parallel.dp_size)
+    defaults = load_generation_defaults(config.generation_config, config.model)
+    prompts, sampling, pins = _load_prompts(
+        args.prompts, args.max_tokens, config.parallel.dp_size, defaults
+    )
     if args.output:
         check_output_path(Path(args.output))  # before any rank starts
     writes = config.parallel.launcher != "torchrun" or int(os.environ.get("RANK", "0")) == 0
@@ -218,46 +239,36 @@ class ResultWriter:
             partial.replace(self.path)
 
 
-def _job_config(args: argparse.Namespace):
-    import yaml
+def job_config(args: argparse.Namespace):
+    """The `run` command line's EngineConfig: --config (or MODEL, or the built-in job), then
+    --set, then the flags."""
+    from launcher import flags
 
-    from dist_engine.engine.config import EngineConfig
-
-    if args.config:
-        if not Path(args.config).is_file():
-            raise ValueError(f"--config {args.config}: no such file")
-        config = EngineConfig.from_yaml(args.config)
-    else:
-        from launcher.builtin import builtin_model
-
-        config = EngineConfig.from_dict(
-            {
-                "model": str(builtin_model()),
-                "parallel": {"dp_size": 2, "launcher": "ray"},
-                "scheduler": {"max_num_seqs": 32, "max_model_len": 1024, "num_blocks": 1024},
-            }
-        )
-    overrides: dict[str, Any] = {}
-    if args.launcher:
-        overrides["launcher"] = args.launcher
-    if args.dp_size is not None:  # so that --dp-size 0 is refused, not ignored
-        overrides["dp_size"] = args.dp_size
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
-        overrides[key.strip()] = yaml.safe_load(value)
-    return config.with_overrides(**overrides) if overrides else config
+    config, _ = flags.load_settings(args, server=False, builtin=builtin_job)
+    return config
 
 
-def _load_prompts(path: str | None, max_tokens: int, dp_size: int):
-    from scheduler import SamplingParams
+def builtin_job() -> dict[str, Any]:
+    """The built-in job's settings (configs/builtin.yaml says the same), its model made on
+    first use."""
+    from launcher.builtin import builtin_model
 
+    return {
+        "model": str(builtin_model()),
+        "parallel": {"dp_size": 2, "launcher": "ray"},
+        "scheduler": {"max_num_seqs": 32, "max_model_len": 1024, "num_blocks": 1024},
+    }
+
+
+def _load_prompts(path: str | None, max_tokens: int, dp_size: int, defaults: Any):
+    """(prompts, their SamplingParams, their dp_rank pins); ``defaults``: the
+    GenerationDefaults of the sampling fields a line leaves out."""
     if path is None:
         from launcher.builtin import BUILTIN_PROMPTS
 
         count = len(BUILTIN_PROMPTS)
-        return BUILTIN_PROMPTS, [SamplingParams(max_tokens=max_tokens)] * count, [None] * count
+        params = defaults.sampling_params(max_tokens=max_tokens)
+        return BUILTIN_PROMPTS, [params] * count, [None] * count
     if not Path(path).is_file():
         raise ValueError(f"--prompts {path}: no such file")
     prompts, params, pins = [], [], []
@@ -282,7 +293,7 @@ def _load_prompts(path: str | None, max_tokens: int, dp_size: int):
             )
         settings = {"max_tokens": max_tokens, **{k: item[k] for k in SAMPLING_KEYS if k in item}}
         try:
-            params.append(SamplingParams(**settings))
+            params.append(defaults.sampling_params(**settings))
         except ValueError as error:
             raise ValueError(f"{path}:{number}: {error}") from None
         pin = item.get("dp_rank")

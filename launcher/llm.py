@@ -1,11 +1,18 @@
-"""The offline API: ``LLM(...).generate(prompts, params)`` over a DP group of engines.
+"""The offline API: ``LLM(...).generate(prompts, params)`` over a DP group of engines, shaped
+like vLLM's.
 
-    with LLM(model=DIR, dp_size=2, launcher="ray", dtype="float32") as llm:
+    with LLM(DIR, data_parallel_size=2, launcher="ray", dtype="float32") as llm:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=32))
+        outputs[0].outputs[0].text          # vLLM's shape
+        outputs[0].text, outputs[0].output_token_ids, outputs[0].dp_rank   # Lockstep's
 
-Prompts are token-id lists, or strings when the model directory has a tokenizer.json. Each
-output carries ``request_id``, ``prompt_token_ids``, ``output_token_ids``, ``text``,
-``finish_reason`` and ``dp_rank``. If a rank dies, ``generate`` raises ``LockstepError`` naming
+Prompts are token-id lists, or strings when the tokenizer directory (the model's, or the
+`tokenizer` setting) has a tokenizer.json. Each output carries vLLM's ``request_id``,
+``prompt``, ``prompt_token_ids``, ``outputs`` (one `CompletionOutput`) and ``finished``, and
+Lockstep's own ``output_token_ids``, ``text``, ``finish_reason``, ``dp_rank``, ``detail`` and
+timings. ``generate(prompts)`` with no sampling params samples with the model's defaults
+(launcher/generation_config.py), as vLLM does; a given ``SamplingParams`` is used as it is
+(``SamplingParams()`` is greedy). If a rank dies, ``generate`` raises ``LockstepError`` naming
 it; the error's ``outputs`` hold every request's result, the unfinished ones failed.
 """
 
@@ -17,7 +24,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +32,29 @@ from tqdm import tqdm
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import check_max_model_len
-from dist_engine.engine.outputs import ErrorKind, RequestOutput
+from dist_engine.engine.outputs import CompletionOutput, ErrorKind, RequestOutput
 from dist_engine.errors import GroupFailedError, LockstepError
+from dist_engine.log import get_logger
 from dist_engine.models.loader import check_checkpoint
 from launcher.clients import Client, LocalClient, RankFailure, Submission
+from launcher.flags import VLLM_KEYWORDS
+from launcher.generation_config import GenerationDefaults, load_generation_defaults
 from launcher.routing import Router
+from launcher.server.tokenization import check_tokenizer_dir
 from scheduler import SamplingParams
 
+log = get_logger()
 _POLL_S = 0.02
 
 
 @dataclass(frozen=True)
 class Completion(RequestOutput):
-    """A rank's ``RequestOutput`` plus the output decoded to text (when there is a tokenizer)."""
+    """A rank's ``RequestOutput`` plus the output decoded to text (when there is a tokenizer),
+    and vLLM's view of it: ``prompt`` and ``outputs``."""
 
     text: str | None = None
+    prompt: str | None = None  # the prompt as given, when it was text (vLLM's `prompt`)
+    outputs: list[CompletionOutput] = field(default_factory=list)  # vLLM's: one completion
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class _Prompt:
     token_ids: list[int]
     params: SamplingParams
     dp_rank: int | None  # pinned by the caller, or None
+    text: str | None  # the prompt as given, when it was text
 
 
 class _GroupFailure(Exception):
@@ -72,13 +88,29 @@ class LLM:
         model: str | Path | None = None,
         *,
         config: EngineConfig | str | Path | None = None,
+        data_parallel_size: int | None = None,
         dp_size: int | None = None,
         launcher: str | None = None,
         dtype: str | None = None,
         routing: str = "round_robin",
+        enable_expert_parallel: bool | None = None,
         **overrides: Any,
     ) -> None:
-        self.config = _build_config(model, config, dp_size, launcher, dtype, overrides)
+        """``model`` (a checkpoint directory) or ``config`` (an EngineConfig or a YAML path),
+        then any config key by name (``max_model_len=4096``); vLLM's names are taken too:
+        ``data_parallel_size`` (``dp_size``), ``kv_cache_memory_bytes`` (``kv_cache_bytes``),
+        ``enable_expert_parallel=True`` (expert parallelism is always on). ``seed=N`` (a config
+        key like the others) seeds the requests that give none; None: random."""
+        if enable_expert_parallel is False:
+            raise ValueError(
+                "enable_expert_parallel=False: Lockstep always spreads the experts over the DP "
+                "ranks (wide expert parallelism); leave it out or pass True"
+            )
+        if enable_expert_parallel:
+            log.info("enable_expert_parallel: expert parallelism is always on; nothing changes")
+        self.config = _build_config(
+            model, config, _dp_size(data_parallel_size, dp_size), launcher, dtype, overrides
+        )
         launcher_name = self.config.parallel.launcher
         if launcher_name != "torchrun" and started_by_torchrun():
             raise ValueError(
@@ -90,7 +122,13 @@ class LLM:
         # traceback from every rank after the launcher came up.
         model_config = check_checkpoint(self.config.model)
         check_max_model_len(self.config.scheduler.max_model_len, model_config)
-        self.tokenizer = _load_tokenizer(self.config.model)
+        if self.config.tokenizer is not None:
+            check_tokenizer_dir(self.config.tokenizer, "tokenizer")
+        self.tokenizer = _load_tokenizer(self.config.tokenizer or self.config.model)
+        self.generation_defaults: GenerationDefaults = load_generation_defaults(
+            self.config.generation_config, self.config.model
+        )
+        check_gpu_memory_utilization(self.config)
         self.client: Client
         if launcher_name == "ray":
             from launcher.ray_launcher import RayClient
@@ -102,6 +140,12 @@ class LLM:
             self.client = TorchrunClient(self.config)
         else:
             self.client = LocalClient(self.config)
+        try:
+            check_gpu_memory_utilization(self.config, self.client)
+        except ValueError:
+            self.client.shutdown()
+            raise
+        log.info("%s", self.generation_defaults.describe())
         self.router = Router(self.client.num_ranks, routing)
         self._ids = itertools.count()
         self._id_prefix = uuid.uuid4().hex[:8]
@@ -113,6 +157,12 @@ class LLM:
         self._at_exit = weakref.finalize(self, self.client.shutdown) if self._torchrun else None
 
     # -- generation -------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate(prompts)`` samples with when given no params (vLLM's name): the
+        model's generation_config.json values for temperature, top_p and top_k (vLLM's
+        defaults, temperature 1.0, where it has none), its EOS ids as stop ids, 16 tokens."""
+        return self.generation_defaults.sampling_params()
+
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
@@ -120,7 +170,8 @@ class LLM:
         dp_rank: int | Sequence[int | None] | None = None,
         use_tqdm: bool = True,
     ) -> list[Completion]:
-        """Run every prompt to its end; results in input order.
+        """Run every prompt to its end; results in input order. ``sampling_params``: one for
+        all, one per prompt, or None for `get_default_sampling_params()`.
 
         If a rank fails, raises `LockstepError` naming it once every request has its one
         terminal result: the error's `outputs` hold all of them in input order, the finished
@@ -154,7 +205,7 @@ class LLM:
         with tqdm(total=total, disable=not use_tqdm, desc="generate") as progress:
             try:
                 for index, output in self._run(requests, stream=False):
-                    finals[index] = self._completion(output)
+                    finals[index] = self._completion(output, requests[index])
                     progress.update(1)
                     yield index, finals[index]
             except _GroupFailure as raised:
@@ -173,7 +224,7 @@ class LLM:
                 if output is None:  # a rank that never delivered its share
                     reason = failure.reason if failure else "no result"
                     output = self._failed_output(requests[index], reason)
-                finals[index] = self._completion(output)
+                finals[index] = self._completion(output, requests[index])
                 yield index, finals[index]
         if failure is not None:
             self.shutdown()
@@ -195,8 +246,8 @@ class LLM:
             raise ValueError("generate_stream is not available under torchrun; use generate")
         requests = self._prepare(prompts, sampling_params, dp_rank)
         try:
-            for _, output in self._run(requests, stream=True):
-                yield self._completion(output)
+            for index, output in self._run(requests, stream=True):
+                yield self._completion(output, requests[index])
         except _GroupFailure as failure:
             self.shutdown()
             raise GroupFailedError(
@@ -232,7 +283,9 @@ class LLM:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise ValueError("prompts must be a list of strings or of token-id lists")
         count = len(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), count, "sampling_params")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _per_prompt(sampling_params, count, "sampling_params")
         pins = _per_prompt(dp_rank, count, "dp_rank")
         # Checked before anything is routed: under torchrun an out-of-range pin would be served
         # by no rank, and a late error would leave earlier requests counted by the router.
@@ -244,7 +297,13 @@ class LLM:
             ):
                 raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
         return [
-            _Prompt(f"{self._id_prefix}-{next(self._ids)}", self._tokens(prompt), param, pin)
+            _Prompt(
+                f"{self._id_prefix}-{next(self._ids)}",
+                self._tokens(prompt),
+                param,
+                pin,
+                prompt if isinstance(prompt, str) else None,
+            )
             for prompt, param, pin in zip(prompts, params, pins, strict=True)
         ]
 
@@ -337,12 +396,18 @@ class LLM:
             return self.tokenizer.encode(prompt).ids
         return list(prompt)
 
-    def _completion(self, output: RequestOutput) -> Completion:
+    def _completion(self, output: RequestOutput, prompt: _Prompt) -> Completion:
         text = None
         if self.tokenizer is not None and output.finished:
             text = self.tokenizer.decode(output.output_token_ids)
         values = {f.name: getattr(output, f.name) for f in fields(RequestOutput)}
-        return Completion(**values, text=text)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(output.output_token_ids),
+            finish_reason=output.finish_reason,
+        )
+        return Completion(**values, text=text, prompt=prompt.text, outputs=[completion])
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -365,6 +430,55 @@ def started_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "LOCAL_RANK"} <= set(os.environ)
 
 
+def check_gpu_memory_utilization(config: EngineConfig, client: Client | None = None) -> None:
+    """vLLM's `gpu_memory_utilization`: the engine sizes its KV pool by `scheduler.num_blocks`
+    or `kv_cache_bytes`, and cannot size it from free GPU memory. So the setting is refused for
+    a group on GPUs (ValueError saying what to give instead) and logged as not applying to a
+    CPU group. Called before the group starts, with what this host can tell, and again with
+    ``client`` once a Ray group has started (Ray gave it GPUs if the cluster has them)."""
+    value = config.gpu_memory_utilization
+    if value is None:
+        return
+    if _group_on_gpus(config, client):
+        raise ValueError(
+            f"gpu_memory_utilization {value}: Lockstep cannot size the KV pool from free GPU "
+            "memory; give kv_cache_bytes (--kv-cache-memory-bytes) or scheduler.num_blocks "
+            "instead, and leave gpu_memory_utilization unset"
+        )
+    if client is None:
+        log.warning(
+            "gpu_memory_utilization %s does not apply: the group runs on CPUs, and its KV pool "
+            "is sized by scheduler.num_blocks or kv_cache_bytes",
+            value,
+        )
+
+
+def _group_on_gpus(config: EngineConfig, client: Client | None) -> bool:
+    """Whether the group's ranks run on GPUs, as the launchers decide it (the MoE backend
+    resolves to nccl where CUDA is available; a local group of one runs on the CPU)."""
+    parallel = config.parallel
+    if parallel.launcher == "local" or parallel.backend == "gloo":
+        return False
+    if parallel.backend == "nccl":
+        return True
+    if client is not None and parallel.launcher == "ray":
+        import ray
+
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _dp_size(data_parallel_size: int | None, dp_size: int | None) -> int | None:
+    if None not in (data_parallel_size, dp_size) and data_parallel_size != dp_size:
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} and dp_size={dp_size} name the same "
+            "setting (parallel.dp_size); give one"
+        )
+    return data_parallel_size if data_parallel_size is not None else dp_size
+
+
 def _build_config(model, config, dp_size, launcher, dtype, overrides) -> EngineConfig:
     if isinstance(config, (str, Path)):
         config = EngineConfig.from_yaml(config)
@@ -375,6 +489,7 @@ def _build_config(model, config, dp_size, launcher, dtype, overrides) -> EngineC
     elif model is not None:
         overrides = {"model": str(model), **overrides}
     named = {"dp_size": dp_size, "launcher": launcher, "dtype": dtype}
+    overrides = {VLLM_KEYWORDS.get(k, k): v for k, v in overrides.items()}
     overrides = {**{k: v for k, v in named.items() if v is not None}, **overrides}
     return config.with_overrides(**overrides) if overrides else config
 

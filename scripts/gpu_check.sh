@@ -19,7 +19,8 @@ rng = random.Random(0)
 with open(sys.argv[1], "w") as f:
     for _ in range(16):
         ids = [rng.randrange(3, 250) for _ in range(rng.randint(4, 120))]
-        f.write(json.dumps({"prompt_token_ids": ids, "max_tokens": 24, "ignore_eos": True}) + "\n")
+        line = {"prompt_token_ids": ids, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+        f.write(json.dumps(line) + "\n")
 PY
 job=(-m torch.distributed.run --standalone --nproc-per-node 1 -m launcher.cli run
      --config configs/torchrun.yaml --dp-size 1 --set "model=$out/model"

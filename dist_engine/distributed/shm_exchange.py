@@ -41,10 +41,12 @@ import torch
 import torch.distributed as dist
 
 from dist_engine.distributed.plain_data import all_gather_json, broadcast_json
+
+# `parallel.moe_exchange`: how the MoE all-to-alls travel (see open_shared_memory_exchange);
+# its values live with the setting, in the torch-free engine config.
+from dist_engine.engine.config import MOE_EXCHANGES
 from dist_engine.kernels.build import CSRC, shared_library
 
-# `parallel.moe_exchange`: how the MoE all-to-alls travel (see open_shared_memory_exchange).
-MOE_EXCHANGES = ("auto", "shared_memory", "process_group")
 SHM_DIR = Path("/dev/shm")
 # Bytes per mailbox slot; each (receiver, sender) pair has two. A larger message goes in
 # chunks, pipelined over the two slots. 2 ranks: 4 MiB of shared memory; 8 ranks: 64 MiB.

@@ -8,7 +8,10 @@
     moe: {ll_max_tokens_per_rank: 64}
     check_lockstep: false
 
-Errors name the key, the value and what is allowed.
+Errors name the key, the value and what is allowed. Importing this module does not import
+torch: the command line builds its flags from these dataclasses (launcher/flags.py), and
+`lockstep --help` must answer at once. A setting with a fixed set of values has a `Literal`
+type; its tuple of values (`LAUNCHERS`, `BACKEND_CHOICES`, ...) is read from that type.
 """
 
 from __future__ import annotations
@@ -18,31 +21,44 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-import torch
-
-from dist_engine.backends import BACKEND_CHOICES
-from dist_engine.distributed.shm_exchange import MOE_EXCHANGES
 from scheduler import SchedulerConfig
 
-LAUNCHERS = ("ray", "torchrun", "local")
-BACKENDS = ("auto", "nccl", "gloo")
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
+if TYPE_CHECKING:
+    import torch
+
+Launcher = Literal["ray", "torchrun", "local"]
+Backend = Literal["auto", "nccl", "gloo"]
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+MoEExchange = Literal["auto", "shared_memory", "process_group"]
+Dtype = Literal["float32", "bfloat16", "float16", "float64"]  # torch's names for them
+# Which implementation runs each kind of op (dist_engine/backends.py resolves them).
+AttentionBackend = Literal["auto", "native", "torch"]
+ExpertBackend = Literal["auto", "native", "torch", "grouped_mm"]
+NormBackend = Literal["auto", "native", "torch"]
+
+LAUNCHERS = get_args(Launcher)
+BACKENDS = get_args(Backend)
+PLACEMENT_STRATEGIES = get_args(PlacementStrategy)
+MOE_EXCHANGES = get_args(MoEExchange)
+DTYPES = get_args(Dtype)
+BACKEND_CHOICES = {
+    "attention_backend": get_args(AttentionBackend),
+    "expert_backend": get_args(ExpertBackend),
+    "norm_backend": get_args(NormBackend),
 }
+# generation_config: the model's generation_config.json ("auto"), none ("vllm"), or a directory
+# holding one (vLLM's --generation-config; launcher/generation_config.py reads it).
+GENERATION_CONFIG_MODES = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     dp_size: int = 1
-    launcher: str = "ray"
-    backend: str = "auto"  # of the MoE group; the vote group is always gloo (CPU)
-    placement_strategy: str = "PACK"
+    launcher: Launcher = "ray"
+    backend: Backend = "auto"  # of the MoE group; the vote group is always gloo (CPU)
+    placement_strategy: PlacementStrategy = "PACK"
     collective_timeout_s: float = 60.0
     # Torch threads of each rank. None: under Ray the host's cores split evenly over the ranks
     # (at least 1 each); under torchrun or local, the process's own setting.
@@ -54,7 +70,7 @@ class ParallelConfig:
     # (dist_engine/distributed/shm_exchange.py), `process_group` through the MoE group's
     # backend; `auto` takes shared memory where every rank is on one host and the backend is
     # gloo.
-    moe_exchange: str = "auto"
+    moe_exchange: MoEExchange = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("parallel.dp_size", self.dp_size)
@@ -96,7 +112,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -110,18 +126,45 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     # Which implementation runs each kind of op (dist_engine/backends.py): auto (measured on
     # this host), native, torch, and for the experts grouped_mm.
-    attention_backend: str = "auto"
-    expert_backend: str = "auto"
-    norm_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
+    expert_backend: ExpertBackend = "auto"
+    norm_backend: NormBackend = "auto"
+    # The front ends' settings (the LLM API, `lockstep run`, `lockstep serve`); the ranks take
+    # token ids and read none of them.
+    # A directory whose tokenizer files (tokenizer.json, tokenizer_config.json) encode prompts
+    # and decode outputs; null: the model's own.
+    tokenizer: str | None = None
+    # The default sampling of requests that set none: "auto" the model's generation_config.json,
+    # "vllm" none (temperature 1.0), or a directory holding a generation_config.json.
+    generation_config: str = "auto"
+    # vLLM's KV sizing by a share of GPU memory: accepted, but the engine sizes its pool by
+    # num_blocks or kv_cache_bytes; the front ends say it does not apply on a CPU group and
+    # refuse it on a GPU one (launcher/llm.py, check_gpu_memory_utilization).
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
-        _choice("dtype", self.dtype, tuple(DTYPES))
+        _choice("dtype", self.dtype, DTYPES)
         for key, allowed in BACKEND_CHOICES.items():
             _choice(key, getattr(self, key), allowed)
         if self.kv_cache_bytes is not None:
             _positive_int("kv_cache_bytes", self.kv_cache_bytes)
+        tokenizer = self.tokenizer
+        if tokenizer is not None and (not isinstance(tokenizer, str) or not tokenizer):
+            raise ValueError(
+                f"tokenizer must be a directory with tokenizer files or null, got {tokenizer!r}"
+            )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                f"generation_config must be one of {list(GENERATION_CONFIG_MODES)} or a "
+                f"directory holding a generation_config.json, got {self.generation_config!r}"
+            )
+        value = self.gpu_memory_utilization
+        if value is not None and (
+            not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1
+        ):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] or null, got {value!r}")
         if not isinstance(self.check_lockstep, bool):
             raise ValueError(f"check_lockstep must be true or false, got {self.check_lockstep!r}")
         for key, (neutral, why) in _SCHEDULER_ONLY.items():
@@ -148,7 +191,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def backend_settings(self) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""What a DP rank reports about a request: streamed deltas and exactly one terminal result."""
+"""What a DP rank reports about a request: streamed deltas and exactly one terminal result;
+and `CompletionOutput`, the offline API's per-completion view in vLLM's shape."""
 
 from __future__ import annotations
 
@@ -107,3 +108,24 @@ class RequestOutput:
             detail=(seq.error_message or None) if finished else None,
             error_kind=kind,
         )
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, shaped like vLLM's (`output.outputs[0].text`).
+
+    ``finish_reason``: "stop" (an EOS or stop token), "length" (max_tokens or the model's
+    length), or Lockstep's other reasons as they are ("abort", "prompt_length_exceeded",
+    "insufficient_system_resource", "error: ..."); None while the request runs. The sampler
+    returns no log-probabilities, so ``cumulative_logprob`` and ``logprobs`` are None.
+    """
+
+    index: int
+    text: str | None  # None without a tokenizer, and while the request runs
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -30,6 +30,7 @@ from dist_engine.engine.config import EngineConfig
 from dist_engine.log import LOGGER_NAME, get_logger
 from dist_engine.models.registry import load_config
 from launcher.clients import Client
+from launcher.generation_config import load_generation_defaults
 from launcher.server.config import ServerConfig
 from launcher.server.frontend import EngineFrontend, RequestStream, Unavailable
 from launcher.server.generation import Choice, answer_stream, answer_whole
@@ -73,14 +74,18 @@ class LockstepServer:
     def __init__(self, client: Client, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.config = config
         model_dir = engine_config.model
-        name = config.served_model_name or Path(model_dir).resolve().name
+        names = config.served_model_name or (Path(model_dir).resolve().name,)
+        name = names[0]
+        tokenizer_dir = engine_config.tokenizer or model_dir
         self.limits = ModelLimits(
             served_model_name=name,
             max_model_len=engine_config.scheduler.max_model_len,
             vocab_size=load_config(model_dir).vocab_size,
             num_ranks=client.num_ranks,
-            tokenizer=ModelTokenizer.load(model_dir),
+            tokenizer=ModelTokenizer.load(tokenizer_dir, chat_template=config.chat_template_text()),
             strict_requests=config.strict_requests,
+            other_model_names=names[1:],
+            defaults=load_generation_defaults(engine_config.generation_config, model_dir),
         )
         self.metrics = ServerMetrics(name, client.num_ranks, self.limits.max_model_len)
         stats_log = None
@@ -246,14 +251,17 @@ class LockstepServer:
         return await self._generate(request, parse_chat, "chatcmpl-")
 
     async def _models(self, request: web.Request) -> web.Response:
-        model = {
-            "id": self.limits.served_model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "lockstep",
-            "max_model_len": self.limits.max_model_len,
-        }
-        return web.json_response({"object": "list", "data": [model]})
+        models = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "lockstep",
+                "max_model_len": self.limits.max_model_len,
+            }
+            for name in self.limits.served_model_names
+        ]
+        return web.json_response({"object": "list", "data": models})
 
     async def _health(self, request: web.Request) -> web.Response:
         healthy, reason = self.frontend.health()
@@ -282,7 +290,7 @@ class LockstepServer:
             request_id = f"{prefix}{uuid.uuid4().hex}"
             streams = self._open_samples(request_id, generation)
         shape = ResponseShape(
-            request_id, self.limits.served_model_name, generation.endpoint,
+            request_id, generation.model, generation.endpoint,
             generation.return_token_ids, self.limits.tokenizer,
         )  # fmt: skip
         choices = [

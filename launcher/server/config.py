@@ -5,7 +5,11 @@
       port: 8000
       api_key: null                # or $LOCKSTEP_API_KEY; with one, the API (/v1/*) wants
                                    # `Authorization: Bearer KEY` (/health, /metrics do not)
-      served_model_name: null      # default: the model directory's name
+      served_model_name: null      # a name or a list of them (default: the model
+                                   # directory's name); requests may give any, /v1/models
+                                   # lists each, replies carry the one asked for
+      chat_template: null          # a file, or the Jinja text itself (default: the
+                                   # tokenizer_config.json's); chat renders with it
       max_pending_requests: 256    # open requests (queued or running) before 503 + Retry-After
       max_body_bytes: 1048576      # larger request bodies get 413
       drain_timeout_s: 30          # on SIGTERM: how long in-flight requests may take to finish
@@ -18,7 +22,8 @@
       strict_requests: false       # unknown request fields: false ignores each (one warning per
                                    # field name, as vLLM does), true refuses them with a 400
 
-The engine's sections are left to `EngineConfig`; nothing here reaches a rank.
+The engine's sections are left to `EngineConfig`; nothing here reaches a rank. Every field is
+also a flag of `lockstep serve` (launcher/flags.py): `--served-model-name a b`, `--port 0`, ...
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 from math import inf
+from pathlib import Path
 from typing import Any
 
 from launcher.routing import ROUTING_POLICIES
@@ -36,7 +42,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: tuple[str, ...] | None = None  # a string or a list is taken as well
+    chat_template: str | None = None
     max_pending_requests: int = 256
     max_body_bytes: int = 1 << 20
     drain_timeout_s: float = 30.0
@@ -56,12 +63,25 @@ class ServerConfig:
             )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string or null")
-        if self.served_model_name is not None and (
-            not isinstance(self.served_model_name, str) or not self.served_model_name
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = (names,)
+        if names is not None and (
+            not isinstance(names, (list, tuple))
+            or not names
+            or not all(isinstance(name, str) and name for name in names)
         ):
             raise ValueError(
-                f"server.served_model_name must be a non-empty string or null, "
-                f"got {self.served_model_name!r}"
+                "server.served_model_name must be a non-empty string, a non-empty list of them "
+                f"or null, got {self.served_model_name!r}"
+            )
+        if names is not None:
+            # Normalized once, at construction: one form for the server to read.
+            object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
+        template = self.chat_template
+        if template is not None and (not isinstance(template, str) or not template.strip()):
+            raise ValueError(
+                f"server.chat_template must be a file or Jinja text, or null, got {template!r}"
             )
         for name in ("max_pending_requests", "max_body_bytes"):
             value = getattr(self, name)
@@ -106,6 +126,28 @@ class ServerConfig:
 
     def with_overrides(self, **overrides: Any) -> ServerConfig:
         return ServerConfig.from_dict({**dataclasses.asdict(self), **overrides})
+
+    def chat_template_text(self) -> str | None:
+        """The chat template's Jinja source: the file `chat_template` names, else the value
+        itself when it reads as a template (vLLM's rule); None when unset. ValueError when it
+        is neither a file nor a template, or the file cannot be read."""
+        value = self.chat_template
+        if value is None:
+            return None
+        path = Path(value)
+        if "\n" not in value and len(value) < 4096 and path.is_file():
+            try:
+                return path.read_text()
+            except (OSError, UnicodeDecodeError) as error:
+                raise ValueError(
+                    f"server.chat_template {value!r}: cannot read it: {error}"
+                ) from None
+        if "{{" in value or "{%" in value:
+            return value
+        raise ValueError(
+            f"server.chat_template {value!r}: no such file, and not a Jinja template (no '{{{{' "
+            "or '{%' in it)"
+        )
 
     def public(self) -> dict[str, Any]:
         """The settings, with the API key hidden: for logs."""

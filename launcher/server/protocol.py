@@ -15,15 +15,19 @@ The policy on fields is vLLM's, so the clients written for it work unchanged:
   OpenAI's own API answers.
 
 Lockstep's extensions: `dp_rank` (pin the request to one DP rank) and vLLM's `return_token_ids`.
+A request without `temperature`, `top_p` or `top_k` takes the model's defaults
+(`ModelLimits.defaults`: its generation_config.json, else vLLM's), and `model` may be any of
+the served names.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from launcher.generation_config import GenerationDefaults
 from launcher.server.tokenization import ModelTokenizer
 from scheduler import SamplingParams
 
@@ -68,12 +72,19 @@ def error_body(
 class ModelLimits:
     """What validation needs to know about the served model and group."""
 
-    served_model_name: str
+    served_model_name: str  # the first of the names; metrics count under it
     max_model_len: int
     vocab_size: int
     num_ranks: int
     tokenizer: ModelTokenizer | None
     strict_requests: bool = False  # unknown fields: 400 instead of a warning
+    other_model_names: tuple[str, ...] = ()  # more names a request may give (aliases)
+    # What a request that sets no temperature, top_p or top_k gets (generation_config).
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.other_model_names)
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,7 @@ class GenerationRequest:
     logprobs: int | None  # top logprobs per output token (None: no logprobs at all)
     prompt_logprobs: int | None  # top logprobs per prompt token (echo with logprobs, or asked)
     ignored_fields: tuple[str, ...] = ()  # unknown fields, for the server's one warning each
+    model: str = ""  # the served name the request gave; its reply carries the same
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -254,10 +266,10 @@ def _generation(
     model = body.get("model")
     if not isinstance(model, str):
         raise RequestError(f"model must be a string, got {shorten(model)}", param="model")
-    if model != limits.served_model_name:
+    if model not in limits.served_model_names:
+        served = " or ".join(repr(name) for name in limits.served_model_names)
         raise RequestError(
-            f"the model {shorten(model)} does not exist; this server serves "
-            f"{limits.served_model_name!r}",
+            f"the model {shorten(model)} does not exist; this server serves {served}",
             param="model",
             status=404,
             code="model_not_found",
@@ -307,6 +319,8 @@ def _generation(
         # End-of-turn ids the engine does not know (generation_config.json, the tokenizer's
         # eos_token); ignore_eos leaves them out like the engine's own EOS ids.
         stop_ids |= limits.tokenizer.eos_token_ids
+    if not ignore_eos:
+        stop_ids |= limits.defaults.eos_token_ids  # the generation_config setting's file
     # best_of ranks the samples by cumulative logprob: they need the sampled token's.
     sample_logprobs = logprobs if logprobs is not None else (0 if best_of > n else None)
     params = _sampling_params(
@@ -337,6 +351,7 @@ def _generation(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         ignored_fields=ignored,
+        model=model,
     )
 
 
@@ -390,12 +405,17 @@ def _sampling_params(
     prompt_logprobs: int | None,
     limits: ModelLimits,
 ) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0, low=0.0, high=2.0)
-    top_p = _number(body, "top_p", 1.0, low=0.0, high=1.0)
+    # A field the request leaves out takes the model's default (generation_config.json, else
+    # vLLM's: temperature 1.0, no filters), each on its own, as vLLM's server does.
+    defaults = limits.defaults
+    temperature = _number(body, "temperature", defaults.temperature, low=0.0, high=2.0)
+    top_p = _number(body, "top_p", defaults.top_p, low=0.0, high=1.0)
     if top_p == 0.0:
         raise RequestError("top_p must be in (0, 1], got 0", param="top_p")
     top_k = body.get("top_k")
-    if top_k is None or top_k == -1:  # -1 is vLLM's spelling of "off"
+    if top_k is None:
+        top_k = defaults.top_k
+    elif top_k == -1:  # -1 is vLLM's spelling of "off"
         top_k = 0
     _int(top_k, "top_k", minimum=0)
     seed = body.get("seed")

@@ -1,13 +1,14 @@
 """`lockstep serve`: start the DP group, then serve it over HTTP until SIGTERM or Ctrl-C.
 
-    lockstep serve [--config YAML] [--set key=value ...] [--launcher ray|local] [--dp-size N]
-                   [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+    lockstep serve [MODEL] [--config YAML] [--set KEY=VALUE ...] [settings flags]
+    lockstep serve /path/to/model -dp 2 --max-model-len 4096 --served-model-name a b --port 0
 
 Settings come from the YAML (the engine's sections and a `server:` section, see
 server/config.py), then `--set` (server keys as `server.KEY`, or by their bare name), then the
-flags. The API key may also come from $LOCKSTEP_API_KEY, which keeps it out of the process
-list. With no --config the built-in job's engine settings are served, as `lockstep run` runs
-them. Once the server listens it prints `lockstep serve: listening on http://HOST:PORT`.
+flags: one per config key, vLLM's names among them (launcher/flags.py). The API key may also
+come from $LOCKSTEP_API_KEY, which keeps it out of the process list. With neither MODEL nor
+--config the built-in job's engine settings are served, as `lockstep run` runs them. Once the
+server listens it prints `lockstep serve: listening on http://HOST:PORT`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,11 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from dist_engine.log import get_logger
-from launcher.server.config import SERVER_KEYS, ServerConfig
+from launcher import flags
+from launcher.server.config import ServerConfig
 
 if TYPE_CHECKING:  # imported where used: `lockstep --help` must not pay for torch
     from dist_engine.engine.config import EngineConfig
@@ -31,27 +30,26 @@ if TYPE_CHECKING:  # imported where used: `lockstep --help` must not pay for tor
 
 log = get_logger()
 API_KEY_ENV = "LOCKSTEP_API_KEY"
+DESCRIPTION = """An OpenAI-compatible HTTP server in front of a DP group.
+
+Settings: the YAML of --config (else MODEL with every default, else the built-in job), then
+--set KEY=VALUE, then the flags below, each named after its config key. The API key may come
+from $LOCKSTEP_API_KEY instead of --api-key."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML engine config, optionally with a server: section")
-    parser.add_argument("--launcher", choices=["ray", "local"])
-    parser.add_argument("--dp-size", type=int)
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting"
-    )
-    parser.add_argument("--host", help="address to bind (default 127.0.0.1: this host only)")
-    parser.add_argument("--port", type=int, help="port to listen on (default 8000; 0: any free)")
-    parser.add_argument(
-        "--api-key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})"
-    )
+    flags.add_common_arguments(parser, server=True)
 
 
-def main(args: argparse.Namespace, builtin_config: Callable[[], EngineConfig]) -> int:
-    """Run the server until a signal; ``builtin_config`` gives the built-in job's settings."""
-    engine_config, server_config = load_configs(args, builtin_config)
+def main(args: argparse.Namespace, builtin_job: Callable[[], dict[str, Any]]) -> int:
+    """Run the server until a signal; ``builtin_job`` gives the built-in job's settings."""
+    engine_config, server_config = load_configs(args, builtin_job)
+    from launcher.llm import check_gpu_memory_utilization
+
+    check_gpu_memory_utilization(engine_config)
     client = make_client(engine_config)
     try:
+        check_gpu_memory_utilization(engine_config, client)
         from launcher.server.app import LockstepServer
 
         server = LockstepServer(client, engine_config, server_config)
@@ -63,49 +61,25 @@ def main(args: argparse.Namespace, builtin_config: Callable[[], EngineConfig]) -
 
 
 def load_configs(
-    args: argparse.Namespace, builtin_config: Callable[[], EngineConfig]
+    args: argparse.Namespace, builtin_job: Callable[[], dict[str, Any]]
 ) -> tuple[EngineConfig, ServerConfig]:
-    server_values: dict[str, Any] = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ValueError(f"--config {args.config}: no such file")
-        try:
-            values = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as error:
-            raise ValueError(f"{path}: not valid YAML: {error}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"{path}: the top level must be a mapping")
-        server_values = values.pop("server", None) or {}
-        if not isinstance(server_values, dict):
-            raise ValueError(f"{path}: server must be a mapping, got {server_values!r}")
-        from dist_engine.engine.config import EngineConfig
-
-        engine = EngineConfig.from_dict(values)
-    else:
-        engine = builtin_config()
-    engine_overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set takes KEY=VALUE, got {item!r}")
-        key = key.strip()
-        name = key.removeprefix("server.")
-        if key.startswith("server.") or name in SERVER_KEYS:
-            server_values[name] = yaml.safe_load(value)
-        else:
-            engine_overrides[key] = yaml.safe_load(value)
-    if args.launcher:
-        engine_overrides["launcher"] = args.launcher
-    if args.dp_size is not None:
-        engine_overrides["dp_size"] = args.dp_size
-    if engine_overrides:
-        engine = engine.with_overrides(**engine_overrides)
-    flags = {"host": args.host, "port": args.port, "api_key": args.api_key}
-    server_values.update({k: v for k, v in flags.items() if v is not None})
+    """The engine and server configs of a `serve` command line (config < --set < flags), with
+    everything checked that can be before a rank starts: the chat template compiles, the
+    tokenizer and generation config directories hold their files."""
+    engine, server_values = flags.load_settings(args, server=True, builtin=builtin_job)
     if "api_key" not in server_values and os.environ.get(API_KEY_ENV):
         server_values["api_key"] = os.environ[API_KEY_ENV]
-    return engine, ServerConfig.from_dict(server_values)
+    server = ServerConfig.from_dict(server_values)
+    from launcher.generation_config import load_generation_defaults
+    from launcher.server.tokenization import check_chat_template, check_tokenizer_dir
+
+    template = server.chat_template_text()
+    if template is not None:
+        check_chat_template(template, "server.chat_template")
+    if engine.tokenizer is not None:
+        check_tokenizer_dir(engine.tokenizer, "tokenizer")
+    load_generation_defaults(engine.generation_config, engine.model)
+    return engine, server
 
 
 def make_client(config: EngineConfig) -> Client:
@@ -137,7 +111,8 @@ async def serve_until_signal(server: Any) -> None:
         await server.frontend.close()
         raise
     config = server.config
-    log.info("serving %s: %s", server.limits.served_model_name, config.public())
+    log.info("serving %s: %s", list(server.limits.served_model_names), config.public())
+    log.info("%s", server.limits.defaults.describe())
     host = f"[{config.host}]" if ":" in config.host else config.host
     print(f"lockstep serve: listening on http://{host}:{port}", flush=True)
     await stop.wait()

@@ -26,13 +26,15 @@ _REPLACEMENT = "\ufffd"  # what a decode ending inside a UTF-8 character ends wi
 
 
 class ModelTokenizer:
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, chat_template: str | None = None) -> None:
+        """The tokenizer files in ``model_dir``; ``chat_template`` replaces the one in its
+        tokenizer_config.json (`server.chat_template`)."""
         from tokenizers import Tokenizer
 
         directory = Path(model_dir)
         self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         settings = _read_json(directory / "tokenizer_config.json")
-        self.chat_template: str | None = settings.get("chat_template")
+        self.chat_template: str | None = chat_template or settings.get("chat_template")
         self.bos_token = _token_text(settings.get("bos_token"))
         self.eos_token = _token_text(settings.get("eos_token"))
         # Every id that ends a reply. The engine stops at config.json's ids itself; chat models
@@ -56,11 +58,11 @@ class ModelTokenizer:
         return len(text) // self._max_chars_per_token
 
     @staticmethod
-    def load(model_dir: str | Path) -> ModelTokenizer | None:
+    def load(model_dir: str | Path, *, chat_template: str | None = None) -> ModelTokenizer | None:
         """The checkpoint's tokenizer, or None if it has no tokenizer.json."""
         if not (Path(model_dir) / "tokenizer.json").is_file():
             return None
-        return ModelTokenizer(model_dir)
+        return ModelTokenizer(model_dir, chat_template=chat_template)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -211,6 +213,25 @@ def _normalizer_merge(normalizer: Any) -> int | None:
             return max(1, -(-len(found) // max(1, len(content))))
         return None
     return _NORMALIZER_MERGE.get(kind)
+
+
+def check_tokenizer_dir(directory: str | Path, key: str) -> None:
+    """Refuse a ``key`` (a setting naming a tokenizer directory) without a tokenizer.json."""
+    if not (Path(directory) / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{key} {str(directory)!r}: no tokenizer.json there; give a directory with a "
+            "Hugging Face tokenizer's files"
+        )
+
+
+def check_chat_template(source: str, key: str) -> None:
+    """Refuse a chat template (the setting ``key``) that is not valid Jinja."""
+    from jinja2 import TemplateSyntaxError
+
+    try:
+        _compile_template(source)
+    except TemplateSyntaxError as error:
+        raise ValueError(f"{key}: not a valid Jinja template: {error}") from None
 
 
 def _compile_template(source: str) -> Any:

@@ -1,12 +1,12 @@
 """`lockstep run` / `lockstep make-model`: arguments, YAML, prompts files and a real local job.
 
 Everything runs in-process through ``launcher.cli.main`` and never starts Ray: the error cases
-fail before any launcher starts, and the real jobs use ``--launcher local --dp-size 1``.
+fail before any launcher starts, and the real jobs use ``--launcher local --dp-size 1``. The
+flags themselves (one per config key, vLLM's names) are tested in test_flags.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -42,6 +42,12 @@ def config_path(model_dir, tmp_path_factory) -> str:
     return str(path)
 
 
+def run_args(*argv: str):
+    """`lockstep run ARGV` parsed, as `main` parses it."""
+    parser, _ = cli_module.build_parser()
+    return parser.parse_args(["run", *argv])
+
+
 def write_jsonl(path: Path, lines: list[object]) -> str:
     path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
     return str(path)
@@ -72,20 +78,18 @@ def test_builtin_yaml_is_the_job_run_without_a_config(monkeypatch, model_dir):
     import launcher.builtin
 
     monkeypatch.setattr(launcher.builtin, "builtin_model", lambda: Path(model_dir))
-    args = argparse.Namespace(config=None, launcher=None, dp_size=None, set=[])
-    in_code = cli_module._job_config(args)
+    in_code = cli_module.job_config(run_args())
     in_yaml = EngineConfig.from_yaml(CONFIGS / "builtin.yaml").with_overrides(model=model_dir)
     assert in_yaml == in_code
 
 
 def test_set_overrides_are_parsed_as_yaml_values(config_path):
-    args = argparse.Namespace(
-        config=config_path,
-        launcher="ray",
-        dp_size=4,
-        set=["max_num_seqs=4", "scheduler.enable_prefix_caching=true", "dtype=float32"],
-    )
-    config = cli_module._job_config(args)
+    args = run_args(
+        "--config", config_path, "--launcher", "ray", "--dp-size", "4",
+        "--set", "max_num_seqs=4", "--set", "scheduler.enable_prefix_caching=true",
+        "--set", "dtype=float32",
+    )  # fmt: skip
+    config = cli_module.job_config(args)
     assert (config.parallel.launcher, config.parallel.dp_size) == ("ray", 4)
     assert config.scheduler.max_num_seqs == 4
     assert config.scheduler.enable_prefix_caching is True
@@ -240,14 +244,18 @@ def test_a_local_job_writes_one_record_per_prompt_in_order(capsys, tmp_path, con
     assert [len(r["output_token_ids"]) for r in records[:4]] == [6, 3, 5, 1]
     assert all(r["finish_reason"] in ("length", "stop") for r in records)
     assert all(isinstance(r["text"], str) for r in records)  # the tiny model has a tokenizer
-    # The same prompts through the API give the same tokens: the file is in input order.
+    # The same prompts through the API give the same tokens: the file is in input order. A line
+    # without temperature samples at vLLM's default, 1.0 (the tiny model's generation_config.json
+    # sets no sampling), and stops at that file's EOS ids [0, 2] unless it ignores EOS; the
+    # engine draws the same per-request seeds in the same arrival order in both runs.
+    eos = {0, 2}
     with LLM(config=config_path) as llm:
         params = [
-            SamplingParams(
-                max_tokens=line.get("max_tokens", 5),
-                **{k: line[k] for k in ("ignore_eos", "temperature", "seed") if k in line},
-            )
-            for line in PROMPT_LINES
+            SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True),
+            SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
+            SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True),
+            SamplingParams(max_tokens=1, temperature=1.0, stop_token_ids=eos),
+            SamplingParams(max_tokens=4, temperature=0.8, seed=3, stop_token_ids=eos),
         ]
         prompts_in = [line.get("prompt", line.get("prompt_token_ids")) for line in PROMPT_LINES]
         expected = llm.generate(prompts_in, params, use_tqdm=False)

@@ -36,7 +36,8 @@ PROMPTS = [
     for i in range(5)
 ] + [{"prompt": "one rank per bundle", "max_tokens": 6}]
 for _line in PROMPTS:
-    _line["ignore_eos"] = True
+    # Greedy, as the reference: a line without temperature samples at the model's default.
+    _line.update(ignore_eos=True, temperature=0)
 
 
 # -- connect_ray, without starting anything -----------------------------------------------------

@@ -37,7 +37,8 @@ PROMPTS = [
     {"prompt_token_ids": [11, 12], "max_tokens": 7},
 ]
 for _line in PROMPTS:
-    _line["ignore_eos"] = True
+    # Greedy, as the reference: a line without temperature samples at the model's default.
+    _line.update(ignore_eos=True, temperature=0)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ chat template against transformers, request validation, settings, step counters.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 
@@ -12,6 +11,7 @@ import pytest
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import StepTrace
 from dist_engine.engine.stats import StepCounters
+from launcher.cli import build_parser
 from launcher.server.config import ServerConfig
 from launcher.server.protocol import ModelLimits, RequestError, parse_chat, parse_completion
 from launcher.server.serve import load_configs
@@ -291,23 +291,16 @@ def test_serve_splits_the_yaml_and_the_overrides(model_dir, tmp_path, monkeypatc
         "server: {port: 9000, max_pending_requests: 8}\n"
     )
     monkeypatch.setenv("LOCKSTEP_API_KEY", "from-env")
-    args = argparse.Namespace(
-        config=str(path),
-        set=["server.drain_timeout_s=2", "routing=round_robin", "max_num_seqs=4"],
-        launcher=None,
-        dp_size=None,
-        host=None,
-        port=0,
-        api_key=None,
-    )
-    engine, server = load_configs(args, builtin_config=lambda: pytest.fail("not the built-in"))
+    parser, _ = build_parser()
+    sets = ["server.drain_timeout_s=2", "routing=round_robin", "max_num_seqs=4"]
+    argv = ["serve", "--config", str(path), "--port", "0"]
+    args = parser.parse_args(argv + [f"--set={item}" for item in sets])
+    engine, server = load_configs(args, lambda: pytest.fail("not the built-in"))
     assert engine.scheduler.max_num_seqs == 4 and engine.parallel.launcher == "local"
     assert (server.port, server.max_pending_requests, server.drain_timeout_s) == (0, 8, 2)
     assert (server.routing, server.api_key) == ("round_robin", "from-env")
-    args.config, args.set = None, []
-    builtin = EngineConfig(model=model_dir)
-    engine, _ = load_configs(args, builtin_config=lambda: builtin)
-    assert engine == builtin
+    engine, _ = load_configs(parser.parse_args(["serve"]), lambda: {"model": model_dir})
+    assert engine == EngineConfig(model=model_dir)
 
 
 # -- step counters ------------------------------------------------------------------------------
