@@ -111,7 +111,10 @@ class ResponseShape:
 
     # -- logprobs ---------------------------------------------------------------------------
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+        """A prompt's text for echo: special tokens spelled out, as vLLM echoes them."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         """A token's text as logprobs name it (vLLM's `token_id:N` without a tokenizer)."""
@@ -134,7 +137,7 @@ class ResponseShape:
                 offsets.append(offset)
                 offset += len(text)
                 values.append(None if entry is None else entry.logprob)
-                tops.append(None if entry is None else self._top_by_text(entry.top))
+                tops.append(None if entry is None else self._top_by_text(entry))
             return {
                 "tokens": tokens,
                 "token_logprobs": values,
@@ -163,13 +166,16 @@ class ResponseShape:
             )
         return {"content": content}
 
-    def _top_by_text(self, top: Any) -> dict[str, float] | None:
-        """Completions' top logprobs, keyed by token text: where two tokens have the same text
-        (pieces of one UTF-8 character), the more likely one keeps the key."""
+    def _top_by_text(self, entry: Any) -> dict[str, float] | None:
+        """Completions' top logprobs, keyed by token text, with the token itself among them
+        (as vLLM returns them: lm-eval's is-greedy check compares the most likely key with the
+        token). Where two tokens have the same text (pieces of one UTF-8 character), the more
+        likely one keeps the key."""
         by_text: dict[str, float] = {}
-        for token_id, logprob in top:  # most likely first
+        for token_id, logprob in entry.top:  # most likely first
             by_text.setdefault(self.token_text(token_id), logprob)
-        return by_text or None
+        by_text.setdefault(self.token_text(entry.token_id), entry.logprob)
+        return by_text
 
     @staticmethod
     def join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ transformers does) and the end-of-sequence ids of `config.json` and `generation_
 
 `IncrementalDetokenizer` turns a request's tokens into text one token at a time, so a stream
 can send text as it comes and the full reply is the same text: the sum of its deltas equals
-decoding all the tokens at once. Two things hold text back:
+decoding all the tokens at once, less the bytes of a character left incomplete at the very end
+(vLLM's text leaves those out too). Two things hold text back:
 
 - a token that ends inside a UTF-8 character (byte-level BPE splits characters over tokens):
   its text is sent once the character is complete (the decode stops ending in U+FFFD);
@@ -130,7 +131,8 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def add(self, token_ids: Sequence[int], *, finished: bool = False) -> TextDelta:
-        """Take the next tokens; ``finished``: they are the request's last (flush everything)."""
+        """Take the next tokens; ``finished``: they are the request's last (flush everything
+        but the bytes of a character that never completed)."""
         for token in token_ids:
             if self.stopped:
                 break
@@ -158,6 +160,10 @@ class IncrementalDetokenizer:
             tokens[self._prefix_offset : self._read_offset], skip_special_tokens=skip
         )
         now = self.tokenizer.decode(tokens[self._prefix_offset :], skip_special_tokens=skip)
+        if flush:
+            # The request's last tokens: bytes of a character that never completed are left
+            # out, as vLLM's detokenizer leaves them (its text and ours stay the same).
+            now = now.rstrip(_REPLACEMENT)
         if len(now) > len(before) and (flush or not now.endswith(_REPLACEMENT)):
             self.text += now[len(before) :]
             self._prefix_offset = self._read_offset

@@ -38,7 +38,8 @@ def test_token_by_token_text_is_the_whole_decode(tokenizer, seed):
     detokenizer = IncrementalDetokenizer(tokenizer)
     deltas = [detokenizer.add([t]).text for t in tokens[:-1]]
     deltas.append(detokenizer.add(tokens[-1:], finished=True).text)
-    assert "".join(deltas) == tokenizer.decode(tokens)
+    # The whole decode, less a character whose bytes never completed at the very end.
+    assert "".join(deltas) == tokenizer.decode(tokens).rstrip("\ufffd")
 
 
 def test_a_character_split_over_tokens_is_sent_whole(tokenizer):

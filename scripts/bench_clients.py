@@ -1,0 +1,398 @@
+"""The clients vLLM users run, unchanged, against `lockstep serve` and `vllm serve` side by side.
+
+    python scripts/bench_clients.py [--rates inf,4,8] [--num-prompts 64] [--rounds 2]
+
+On one checkpoint with a tokenizer (the built-in tiny Qwen3-MoE by default), one server at a
+time on a free loopback port, contenders interleaved round by round:
+
+- `vllm serve` (vLLM's CPU backend, float32, prefix caching off), `lockstep serve` at DP=1
+  (local) and at DP=2 (Ray);
+- `vllm bench serve` with its `openai` (completions) and `openai-chat` backends, random
+  prompts, at request rate inf and at Poisson rates: completed/failed requests, throughput,
+  TTFT and ITL p50/p99;
+- lm-eval's `local-completions` on two local tasks (a multiple-choice task: batched token-list
+  prompts with echo + logprobs; and a generate_until task): every loglikelihood compared with
+  vLLM's, and every generation;
+- one guidellm run (a synchronous profile) per server.
+
+Each client lives in a virtual environment of its own, made on first use: `.venv-vllm`
+(scripts/bench_vs_vllm.py), `.venv-lmeval` (lm-eval[api] 0.4.13, no torch), `.venv-guidellm`
+(guidellm, with this project's CPU torch pinned). Prints tables and writes `--out` (JSON, with
+the processor's flags and the load average over the run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+VENVS = {
+    "lmeval": (ROOT / ".venv-lmeval", ["lm-eval[api]==0.4.13", "transformers>=5"]),
+    "guidellm": (ROOT / ".venv-guidellm", ["guidellm", "torch==2.13.0"]),
+}
+LM_EVAL_MC = """task: lockstep_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+LM_EVAL_GEN = """task: lockstep_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 24
+  do_sample: false
+  temperature: 0.0
+metric_list:
+  - metric: exact_match
+"""
+
+
+# -- set-up ---------------------------------------------------------------------------------
+def ensure_venv(name: str) -> Path:
+    path, packages = VENVS[name]
+    python = path / "bin" / "python"
+    if not python.is_file():
+        print(f"setting up {path} ({', '.join(packages)}); this downloads once", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", *packages],
+            check=True,
+        )
+    return path / "bin"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"{url} did not answer within {timeout_s} s")
+
+
+def start(contender: str, model: str, port: int, log: Path) -> subprocess.Popen:
+    common = ["--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024"]
+    if contender == "vllm":
+        from bench_vs_vllm import ensure_vllm_venv
+
+        python = ensure_vllm_venv()
+        command = [str(python), str(ROOT / "scripts" / "vllm_cli.py"), "serve", model,
+                   "--dtype", "float32", "--no-enable-prefix-caching", *common]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    else:
+        dp = contender.removeprefix("lockstep-dp")
+        launcher = ["--launcher", "local"] if dp == "1" else ["--launcher", "ray"]
+        command = [str(ROOT / ".venv" / "bin" / "lockstep"), "serve", model, "--dtype", "float32",
+                   "--data-parallel-size", dp, *launcher, *common]  # fmt: skip
+        env = dict(os.environ)
+    handle = log.open("w")
+    return subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # fmt: skip
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+# -- clients --------------------------------------------------------------------------------
+def bench_serve(url: str, model: str, backend: str, rate: str, args: argparse.Namespace,
+                out: Path) -> dict[str, Any]:  # fmt: skip
+    from bench_vs_vllm import ensure_vllm_venv
+
+    endpoint = "/v1/completions" if backend == "openai" else "/v1/chat/completions"
+    name = f"{backend}-{rate}.json"
+    command = [
+        str(ensure_vllm_venv()), str(ROOT / "scripts" / "vllm_cli.py"), "bench", "serve",
+        "--backend", backend, "--base-url", url, "--endpoint", endpoint, "--model", "tiny",
+        "--tokenizer", model, "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos",
+        "--seed", "0", "--percentile-metrics", "ttft,itl,tpot", "--metric-percentiles", "50,99",
+        "--save-result", "--result-dir", str(out), "--result-filename", name,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        return {"error": (done.stdout + done.stderr)[-2000:]}
+    result = json.loads((out / name).read_text())
+    keys = ("completed", "failed", "request_throughput", "output_throughput",
+            "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")  # fmt: skip
+    return {key: result.get(key) for key in keys}
+
+
+def write_lm_eval_tasks(directory: Path) -> None:
+    import random
+
+    rng = random.Random(0)
+    words = [
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        "epsilon",
+        "zeta",
+        "eta",
+        "theta",
+        "iota",
+        "kappa",
+        "lambda",
+        "mu",
+    ]
+
+    def phrase(low: int, high: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(low, high)))
+
+    with (directory / "mc.jsonl").open("w") as out:
+        for _ in range(24):
+            choices = [phrase(1, 4) for _ in range(4)]
+            out.write(json.dumps({"question": phrase(3, 8), "choices": choices,
+                                  "answer": rng.randrange(4)}) + "\n")  # fmt: skip
+    with (directory / "gen.jsonl").open("w") as out:
+        for _ in range(16):
+            out.write(json.dumps({"question": phrase(3, 8), "answer": rng.choice(words)}) + "\n")
+    (directory / "mc.yaml").write_text(LM_EVAL_MC.format(data=directory / "mc.jsonl"))
+    (directory / "gen.yaml").write_text(LM_EVAL_GEN.format(data=directory / "gen.jsonl"))
+
+
+def lm_eval(url: str, model: str, tasks: Path, out: Path) -> dict[str, Any]:
+    bin_dir = ensure_venv("lmeval")
+    model_args = (f"model=tiny,base_url={url}/v1/completions,tokenizer={model},"
+                  "tokenizer_backend=huggingface,num_concurrent=4,max_retries=1")  # fmt: skip
+    command = [str(bin_dir / "lm_eval"), "--model", "local-completions", "--model_args",
+               model_args, "--include_path", str(tasks), "--tasks", "lockstep_mc,lockstep_gen",
+               "--log_samples", "--output_path", str(out)]  # fmt: skip
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        return {"error": (done.stdout + done.stderr)[-2000:]}
+    samples = {}
+    for task in ("lockstep_mc", "lockstep_gen"):
+        (path,) = glob.glob(str(out / "**" / f"samples_{task}_*.jsonl"), recursive=True)
+        lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        samples[task] = {int(x["doc_id"]): x["resps"] for x in lines}
+    return samples
+
+
+def compare_lm_eval(reference: dict, other: dict) -> dict[str, Any]:
+    if "error" in reference or "error" in other:
+        return {"error": other.get("error") or reference.get("error")}
+    deltas, greedy_same, total = [], 0, 0
+    for doc, responses in reference["lockstep_mc"].items():
+        for ours, theirs in zip(other["lockstep_mc"][doc], responses, strict=True):
+            deltas.append(abs(float(ours[0][0]) - float(theirs[0][0])))
+            greedy_same += ours[0][1] == theirs[0][1]
+            total += 1
+    generations = reference["lockstep_gen"]
+    same = sum(other["lockstep_gen"][doc] == text for doc, text in generations.items())
+    return {
+        "loglikelihoods": total,
+        "max_abs_loglikelihood_diff": max(deltas),
+        "is_greedy_agree": greedy_same,
+        "generations": len(generations),
+        "generations_equal": same,
+    }
+
+
+def guidellm(url: str, model: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    bin_dir = ensure_venv("guidellm")
+    command = [str(bin_dir / "guidellm"), "benchmark", "--target", url, "--model", "tiny",
+               "--processor", model, "--profile", "synchronous", "--max-requests", "16",
+               "--data", f"prompt_tokens={args.input_len},output_tokens={args.output_len}",
+               "--output-path", str(out / "guidellm.json")]  # fmt: skip
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        return {"error": (done.stdout + done.stderr)[-2000:]}
+    report = json.loads((out / "guidellm.json").read_text())
+    benchmark = report["benchmarks"][0]
+    totals = benchmark["metrics"]["request_totals"] if "metrics" in benchmark else {}
+    return {"successful": totals.get("successful"), "errored": totals.get("errored")}
+
+
+# -- the run --------------------------------------------------------------------------------
+def processor() -> dict[str, Any]:
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), platform.processor())  # fmt: skip
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
+                  if line.startswith("flags")), [])  # fmt: skip
+    wanted = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
+    return {"name": name, "cores": os.cpu_count(), "flags": sorted(set(wanted))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a checkpoint with a tokenizer (default: the built-in)")
+    parser.add_argument("--contenders", default="vllm,lockstep-dp1,lockstep-dp2")
+    parser.add_argument("--rates", default="inf,4,8")
+    parser.add_argument("--backends", default="openai,openai-chat")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-lm-eval", action="store_true")
+    parser.add_argument("--no-guidellm", action="store_true")
+    parser.add_argument("--out", default="bench_results/clients.json")
+    args = parser.parse_args()
+    if args.model is None:
+        sys.path.insert(0, str(ROOT))
+        from launcher.builtin import builtin_model
+
+        args.model = str(builtin_model())
+    contenders = args.contenders.split(",")
+    work = Path(tempfile.mkdtemp(prefix="lockstep-clients-"))
+    tasks = work / "tasks"
+    tasks.mkdir()
+    write_lm_eval_tasks(tasks)
+    loads = [os.getloadavg()[0]]
+    results: dict[str, Any] = {c: {"bench_serve": {}, "lm_eval": None, "guidellm": None}
+                               for c in contenders}  # fmt: skip
+    for round_index in range(args.rounds):
+        for contender in contenders:  # interleaved: every contender once per round
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            out = work / f"{contender}-{round_index}"
+            out.mkdir()
+            process = start(contender, args.model, port, out / "server.log")
+            try:
+                wait_ready(url, process, 600)
+                for backend in args.backends.split(","):
+                    for rate in args.rates.split(","):
+                        row = bench_serve(url, args.model, backend, rate, args, out)
+                        key = f"{backend}@{rate}"
+                        results[contender]["bench_serve"].setdefault(key, []).append(row)
+                        print(f"round {round_index} {contender:14} {key:18} {row}", flush=True)
+                if round_index == 0 and not args.no_lm_eval:
+                    results[contender]["lm_eval"] = lm_eval(url, args.model, tasks, out / "lm")
+                if round_index == 0 and not args.no_guidellm:
+                    results[contender]["guidellm"] = guidellm(url, args.model, out, args)
+            finally:
+                stop(process)
+            loads.append(os.getloadavg()[0])
+    summary = summarize(results, contenders)
+    report = {
+        "model": args.model,
+        "settings": {k: v for k, v in vars(args).items() if k != "model"},
+        "processor": processor(),
+        "load_average_range": [min(loads), max(loads)],
+        "summary": summary,
+        "raw": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print_tables(summary, report)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def summarize(results: dict[str, Any], contenders: list[str]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for contender in contenders:
+        rows = {}
+        for key, runs in results[contender]["bench_serve"].items():
+            good = [r for r in runs if "error" not in r]
+            if not good:
+                rows[key] = {"error": runs[0].get("error", "")[-300:]}
+                continue
+            rows[key] = {
+                "completed": [r["completed"] for r in good],
+                "failed": [r["failed"] for r in good],
+                **{
+                    name: [
+                        min(r[name] for r in good),
+                        statistics.median(r[name] for r in good),
+                        max(r[name] for r in good),
+                    ]
+                    for name in (
+                        "output_throughput",
+                        "median_ttft_ms",
+                        "median_itl_ms",
+                        "p99_itl_ms",
+                    )
+                },
+            }
+        entry: dict[str, Any] = {"bench_serve": rows, "guidellm": results[contender]["guidellm"]}
+        if contender != "vllm" and "vllm" in results and results["vllm"]["lm_eval"] is not None:
+            entry["lm_eval_vs_vllm"] = compare_lm_eval(
+                results["vllm"]["lm_eval"], results[contender]["lm_eval"]
+            )
+        summary[contender] = entry
+    return summary
+
+
+def print_tables(summary: dict[str, Any], report: dict[str, Any]) -> None:
+    proc = report["processor"]
+    low, high = report["load_average_range"]
+    flags = " ".join(proc["flags"])
+    print(f"\n{proc['name']} ({proc['cores']} cores; {flags}); load average {low:.2f}-{high:.2f}")
+    print(f"{'server':14} {'client@rate':20} {'done/failed':>12} {'out tok/s':>22} "
+          f"{'TTFT p50 ms':>22} {'ITL p50 ms':>20} {'ITL p99 ms':>22}")  # fmt: skip
+    for contender, entry in summary.items():
+        for key, row in entry["bench_serve"].items():
+            if "error" in row:
+                print(f"{contender:14} {key:20} error: {row['error'][:60]}")
+                continue
+            done = f"{sum(row['completed'])}/{sum(row['failed'])}"
+
+            def span(name: str, row: dict = row) -> str:
+                low, mid, high = row[name]
+                return f"{mid:8.1f} [{low:.1f}-{high:.1f}]"
+
+            print(f"{contender:14} {key:20} {done:>12} {span('output_throughput'):>22} "
+                  f"{span('median_ttft_ms'):>22} {span('median_itl_ms'):>20} "
+                  f"{span('p99_itl_ms'):>22}")  # fmt: skip
+    for contender, entry in summary.items():
+        if "lm_eval_vs_vllm" in entry:
+            print(f"lm-eval {contender} vs vllm: {entry['lm_eval_vs_vllm']}")
+        print(f"guidellm {contender}: {entry['guidellm']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
