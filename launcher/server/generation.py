@@ -240,9 +240,10 @@ async def answer_stream(
                     break
                 await send(shape.chunk(choice.sample, "", [], choice.finish_reason))
                 continue
-            # Tokens whose text is held back (a split character, a possible stop string) send
-            # nothing, unless the client asked for token ids or logprobs.
-            if piece.text or (piece.token_ids and (generation.return_token_ids or piece.logprobs)):
+            # A chunk for every output that carries tokens, even when their text is held back
+            # (a split character, a possible stop string): clients time tokens by chunks (vLLM's
+            # benchmark counts each chunk as a token's arrival), and vLLM sends one per output.
+            if piece.text or piece.token_ids:
                 offset = echoed.get(choice.sample, 0) + _offset(choice, piece)
                 logprobs = shape.logprobs(piece.token_ids, piece.logprobs, offset)
                 await send(
