@@ -69,6 +69,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured output: an llguidance grammar (its JSON form, as `dist_engine.engine.
+    # structured` builds from a JSON schema, a regex, a choice list or a Lark grammar); every
+    # token is drawn from what the grammar allows next.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):
@@ -113,6 +117,8 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be None, an int >= 0 or -1 (the whole vocabulary), got {value!r}"
                 )
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError(f"grammar must be a non-empty string or None, got {self.grammar!r}")
 
     @property
     def greedy(self) -> bool:

@@ -45,6 +45,7 @@ from dist_engine.engine.outputs import ErrorKind, RequestOutput
 from dist_engine.engine.request import Request
 from dist_engine.engine.runner import ModelRunner, dispatch_mode
 from dist_engine.engine.stats import RankStats, StepCounters, rank_stats
+from dist_engine.engine.structured import GrammarMasks
 from dist_engine.errors import GroupFailedError, LockstepError
 from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.log import get_logger
@@ -158,6 +159,11 @@ class DPEngine:
         self._inbox: collections.deque[InboxMessage] = collections.deque()
         self._inbox_lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # every request this rank holds, by id
+        self._grammars = GrammarMasks(
+            config.tokenizer or config.model,
+            self.model_config.vocab_size,
+            tuple(self.model_config.eos_token_ids),
+        )
         # Seeds for requests without one: drawn in arrival order, so a rerun samples alike.
         self._seeds = (
             random.Random(f"lockstep:{config.seed}:{self.rank}")
@@ -342,6 +348,7 @@ class DPEngine:
             self.log.warning("request %s failed: %s", seq.request_id, reason)
             self._end_with_error(seq.request_id, reason, ErrorKind.REQUEST_FAILED)
         finished = sched.process_outputs(outputs, tokens)
+        self._advance_grammars(outputs.scheduled_seqs)
         self._emit_stream(outputs.scheduled_seqs)
         self._emit_all(finished)
         slept_s = 0.0
@@ -386,6 +393,9 @@ class DPEngine:
         seed = self._seeds.getrandbits(63) if self._seeds is not None else None
         try:
             request = Request.admit(seq, stream, seed)
+            if seq.sampling_params.grammar is not None:
+                request.matcher = self._grammars.matcher(seq.sampling_params.grammar)
+                request.next_mask = self._grammars.next_mask(request.matcher)
         except ValueError as error:
             self._reject(seq, f"sampling settings rejected: {error}")
             return
@@ -395,6 +405,19 @@ class DPEngine:
         except ValueError as error:
             del self._requests[seq.request_id]
             self._reject(seq, str(error))
+
+    def _advance_grammars(self, seqs: list[Sequence]) -> None:
+        """Each grammar-bound request consumes the tokens this step committed, and its mask
+        for the next one starts on a worker thread while the next step is scheduled and run."""
+        for seq in seqs:
+            request = self._requests.get(seq.request_id)
+            if request is None or request.matcher is None or seq.is_finished:
+                continue
+            committed = seq.output_token_ids
+            if len(committed) > request.num_matched:
+                request.matcher.consume_tokens(committed[request.num_matched :])
+                request.num_matched = len(committed)
+                request.next_mask = self._grammars.next_mask(request.matcher)
 
     def _end_with_error(self, request_id: str, reason: str | None, kind: ErrorKind) -> None:
         """End a request the rank holds: aborted (``reason`` None) or failed with ``reason``
@@ -494,6 +517,7 @@ class DPEngine:
         self._stop_kind = kind
         self.stopped = True
         self._reject_inbox()
+        self._grammars.shutdown()
 
     def _reject_inbox(self) -> None:
         with self._inbox_lock:

@@ -16,7 +16,9 @@ kind of error. `resumable()` is what another rank would need to continue it.
 from __future__ import annotations
 
 import secrets
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
 from scheduler import SamplingParams, Sequence
@@ -50,6 +52,11 @@ class Request:
     # (the first stays None: nothing predicts it); reported once, with the first output.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # With SamplingParams.grammar: its matcher, how many output tokens it has consumed, and
+    # the mask for the next token, being computed (engine/structured.py).
+    matcher: Any = None
+    num_matched: int = 0
+    next_mask: Future | None = None
 
     @classmethod
     def admit(cls, seq: Sequence, stream: bool, seed: int | None = None) -> Request:

@@ -19,6 +19,7 @@ import torch
 from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata, StepMetadata
 from dist_engine.engine.outputs import TokenLogprob
 from dist_engine.engine.sampler import Logprobs, Sampler, SamplingRow, check_row, prompt_logprobs
+from dist_engine.engine.structured import allowed_tokens
 from dist_engine.models.decoder import MoECausalLM
 from moe import DispatchMode
 from scheduler import SchedulerOutputs, Sequence, StepKind
@@ -144,6 +145,7 @@ class ModelRunner:
         usable = list(rows)
         if not usable:
             return []
+        logits = _apply_grammars(logits, seqs, requests)
         try:
             picked = logits if len(usable) == len(seqs) else logits[usable]
             output = self.sampler(picked, [rows[row] for row in usable])
@@ -205,6 +207,26 @@ class ModelRunner:
             record = request.prompt_logprobs
             for offset, entry in enumerate(entries):
                 record[first + 1 + offset] = entry
+
+
+def _apply_grammars(
+    logits: torch.Tensor, seqs: list[Sequence], requests: Mapping[str, Request]
+) -> torch.Tensor:
+    """logits: [R, V] for `seqs`; rows of grammar-bound requests keep only the tokens their
+    grammar allows next (their masks were computed while the step ran; engine/structured.py)."""
+    masked = [
+        (row, request)
+        for row, seq in enumerate(seqs)
+        if (request := requests[seq.request_id]).next_mask is not None
+    ]
+    if not masked:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for row, request in masked:
+        allowed = allowed_tokens(request.next_mask.result(), vocab).to(logits.device)
+        logits[row].masked_fill_(~allowed, float("-inf"))
+    return logits
 
 
 def _sampling_row(seq: Sequence, request: Request) -> SamplingRow:

@@ -77,15 +77,17 @@ class LockstepServer:
         names = config.served_model_name or (Path(model_dir).resolve().name,)
         name = names[0]
         tokenizer_dir = engine_config.tokenizer or model_dir
+        model_config = load_config(model_dir)
         self.limits = ModelLimits(
             served_model_name=name,
             max_model_len=engine_config.scheduler.max_model_len,
-            vocab_size=load_config(model_dir).vocab_size,
+            vocab_size=model_config.vocab_size,
             num_ranks=client.num_ranks,
             tokenizer=ModelTokenizer.load(tokenizer_dir, chat_template=config.chat_template_text()),
             strict_requests=config.strict_requests,
             other_model_names=names[1:],
             defaults=load_generation_defaults(engine_config.generation_config, model_dir),
+            grammar_tokenizer=_grammar_tokenizer(tokenizer_dir, model_config),
         )
         self.metrics = ServerMetrics(name, client.num_ranks, self.limits.max_model_len)
         stats_log = None
@@ -368,6 +370,17 @@ class LockstepServer:
 
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": _VERSION})
+
+
+def _grammar_tokenizer(tokenizer_dir: str, model_config: Any) -> Any:
+    """The tokenizer llguidance checks grammars with, or None without a tokenizer.json."""
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return None
+    from dist_engine.engine.structured import model_tokenizer
+
+    return model_tokenizer(
+        tokenizer_dir, model_config.vocab_size, tuple(model_config.eos_token_ids)
+    )
 
 
 def _prepare(raw: bytes, parse: Any, limits: ModelLimits) -> GenerationRequest:

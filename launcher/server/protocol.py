@@ -78,6 +78,9 @@ class ModelLimits:
     num_ranks: int
     tokenizer: ModelTokenizer | None
     strict_requests: bool = False  # unknown fields: 400 instead of a warning
+    # The model's tokenizer as llguidance reads it, to check grammars (None: no structured
+    # output: the model has no tokenizer.json).
+    grammar_tokenizer: Any = None
     other_model_names: tuple[str, ...] = ()  # more names a request may give (aliases)
     # What a request that sets no temperature, top_p or top_k gets (generation_config).
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
@@ -159,6 +162,12 @@ _HONOURED = {
     "prompt_logprobs",
     "dp_rank",
     "return_token_ids",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
 }
 _COMPLETION_FIELDS = _HONOURED | {"prompt", "best_of", "echo", "add_special_tokens"}
 _CHAT_FIELDS = _HONOURED | {
@@ -201,13 +210,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prompt_embeds": (None,),
     "continue_final_message": (None, False),
     "chat_template": (None,),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "guided_decoding_backend": (None,),
-    "structured_outputs": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -436,6 +439,7 @@ def _sampling_params(
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, low=0.01, high=100.0),
     }
+    grammar = _grammar(body, limits)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -449,10 +453,86 @@ def _sampling_params(
             logit_bias=_logit_bias(body, limits),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
             **values,
         )
     except ValueError as error:  # what only SamplingParams checks; its message names the field
         raise RequestError(str(error)) from None
+
+
+def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
+    """Structured output, in OpenAI's and vLLM's spellings, as one llguidance grammar:
+    `response_format` (json_object, json_schema), vLLM's `guided_json` / `guided_regex` /
+    `guided_choice` / `guided_grammar` (Lark), and `structured_outputs` {json, regex, choice,
+    grammar, json_object}. At most one may be given; it must compile against the model."""
+    from dist_engine.engine import structured
+
+    asked: list[tuple[str, Any]] = []
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind == "json_object":
+            asked.append(("response_format", ("json", {"type": "object"})))
+        elif kind == "json_schema":
+            spec = response_format.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise RequestError(
+                    "response_format json_schema needs json_schema.schema (an object)",
+                    param="response_format",
+                )
+            asked.append(("response_format", ("json", schema)))
+        else:
+            raise RequestError(
+                f"response_format type must be text, json_object or json_schema, got "
+                f"{shorten(kind)}",
+                param="response_format",
+            )
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                       ("guided_choice", "choice"), ("guided_grammar", "lark")):  # fmt: skip
+        if body.get(name) is not None:
+            asked.append((name, (kind, body[name])))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise RequestError("structured_outputs must be an object", param="structured_outputs")
+        for key, kind in (("json", "json"), ("regex", "regex"), ("choice", "choice"),
+                          ("grammar", "lark")):  # fmt: skip
+            if outputs.get(key) is not None:
+                asked.append((f"structured_outputs.{key}", (kind, outputs[key])))
+        if outputs.get("json_object"):
+            asked.append(("structured_outputs.json_object", ("json", {"type": "object"})))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise RequestError(
+            f"give one structured output, got {[name for name, _ in asked]}", param=asked[1][0]
+        )
+    ((name, (kind, spec)),) = asked
+    if limits.grammar_tokenizer is None:
+        raise RequestError("structured output needs the model's tokenizer.json", param=name)
+    try:
+        if kind == "json":
+            grammar = structured.json_schema(spec)
+        elif kind == "regex" and isinstance(spec, str):
+            grammar = structured.regex(spec)
+        elif (
+            kind == "choice"
+            and isinstance(spec, list)
+            and spec
+            and all(isinstance(option, str) for option in spec)
+        ):
+            grammar = structured.choice(spec)
+        elif kind == "lark" and isinstance(spec, str):
+            grammar = structured.lark(spec)
+        else:
+            raise ValueError(f"not a {kind} specification: {shorten(spec)}")
+    except (ValueError, TypeError) as error:  # llguidance's and json's messages name the spot
+        raise RequestError(f"{name}: {shorten(str(error), 300)}", param=name) from None
+    problem = structured.check_grammar(grammar, limits.grammar_tokenizer)
+    if problem:
+        raise RequestError(f"{name} does not compile: {shorten(problem, 300)}", param=name)
+    return grammar
 
 
 def _logit_bias(body: dict[str, Any], limits: ModelLimits) -> dict[int, float] | None:

@@ -284,3 +284,87 @@ def test_tokenize_detokenize_and_version(server):
     )
     with urllib.request.urlopen(f"{server.url}/version", timeout=30) as response:
         assert json.loads(response.read())["version"]
+
+
+# -- structured output (llguidance) -------------------------------------------------------------
+def test_json_schema_output_parses_and_matches_the_schema(client):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    for extra in (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "t", "schema": schema},
+            }
+        },
+        {"extra_body": {"guided_json": schema}},
+        {"extra_body": {"structured_outputs": {"json": schema}}},
+    ):
+        reply = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "give json"}], max_tokens=60,
+            temperature=1.0, seed=5, **extra,
+        )  # fmt: skip
+        value = json.loads(reply.choices[0].message.content)
+        assert set(value) == {"name", "n"} and isinstance(value["n"], int)
+        assert isinstance(value["name"], str) and len(value["name"]) <= 8
+
+
+def test_regex_choice_and_json_object_constrain_the_text(client):
+    choice = client.completions.create(
+        model="tiny", prompt="pick", max_tokens=10, temperature=1.0, seed=1,
+        extra_body={"guided_choice": ["yes", "no", "maybe"]},
+    ).choices[0].text  # fmt: skip
+    assert choice in ("yes", "no", "maybe")
+    digits = client.completions.create(
+        model="tiny", prompt="number", max_tokens=10, temperature=1.0, seed=2,
+        extra_body={"guided_regex": "[0-9]{3}-[a-c]"},
+    ).choices[0].text  # fmt: skip
+    assert len(digits) == 5 and digits[:3].isdigit() and digits[3] == "-" and digits[4] in "abc"
+    whole = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=40, seed=3,
+        response_format={"type": "json_object"},
+    ).choices[0]  # fmt: skip
+    if whole.finish_reason == "stop":  # a complete object within the token budget
+        assert isinstance(json.loads(whole.message.content), dict)
+    else:
+        assert whole.message.content.startswith("{")
+
+
+def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=4,
+            extra_body={"guided_grammar": "start: this is not lark {"},
+        )  # fmt: skip
+    assert info.value.body["param"] == "guided_grammar"
+    with pytest.raises(openai.BadRequestError, match="give one structured output"):
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=4,
+            extra_body={"guided_regex": "a+", "guided_choice": ["b"]},
+        )  # fmt: skip
+
+
+def test_grammar_requests_leave_their_neighbours_tokens_unchanged(client):
+    plain = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+             "extra_body": {"ignore_eos": True, "return_token_ids": True}}  # fmt: skip
+    alone = client.completions.create(**plain).choices[0].token_ids
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        masked = [
+            pool.submit(
+                client.completions.create,
+                model="tiny",
+                prompt="x",
+                max_tokens=8,
+                extra_body={"guided_regex": "[a-z]+"},
+            )
+            for _ in range(3)
+        ]
+        beside = pool.submit(client.completions.create, **plain)
+        assert beside.result().choices[0].token_ids == alone
+        assert all(m.result().choices[0].text.isalpha() for m in masked)
