@@ -170,7 +170,7 @@ class LocalClient:
         self.num_ranks = 1
         self.moe_exchange = "none"  # one rank: its MoE layers exchange nothing
         self.host = EngineHost(config)
-        self.backends = self.host.engine.backends.describe()
+        self.backends = self.host.engine.describe_compute()
 
     def submit(self, rank: int, batch: list[Submission]) -> None:
         self.host.submit(batch)

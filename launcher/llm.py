@@ -399,7 +399,9 @@ class LLM:
     def _completion(self, output: RequestOutput, prompt: _Prompt) -> Completion:
         text = None
         if self.tokenizer is not None and output.finished:
-            text = self.tokenizer.decode(output.output_token_ids)
+            # Bytes of a character that never completed at the end are left out, as the
+            # server's text (and vLLM's) leaves them out.
+            text = self.tokenizer.decode(output.output_token_ids).rstrip("\ufffd")
         values = {f.name: getattr(output, f.name) for f in fields(RequestOutput)}
         completion = CompletionOutput(
             index=0,

@@ -145,7 +145,7 @@ class RankActor:
             os.getpid(),
             ray.get_runtime_context().get_node_id(),
             describe_exchange(ctx),
-            self.host.engine.backends.describe(),
+            self.host.engine.describe_compute(),
         )
 
     def submit(self, batch: list[Submission]) -> None:

@@ -116,7 +116,7 @@ class TorchrunClient:
         self._timeout_s = config.parallel.collective_timeout_s
         self.host = EngineHost(config, ctx)
         self.moe_exchange = describe_exchange(ctx)
-        self.backends = self.host.engine.backends.describe()
+        self.backends = self.host.engine.describe_compute()
         self._num_exchanges = 0
 
     def submit(self, rank: int, batch: list[Submission]) -> None:

@@ -1,7 +1,7 @@
 """Engine settings: frozen dataclasses, one per YAML section, checked on construction.
 
     model: /path/to/hf_dir
-    dtype: float32
+    dtype: auto                  # the checkpoint's where the device runs it well, else float32
     attention_backend: auto      # and expert_backend, norm_backend (dist_engine/backends.py)
     parallel: {dp_size: 2, launcher: ray, backend: auto}
     scheduler: {max_num_seqs: 64, block_size: 16, ...}      # scheduler.SchedulerConfig
@@ -32,7 +32,8 @@ Launcher = Literal["ray", "torchrun", "local"]
 Backend = Literal["auto", "nccl", "gloo"]
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 MoEExchange = Literal["auto", "shared_memory", "process_group"]
-Dtype = Literal["float32", "bfloat16", "float16", "float64"]  # torch's names for them
+# torch's names for them; auto: the checkpoint's where the device runs it well (engine/dtype.py)
+Dtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 # Which implementation runs each kind of op (dist_engine/backends.py resolves them).
 AttentionBackend = Literal["auto", "native", "torch"]
 ExpertBackend = Literal["auto", "native", "torch", "grouped_mm"]
@@ -112,7 +113,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: Dtype = "float32"
+    dtype: Dtype = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -193,6 +194,8 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         import torch
 
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved by each rank at start-up (engine/dtype.py)")
         return getattr(torch, self.dtype)
 
     @property

@@ -33,6 +33,7 @@ from dist_engine.distributed.plain_data import broadcast_json
 from dist_engine.distributed.step_sync import TorchVote, agree_settings, find_failed_ranks
 from dist_engine.distributed.wake import LocalWake, StoreWake
 from dist_engine.engine.config import EngineConfig, model_identity
+from dist_engine.engine.dtype import DtypeChoice, checkpoint_dtype, resolve_auto_dtype
 from dist_engine.engine.messages import (
     INBOX_MESSAGES,
     AbortRequest,
@@ -49,7 +50,7 @@ from dist_engine.engine.structured import GrammarMasks
 from dist_engine.errors import GroupFailedError, LockstepError
 from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.log import get_logger
-from dist_engine.models.config import ModelConfig
+from dist_engine.models.config import ModelConfig, read_hf_config
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import load_model
 from dist_engine.models.registry import load_config
@@ -118,6 +119,8 @@ class DPEngine:
             )
         self.log = get_logger(self.rank)
         self.model_config = load_config(config.model)
+        config, self.dtype_choice = self._resolve_dtype(config, dist_ctx)
+        self.config = config
         sched_config = dataclasses.replace(
             config.scheduler, vocab_size=self.model_config.vocab_size
         )
@@ -178,6 +181,27 @@ class DPEngine:
         self._stop_kind = ErrorKind.ENGINE_STOPPED
         self.sleeping = False
         self.error: BaseException | None = None
+
+    def _resolve_dtype(
+        self, config: EngineConfig, dist_ctx: DistContext | None
+    ) -> tuple[EngineConfig, DtypeChoice]:
+        """`dtype: auto` -> the dtype this rank runs (engine/dtype.py); the group agrees on it
+        with the other settings, before anything is loaded."""
+        if config.dtype != "auto":
+            return config, DtypeChoice(config.dtype, "set")
+        choice = resolve_auto_dtype(
+            checkpoint_dtype(read_hf_config(config.model)),
+            dist_ctx.device if dist_ctx else None,
+            self.model_config.hidden_size,
+            self.model_config.moe_intermediate_size or self.model_config.hidden_size,
+            config.scheduler.max_num_seqs,
+        )
+        self.log.info("dtype auto: %s", choice.describe())
+        return config.with_overrides(dtype=choice.dtype), choice
+
+    def describe_compute(self) -> str:
+        """The backends this rank resolved and its dtype, for the run summary."""
+        return f"{self.backends.describe()}; dtype {self.dtype_choice.describe()}"
 
     def _tune_shapes(self, sched_config) -> TuneShapes:
         """What `auto` backends are timed on: this rank's model and steps (autotune.py)."""

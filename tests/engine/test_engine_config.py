@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from dist_engine.engine.config import EngineConfig, model_identity
 
@@ -132,3 +133,39 @@ def test_the_engine_seed_fixes_the_seeds_of_requests_that_give_none(model_dir):
     first, again, other = run(7), run(7), run(8)
     assert first == again
     assert first != other
+
+
+# -- dtype: auto --------------------------------------------------------------------------------
+def test_auto_dtype_takes_bf16_on_a_cpu_only_with_native_bf16_measured_faster():
+    from dist_engine.engine.dtype import checkpoint_dtype, resolve_auto_dtype
+
+    def decide(stored, flags, bf16_s=1.0, fp32_s=2.0, device="cpu"):
+        times = {torch.bfloat16: bf16_s, torch.float32: fp32_s}
+        return resolve_auto_dtype(
+            stored, device, 64, 128, 8, flags=frozenset(flags), time_matmul=times.__getitem__
+        )
+
+    assert decide("bfloat16", {"avx2", "fma"}).dtype == "float32"  # emulated bf16
+    assert "no native bf16" in decide("bfloat16", {"avx2"}).reason
+    assert decide("bfloat16", {"avx512_bf16"}).dtype == "bfloat16"
+    assert decide("bfloat16", {"amx_bf16"}, bf16_s=3.0).dtype == "float32"  # not faster
+    assert decide("float32", {"avx512_bf16"}).dtype == "float32"  # the checkpoint's own
+    assert decide("float32", set(), device="cuda").dtype == "bfloat16"
+    assert decide("float16", set(), device="cuda").dtype == "float16"
+    assert checkpoint_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
+    assert checkpoint_dtype({"dtype": "float16"}) == "float16"
+    assert checkpoint_dtype({"quantization_config": {"quant_method": "fp8"}}) == "bfloat16"
+    assert checkpoint_dtype({}) == "float32"
+
+
+def test_auto_is_the_default_and_resolves_on_the_rank(model_dir):
+    from dist_engine.engine.engine import DPEngine
+
+    config = EngineConfig.from_dict({"model": model_dir, "scheduler": {"max_model_len": 32}})
+    assert config.dtype == "auto"
+    with pytest.raises(ValueError, match="resolved by each rank"):
+        config.torch_dtype  # noqa: B018
+    engine = DPEngine(config)
+    # The tiny checkpoint is float32: auto keeps it, whatever the processor.
+    assert engine.config.dtype == "float32" and engine.model.dtype == torch.float32
+    assert "dtype float32 (the checkpoint's is float32)" in engine.describe_compute()

@@ -164,7 +164,7 @@ def test_kv_pool_sized_from_a_memory_budget(model_dir):
         {"model": model_dir, "kv_cache_bytes": 1_000_000, "scheduler": {"max_model_len": 64}}
     )
     engine = DPEngine(config)
-    assert engine.scheduler.config.block_size == 16 and config.dtype == "float32"
+    assert engine.scheduler.config.block_size == 16 and engine.config.dtype == "float32"
     assert engine.scheduler.kv.blocks.num_blocks == 122
     assert engine.model.kv_cache.num_blocks == 122
     # What was allocated is those blocks: it fits the budget, and one block more would not.
