@@ -66,13 +66,14 @@ def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
     )
 
     where = f"hub model {model!r}" + (f" at revision {revision!r}" if revision else "")
+    download = f"hf download {model}" + (f" --revision {revision}" if revision else "")
     try:
         path = snapshot_download(model, revision=revision, allow_patterns=list(MODEL_FILES))
     except LocalEntryNotFoundError:
         raise FileNotFoundError(
             f"{where} is not in the Hugging Face cache ({_cache_dir()}) and the hub cannot be "
             f"reached{' (HF_HUB_OFFLINE is set)' if _offline() else ''}: download it first "
-            f"(`hf download {model}`), or give a local directory"
+            f"(`{download}`), or give a local directory"
         ) from None
     except GatedRepoError:
         raise FileNotFoundError(
