@@ -12,7 +12,9 @@ can send text as it comes and the full reply is the same text: the sum of its de
 decoding all the tokens at once. Two things hold text back:
 
 - a token that ends inside a UTF-8 character (byte-level BPE splits characters over tokens):
-  its text is sent once the character is complete (the decode stops ending in U+FFFD);
+  its text is sent once the character is complete (the decode stops ending in U+FFFD); a
+  byte-fallback piece (SentencePiece's <0xNN>) waits for the end of its run of bytes, which
+  decodes as one;
 - stop strings: the last ``len(longest stop) - 1`` characters could be the start of one, so
   they wait until the next token rules that out. A stop string cuts the text just before it.
 """
@@ -55,6 +57,12 @@ class ModelTokenizer:
         if self.eos_token is not None and self.token_to_id(self.eos_token) is not None:
             eos.add(self.token_to_id(self.eos_token))
         self.eos_token_ids = frozenset(eos)
+        # SentencePiece's byte-fallback pieces (<0x00> to <0xFF>, Llama's and Mistral's
+        # tokenizers): a run of them decodes as one, and a run that is not UTF-8 becomes one
+        # U+FFFD per piece, so a later byte can change the text of earlier ones.
+        self.byte_fallback_ids = frozenset(
+            i for b in range(256) if (i := self.token_to_id(f"<0x{b:02X}>")) is not None
+        )
         self._template: Any = None
         self._max_chars_per_token = (
             _max_chars_per_token(self.tokenizer, directory) if self.is_fast else None
@@ -96,9 +104,10 @@ class ModelTokenizer:
         return self.tokenizer.get_vocab_size()
 
     def decode_stream(self, *, skip_special_tokens: bool = True) -> Any:
-        """A `tokenizers.decoders.DecodeStream` for this tokenizer, or None where there is
-        none (transformers' tokenizers; tokenizers older than 0.21)."""
-        if not self.is_fast:
+        """A `tokenizers.decoders.DecodeStream` for this tokenizer, or None where it does not
+        serve: transformers' tokenizers, byte-fallback ones (a stream sends a byte's text
+        before the next byte could change it), tokenizers older than 0.21."""
+        if not self.is_fast or self.byte_fallback_ids:
             return None
         try:
             from tokenizers.decoders import DecodeStream
@@ -214,6 +223,8 @@ class IncrementalDetokenizer:
                 return
         if self._read_offset == len(tokens):
             return  # flushing with nothing unread
+        if not flush and tokens[-1] in self.tokenizer.byte_fallback_ids:
+            return  # the next token may be a byte of the same run
         skip = self.skip_special_tokens
         before = self.tokenizer.decode(
             tokens[self._prefix_offset : self._read_offset], skip_special_tokens=skip
