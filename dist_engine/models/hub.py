@@ -5,8 +5,10 @@ Resolution goes through `huggingface_hub`'s cache and `snapshot_download`, which
 cache only) and ``HF_TOKEN`` (gated repositories). The driver resolves a model before any rank
 starts and pins the revision to the commit it found, so every rank loads the same files: on
 the driver's host the ranks use the driver's snapshot (one download for the host), and a rank
-on another host resolves the same commit into its own host's cache. Only the files a model
-needs are fetched (`MODEL_FILES`); a rank then reads only its own tensors from them.
+on another host resolves the same commit into its own host's cache (`EngineConfig.
+with_local_model` does both; huggingface_hub's file locks make the ranks of one host share a
+download). Only the files a model needs are fetched (`MODEL_FILES`); a rank then reads only
+its own tensors from them.
 """
 
 from __future__ import annotations
