@@ -31,6 +31,12 @@ CORPUS = [
 ] * 20
 
 
+def _is_the_whole_decode(text: str, whole: str) -> bool:
+    """Whether streamed `text` is the whole decode: all of it, or (as vLLM's text and the
+    server's are) all but a character whose bytes never completed at the very end."""
+    return text in (whole, whole.rstrip("\ufffd"))
+
+
 def _weights_only(model_dir: str, out: Path) -> Path:
     """The checkpoint without its tokenizer files."""
     out.mkdir()
@@ -88,7 +94,7 @@ def test_a_sentencepiece_only_tokenizer_reads_as_transformers_does(sentencepiece
         detokenizer = IncrementalDetokenizer(tokenizer)
         deltas = [detokenizer.add([t]).text for t in tokens]
         deltas.append(detokenizer.add([], finished=True).text)
-        assert "".join(deltas) == tokenizer.decode(tokens)
+        assert _is_the_whole_decode("".join(deltas), tokenizer.decode(tokens))
 
 
 def test_the_offline_path_encodes_and_decodes_with_it(sentencepiece_dir):
@@ -181,7 +187,7 @@ def test_decode_stream_and_window_decoding_send_the_same_text(model_dir, seed):
     full = tokenizer.decode(tokens, skip_special_tokens=skip)
     deltas, text, _ = _deltas(tokenizer, tokens, stream=True, skip_special_tokens=skip)
     assert (deltas, text) == _deltas(tokenizer, tokens, stream=False, skip_special_tokens=skip)[:2]
-    assert "".join(deltas) == text == full
+    assert "".join(deltas) == text and _is_the_whole_decode(text, full)
     start = next(i for i in range(len(full) // 2, len(full)) if "\ufffd" not in full[i : i + 2])
     options = {"stop": [full[start : start + 2]], "skip_special_tokens": skip}
     stopped = _deltas(tokenizer, tokens, stream=True, **options)
@@ -212,7 +218,7 @@ def test_a_refusing_stream_hands_the_request_over_to_window_decoding(model_dir):
     deltas = [detokenizer.add([t]).text for t in tokens]
     assert detokenizer._stream is None
     deltas.append(detokenizer.add([], finished=True).text)
-    assert "".join(deltas) == tokenizer.decode(tokens)
+    assert _is_the_whole_decode("".join(deltas), tokenizer.decode(tokens))
 
 
 # -- EOS ids --------------------------------------------------------------------------------------
