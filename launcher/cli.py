@@ -7,9 +7,10 @@
 
 Every config key is a flag (launcher/flags.py: `--max-model-len`, `-dp/--data-parallel-size`,
 `--served-model-name`, ...); the YAML gives the base, `--set` overrides it and the flags
-override both. With neither MODEL nor --config, `run` serves the built-in tiny Qwen3-MoE with
-DP=2 on a local Ray. Under torchrun every process runs the same command; rank 0 prints and
-writes the output.
+override both. MODEL is a checkpoint directory or a Hugging Face hub id (org/name, with
+--revision), resolved through the hub's cache before any rank starts. With neither MODEL nor
+--config, `run` serves the built-in tiny Qwen3-MoE with DP=2 on a local Ray. Under torchrun
+every process runs the same command; rank 0 prints and writes the output.
 
 This module imports nothing heavy at the top (no torch): `lockstep --help` answers at once.
 """
@@ -127,7 +128,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     try:
         return serve.main(args, builtin_job)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:  # bad input: config, model, hub id
         print(f"lockstep: error: {error}", file=sys.stderr)
         return 2
 
@@ -145,6 +146,8 @@ def run_job(args: argparse.Namespace) -> int:
             f"{config.parallel.launcher!r}: every torchrun process would run the whole job; "
             "use a torchrun config (configs/torchrun.yaml) or run without torchrun"
         )
+    # A hub id becomes its snapshot directory, pinned to its commit, before any rank starts.
+    config = config.with_local_model()
     try:
         SamplingParams(max_tokens=args.max_tokens)
     except ValueError as error:

@@ -75,7 +75,10 @@ _DEST = "setting:"  # the argparse dest of a setting flag: _DEST + its config ke
 EXPERT_PARALLEL_DEST = "vllm:enable_expert_parallel"
 
 DESCRIPTIONS = {
-    "model": "Hugging Face checkpoint directory (the same as MODEL)",
+    "model": "Hugging Face checkpoint directory or hub id org/name (the same as MODEL)",
+    "revision": "a hub id's branch, tag or commit (default: its main branch)",
+    "hub_id": "the hub id MODEL's directory is a snapshot of (the driver records it; a rank on "
+    "a host without the directory resolves it at --revision there)",
     "dtype": "dtype of the weights and activations",
     "check_lockstep": "all-gather every step's kind and check the ranks agree (debugging)",
     "seed": "seeds the requests that give no seed of their own; none: random per request",
@@ -234,8 +237,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, server: bool) -> No
         nargs="?",
         default=argparse.SUPPRESS,
         metavar="MODEL",
-        help="Hugging Face checkpoint directory (default: --config's model; with neither, "
-        "the built-in tiny model and job)",
+        help="Hugging Face checkpoint directory or hub id org/name (default: --config's "
+        "model; with neither, the built-in tiny model and job)",
     )
     what = "YAML engine config" + (", optionally with a server: section" if server else "")
     parser.add_argument("--config", help=f"{what} (flags and --set override it)")

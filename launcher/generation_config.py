@@ -9,9 +9,10 @@ The defaults apply only where a request sets nothing: `LLM.generate(prompts)` wi
 params, and a `lockstep run` prompt line or a server request without `temperature`, `top_p` or
 `top_k` (each field falls back on its own). `SamplingParams()` itself stays greedy: code that
 builds its params keeps exactly what it asked for. The file's `eos_token_id` (an id or a list)
-becomes stop ids of those defaulted requests, unless they set `ignore_eos`; as in vLLM it is
-read under `vllm` too, which ignores only the sampling values. Chat models list their
-end-of-turn token there, which config.json (the engine's own EOS ids) often lacks.
+becomes stop ids of every request, defaulted or given, unless it sets `ignore_eos`
+(`with_eos_ids`; the front ends add the tokenizer's eos_token too); as in vLLM it is read
+under `vllm` too, which ignores only the sampling values. Chat models list their end-of-turn
+token there, which config.json (the engine's own EOS ids) often lacks.
 
 Only the keys vLLM reads that Lockstep's sampler implements are taken: `temperature`, `top_p`,
 `top_k`. `max_new_tokens`, `repetition_penalty` and `min_p` are not (`describe()`, which the
@@ -20,6 +21,7 @@ front ends log at start-up, names them); `do_sample` is ignored, as vLLM ignores
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -73,6 +75,14 @@ class GenerationDefaults:
             extra = frozenset(values.get("stop_token_ids", ()))
             values["stop_token_ids"] = self.eos_token_ids | extra
         return SamplingParams(max_tokens=max_tokens, **values)
+
+
+def with_eos_ids(params: SamplingParams, eos_token_ids: frozenset[int]) -> SamplingParams:
+    """``params`` stopping also at ``eos_token_ids``, unless it sets ``ignore_eos``: vLLM adds
+    its generation config's EOS ids to the stop ids of every request, given or defaulted."""
+    if params.ignore_eos or eos_token_ids <= params.stop_token_ids:
+        return params
+    return dataclasses.replace(params, stop_token_ids=params.stop_token_ids | eos_token_ids)
 
 
 def load_generation_defaults(setting: str, model_dir: str | Path) -> GenerationDefaults:

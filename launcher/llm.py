@@ -6,18 +6,24 @@ like vLLM's.
         outputs[0].outputs[0].text          # vLLM's shape
         outputs[0].text, outputs[0].output_token_ids, outputs[0].dp_rank   # Lockstep's
 
-Prompts are token-id lists, or strings when the tokenizer directory (the model's, or the
-`tokenizer` setting) has a tokenizer.json. Each output carries vLLM's ``request_id``,
-``prompt``, ``prompt_token_ids``, ``outputs`` (one `CompletionOutput`) and ``finished``, and
-Lockstep's own ``output_token_ids``, ``text``, ``finish_reason``, ``dp_rank``, ``detail`` and
-timings. ``generate(prompts)`` with no sampling params samples with the model's defaults
-(launcher/generation_config.py), as vLLM does; a given ``SamplingParams`` is used as it is
-(``SamplingParams()`` is greedy). If a rank dies, ``generate`` raises ``LockstepError`` naming
-it; the error's ``outputs`` hold every request's result, the unfinished ones failed.
+``model`` is a checkpoint directory or a Hugging Face hub id (``"org/name"``, with
+``revision=``), resolved through the hub's cache before any rank starts. Prompts are token-id
+lists, or strings when the tokenizer directory (the model's, or the `tokenizer` setting) has
+a tokenizer (the server's kind, launcher/server/tokenization.py). Each output carries vLLM's
+``request_id``, ``prompt``, ``prompt_token_ids``, ``outputs`` (one `CompletionOutput`) and
+``finished``, and Lockstep's own ``output_token_ids``, ``text``, ``finish_reason``,
+``dp_rank``, ``detail`` and timings. ``generate(prompts)`` with no sampling params samples
+with the model's defaults (launcher/generation_config.py), as vLLM does; a given
+``SamplingParams`` is used as it is (``SamplingParams()`` is greedy), except that every
+request stops at the model's EOS ids (config.json's, generation_config.json's and the
+tokenizer's eos_token, as vLLM stops) unless it sets ``ignore_eos``. If a rank dies,
+``generate`` raises ``LockstepError`` naming it; the error's ``outputs`` hold every request's
+result, the unfinished ones failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -38,9 +44,9 @@ from dist_engine.log import get_logger
 from dist_engine.models.loader import check_checkpoint
 from launcher.clients import Client, LocalClient, RankFailure, Submission
 from launcher.flags import VLLM_KEYWORDS
-from launcher.generation_config import GenerationDefaults, load_generation_defaults
+from launcher.generation_config import GenerationDefaults, load_generation_defaults, with_eos_ids
 from launcher.routing import Router
-from launcher.server.tokenization import check_tokenizer_dir
+from launcher.server.tokenization import ModelTokenizer, check_tokenizer_dir
 from scheduler import SamplingParams
 
 log = get_logger()
@@ -96,8 +102,9 @@ class LLM:
         enable_expert_parallel: bool | None = None,
         **overrides: Any,
     ) -> None:
-        """``model`` (a checkpoint directory) or ``config`` (an EngineConfig or a YAML path),
-        then any config key by name (``max_model_len=4096``); vLLM's names are taken too:
+        """``model`` (a checkpoint directory or a hub id) or ``config`` (an EngineConfig or a
+        YAML path), then any config key by name (``max_model_len=4096``, ``revision="v1"``:
+        a hub id's branch, tag or commit); vLLM's names are taken too:
         ``data_parallel_size`` (``dp_size``), ``kv_cache_memory_bytes`` (``kv_cache_bytes``),
         ``enable_expert_parallel=True`` (expert parallelism is always on). ``seed=N`` (a config
         key like the others) seeds the requests that give none; None: random."""
@@ -118,8 +125,10 @@ class LLM:
                 f"{launcher_name!r}: every torchrun process would start a whole group of its "
                 f"own; set launcher: torchrun (one rank per process), or run without torchrun"
             )
-        # Before any rank starts: a bad model directory is one clear line here, not a remote
+        # Before any rank starts: a hub id becomes its snapshot directory pinned to a commit
+        # (the ranks get that directory), and a bad model is one clear line here, not a remote
         # traceback from every rank after the launcher came up.
+        self.config = self.config.with_local_model()
         model_config = check_checkpoint(self.config.model)
         check_max_model_len(self.config.scheduler.max_model_len, model_config)
         if self.config.tokenizer is not None:
@@ -128,18 +137,24 @@ class LLM:
         self.generation_defaults: GenerationDefaults = load_generation_defaults(
             self.config.generation_config, self.config.model
         )
+        # What ends every request that does not ignore EOS, besides config.json's ids (the
+        # engine's own): the generation config's and the tokenizer's, as the server stops.
+        self.eos_token_ids = self.generation_defaults.eos_token_ids | (
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
+        )
         check_gpu_memory_utilization(self.config)
         self.client: Client
-        if launcher_name == "ray":
-            from launcher.ray_launcher import RayClient
+        with group_loading(self.config):
+            if launcher_name == "ray":
+                from launcher.ray_launcher import RayClient
 
-            self.client = RayClient(self.config)
-        elif launcher_name == "torchrun":
-            from launcher.torchrun_launcher import TorchrunClient
+                self.client = RayClient(self.config)
+            elif launcher_name == "torchrun":
+                from launcher.torchrun_launcher import TorchrunClient
 
-            self.client = TorchrunClient(self.config)
-        else:
-            self.client = LocalClient(self.config)
+                self.client = TorchrunClient(self.config)
+            else:
+                self.client = LocalClient(self.config)
         try:
             check_gpu_memory_utilization(self.config, self.client)
         except ValueError:
@@ -285,7 +300,10 @@ class LLM:
         count = len(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _per_prompt(sampling_params, count, "sampling_params")
+        params = [
+            with_eos_ids(p, self.eos_token_ids)
+            for p in _per_prompt(sampling_params, count, "sampling_params")
+        ]
         pins = _per_prompt(dp_rank, count, "dp_rank")
         # Checked before anything is routed: under torchrun an out-of-range pin would be served
         # by no rank, and a late error would leave earlier requests counted by the router.
@@ -393,7 +411,7 @@ class LLM:
                 raise ValueError(
                     f"text prompts need {self.config.model}/tokenizer.json; pass token ids"
                 )
-            return self.tokenizer.encode(prompt).ids
+            return self.tokenizer.encode(prompt)
         return list(prompt)
 
     def _completion(self, output: RequestOutput, prompt: _Prompt) -> Completion:
@@ -504,10 +522,25 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-def _load_tokenizer(model_dir: str) -> Any:
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
+def _load_tokenizer(directory: str) -> ModelTokenizer | None:
+    """The tokenizer of ``directory`` (the server's kind), or None if it has no tokenizer
+    files; ValueError naming the package a SentencePiece-only tokenizer needs."""
+    return ModelTokenizer.load(directory)
 
-    return Tokenizer.from_file(str(path))
+
+@contextlib.contextmanager
+def group_loading(config: EngineConfig) -> Iterator[None]:
+    """One line on the driver as the group starts and loads the model, one when it is up
+    (each rank logs its own progress over its shards, models/loader.py)."""
+    num_bytes = sum(path.stat().st_size for path in Path(config.model).glob("*.safetensors"))
+    size = f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+    source = config.model if config.hub_id is None else f"{config.hub_id} at {config.revision}"
+    log.info(
+        "starting %d DP rank(s), loading %s (%s of safetensors; each rank reads its share)",
+        config.parallel.dp_size,
+        source,
+        size,
+    )
+    start = time.monotonic()
+    yield
+    log.info("the DP group is up: loaded in %.1f s", time.monotonic() - start)

@@ -1,6 +1,6 @@
 """Engine settings: frozen dataclasses, one per YAML section, checked on construction.
 
-    model: /path/to/hf_dir
+    model: /path/to/hf_dir       # or a hub id, org/name (with revision: a branch, tag or commit)
     dtype: auto                  # the checkpoint's where the device runs it well, else float32
     attention_backend: auto      # and expert_backend, norm_backend (dist_engine/backends.py)
     parallel: {dp_size: 2, launcher: ray, backend: auto}
@@ -112,6 +112,8 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    # A checkpoint directory, or a Hugging Face hub id (org/name) that the driver resolves
+    # through the hub's cache before any rank starts (`with_local_model`).
     model: str
     dtype: Dtype = "auto"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -142,10 +144,23 @@ class EngineConfig:
     # num_blocks or kv_cache_bytes; the front ends say it does not apply on a CPU group and
     # refuse it on a GPU one (launcher/llm.py, check_gpu_memory_utilization).
     gpu_memory_utilization: float | None = None
+    # A hub id's branch, tag or commit (null: its main branch). The driver pins it to the
+    # commit it resolved, so every rank loads the same files.
+    revision: str | None = None
+    # Recorded by the driver when `model` was a hub id: that id, with `model` then the snapshot
+    # directory on the driver's host and `revision` its commit. A rank on a host without that
+    # directory resolves the same id and commit into its own host's cache.
+    hub_id: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
+            raise ValueError(
+                f"model must be a checkpoint directory or a hub id (org/name), got {self.model!r}"
+            )
+        for key in ("revision", "hub_id"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{key} must be a non-empty string or null, got {value!r}")
         _choice("dtype", self.dtype, DTYPES)
         for key, allowed in BACKEND_CHOICES.items():
             _choice(key, getattr(self, key), allowed)
@@ -186,6 +201,30 @@ class EngineConfig:
                 f"({self.scheduler.max_num_seqs})"
             )
 
+    def with_local_model(self) -> EngineConfig:
+        """This config with `model` a checkpoint directory on this host.
+
+        The driver calls it before any rank starts: a hub id is resolved through the hub's
+        cache (`models/hub.py`: downloaded unless HF_HUB_OFFLINE; HF_HOME, HF_TOKEN honoured)
+        and pinned: `model` becomes the snapshot directory, `revision` its commit, `hub_id`
+        the id. A rank calls it too: where the driver's directory is missing (another host),
+        it resolves `hub_id` at that commit into this host's cache; where it exists, nothing
+        changes. A directory stays as it is. FileNotFoundError or ValueError say what is
+        missing and what to do."""
+        from dist_engine.models.hub import resolve_model
+
+        if self.hub_id is not None:
+            if Path(self.model).is_dir():
+                return self
+            resolved = resolve_model(self.hub_id, self.revision)
+            return dataclasses.replace(self, model=resolved.path)
+        resolved = resolve_model(self.model, self.revision)
+        if resolved.repo_id is None:
+            return self
+        return dataclasses.replace(
+            self, model=resolved.path, revision=resolved.commit, hub_id=resolved.repo_id
+        )
+
     @property
     def ll_capacity(self) -> int:
         return self.moe.ll_max_tokens_per_rank or self.scheduler.max_num_seqs
@@ -224,7 +263,7 @@ class EngineConfig:
                 prefixed = message if message.startswith(name) else f"{name}.{message}"
                 raise ValueError(prefixed) from None
         if "model" not in values:
-            raise ValueError("model is required: a Hugging Face checkpoint directory")
+            raise ValueError("model is required: a Hugging Face checkpoint directory or hub id")
         values["model"] = str(values["model"])
         return cls(**values)
 

@@ -108,7 +108,8 @@ class DPEngine:
         on_output: OutputCallback | None = None,
         trace_limit: int = 1_000_000,
     ) -> None:
-        self.config = config
+        # A hub model's snapshot is the driver's directory; on another host, this host's copy.
+        self.config = config = config.with_local_model()
         self.dist = dist_ctx
         self.rank = dist_ctx.rank if dist_ctx else 0
         self.world_size = dist_ctx.world_size if dist_ctx else 1

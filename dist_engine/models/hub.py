@@ -5,8 +5,10 @@ Resolution goes through `huggingface_hub`'s cache and `snapshot_download`, which
 cache only) and ``HF_TOKEN`` (gated repositories). The driver resolves a model before any rank
 starts and pins the revision to the commit it found, so every rank loads the same files: on
 the driver's host the ranks use the driver's snapshot (one download for the host), and a rank
-on another host resolves the same commit into its own host's cache. Only the files a model
-needs are fetched (`MODEL_FILES`); a rank then reads only its own tensors from them.
+on another host resolves the same commit into its own host's cache (`EngineConfig.
+with_local_model` does both; huggingface_hub's file locks make the ranks of one host share a
+download). Only the files a model needs are fetched (`MODEL_FILES`); a rank then reads only
+its own tensors from them.
 """
 
 from __future__ import annotations
@@ -66,13 +68,14 @@ def resolve_model(model: str, revision: str | None = None) -> ResolvedModel:
     )
 
     where = f"hub model {model!r}" + (f" at revision {revision!r}" if revision else "")
+    download = f"hf download {model}" + (f" --revision {revision}" if revision else "")
     try:
         path = snapshot_download(model, revision=revision, allow_patterns=list(MODEL_FILES))
     except LocalEntryNotFoundError:
         raise FileNotFoundError(
             f"{where} is not in the Hugging Face cache ({_cache_dir()}) and the hub cannot be "
             f"reached{' (HF_HUB_OFFLINE is set)' if _offline() else ''}: download it first "
-            f"(`hf download {model}`), or give a local directory"
+            f"(`{download}`), or give a local directory"
         ) from None
     except GatedRepoError:
         raise FileNotFoundError(

@@ -16,6 +16,9 @@ resident set until the load ends, as much again as the checkpoint bytes the rank
 rank's peak RSS was then twice its weights for a bf16 checkpoint; reopening a shard costs only
 its header).
 
+Each rank logs its progress over the shards it reads from (`ShardProgress`: a tqdm line every
+`PROGRESS_INTERVAL_S` while it loads, then one line with the shards, bytes and seconds).
+
 Policy on unexpected tensors: an error. A tensor we do not know (shared experts, biases, a
 different architecture under the same `model_type`) would otherwise be dropped silently and the
 model would produce wrong tokens with no warning. Only tensors HF itself ignores are skipped:
@@ -24,15 +27,21 @@ model would produce wrong tokens with no warning. Only tensors HF itself ignores
 
 from __future__ import annotations
 
+import io
 import json
+import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from dist_engine.backends import Backends, LayerOps, resolve_backends
 from dist_engine.layers.moe import ExpertParallelContext
+from dist_engine.log import get_logger
 from dist_engine.models import block_fp8
 from dist_engine.models.block_fp8 import BlockFP8Format
 from dist_engine.models.config import ModelConfig
@@ -44,6 +53,8 @@ from moe import MoELayer
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_IN_ERROR = 10
 MAX_MAPPED_BYTES = 64 * 2**20
+# How often a rank's progress line is logged while it loads (a quicker load logs only its end).
+PROGRESS_INTERVAL_S = 10.0
 
 
 class CheckpointReader:
@@ -63,6 +74,9 @@ class CheckpointReader:
         self._bytes_since_unmap = 0
         self._file_of: dict[str, str] = self._index_tensors()
         self.tensors_read: list[str] = []
+        self.num_bytes_read = 0
+        # Called with each entry `tensors_read` records, after the read (`ShardProgress`).
+        self.on_read: Callable[[str], None] | None = None
 
     def _index_tensors(self) -> dict[str, str]:
         index_path = self.model_dir / INDEX_FILE
@@ -112,7 +126,11 @@ class CheckpointReader:
         self._bytes_since_unmap = 0
 
     def _count(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._bytes_since_unmap += tensor.numel() * tensor.element_size()
+        num_bytes = tensor.numel() * tensor.element_size()
+        self._bytes_since_unmap += num_bytes
+        self.num_bytes_read += num_bytes
+        if self.on_read is not None:
+            self.on_read(self.tensors_read[-1])
         return tensor
 
     def open_all(self) -> None:
@@ -134,6 +152,10 @@ class CheckpointReader:
 
     def has(self, name: str) -> bool:
         return name in self._file_of
+
+    def file_of(self, name: str) -> str:
+        """The file (shard) that holds tensor `name`."""
+        return self._file(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._file(name)).get_slice(name).get_shape())
@@ -208,12 +230,117 @@ def load_model(
     backends: Backends | None = None,
     max_decode_tokens: int = 256,
 ) -> MoECausalLM:
-    """Build the model described by `model_dir/config.json` and load this rank's weights."""
+    """Build the model described by `model_dir/config.json` and load this rank's weights,
+    logging the progress over its shards to the rank's log."""
     config = load_config(model_dir)
     model = build_model(config, dtype, device, ep_context, backends, max_decode_tokens)
+    context = ep_context or ExpertParallelContext()
     with CheckpointReader(model_dir, device) as reader:
-        load_weights(model, reader, ep_context or ExpertParallelContext())
+        planned = planned_reads(config, reader, context)
+        with ShardProgress(reader, planned, get_logger(context.rank)):
+            load_weights(model, reader, context)
     return model
+
+
+def planned_reads(
+    config: ModelConfig, reader: CheckpointReader, ep_context: ExpertParallelContext
+) -> list[str]:
+    """What `load_weights` will read for rank `ep_context.rank`, in order, as
+    `reader.tensors_read` records it (a name, or `name[e]` for expert e's row of a fused
+    tensor), from the headers alone: every dense tensor, the hosted experts' tensors, and a
+    block-FP8 weight's scales after it."""
+    layout = get_architecture(config.model_type).layout(config)
+    reads: list[str] = []
+
+    def weight(name: str) -> None:
+        reads.append(name)
+        if is_quantized(reader, config.quantization, name):
+            assert config.quantization is not None
+            reads.append(config.quantization.scale_name(name))
+
+    for name in layout.dense_tensor_shapes():
+        weight(_source_name(layout, reader, name))
+    hosted = ep_context.resolve_placement(config.num_experts).hosted_logical(ep_context.rank)
+    for layer_idx in config.moe_layer_indices:
+        names = layout.expert_names(layer_idx)
+        if reader.has(names.fused_gate_up) or reader.has(names.fused_down):
+            for expert in hosted:
+                reads += [f"{names.fused_gate_up}[{expert}]", f"{names.fused_down}[{expert}]"]
+            continue
+        for expert in hosted:
+            for name in names.per_expert(expert):
+                weight(name)
+    return reads
+
+
+class ShardProgress:
+    """A rank's progress over the shards it reads from, in its log: a shard counts as done
+    once every tensor the rank reads from it (`planned`, see `planned_reads`) has been read.
+    One tqdm line every `PROGRESS_INTERVAL_S` while the load lasts (none for a quicker one),
+    then one line with the shards, the bytes read and the time. A context manager; it hooks
+    itself into `reader.on_read`."""
+
+    def __init__(self, reader: CheckpointReader, planned: list[str], log: Any) -> None:
+        self.reader = reader
+        self.log = log
+        self._left = Counter(reader.file_of(entry.partition("[")[0]) for entry in planned)
+        self.num_shards = len(self._left)
+        self._start = time.monotonic()
+        self._bar = tqdm(
+            total=self.num_shards,
+            desc=f"loading {reader.model_dir.name}",
+            unit="shard",
+            file=_LogLines(log),
+            mininterval=PROGRESS_INTERVAL_S,
+            delay=PROGRESS_INTERVAL_S,
+            ncols=100,
+            ascii=True,
+            leave=False,
+        )
+
+    def __enter__(self) -> ShardProgress:
+        self.reader.on_read = self._read
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.reader.on_read = None
+        self._bar.close()
+        if exc_type is None:
+            self.log.info(
+                "loaded its weights: %d of %d shard(s) of %s, %s read in %.1f s",
+                self._bar.n,
+                self.num_shards,
+                self.reader.model_dir,
+                _size(self.reader.num_bytes_read),
+                time.monotonic() - self._start,
+            )
+
+    def _read(self, entry: str) -> None:
+        shard = self.reader.file_of(entry.partition("[")[0])
+        self._left[shard] -= 1
+        if self._left[shard] == 0:
+            self._bar.set_postfix_str(_size(self.reader.num_bytes_read), refresh=False)
+            self._bar.update(1)
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
+class _LogLines(io.TextIOBase):
+    """tqdm's output as log lines: a log has no carriage returns, so each refresh of the bar
+    becomes a line of its own (at most one per `PROGRESS_INTERVAL_S`)."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+        self._last = ""
+
+    def write(self, text: str) -> int:
+        line = text.strip("\r\n ")
+        if line and line != self._last:
+            self.log.info("%s", line)
+            self._last = line
+        return len(text)
 
 
 def load_weights(

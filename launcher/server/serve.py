@@ -2,6 +2,7 @@
 
     lockstep serve [MODEL] [--config YAML] [--set KEY=VALUE ...] [settings flags]
     lockstep serve /path/to/model -dp 2 --max-model-len 4096 --served-model-name a b --port 0
+    lockstep serve org/name --revision v1 -dp 2     # a hub id, through the hub's cache
 
 Settings come from the YAML (the engine's sections and a `server:` section, see
 server/config.py), then `--set` (server keys as `server.KEY`, or by their bare name), then the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 from collections.abc import Callable
@@ -43,11 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, builtin_job: Callable[[], dict[str, Any]]) -> int:
     """Run the server until a signal; ``builtin_job`` gives the built-in job's settings."""
-    engine_config, server_config = load_configs(args, builtin_job)
-    from launcher.llm import check_gpu_memory_utilization
+    engine_config, server_config = prepare_model(*load_configs(args, builtin_job))
+    from launcher.llm import check_gpu_memory_utilization, group_loading
 
     check_gpu_memory_utilization(engine_config)
-    client = make_client(engine_config)
+    with group_loading(engine_config):
+        client = make_client(engine_config)
     try:
         check_gpu_memory_utilization(engine_config, client)
         from launcher.server.app import LockstepServer
@@ -64,13 +67,12 @@ def load_configs(
     args: argparse.Namespace, builtin_job: Callable[[], dict[str, Any]]
 ) -> tuple[EngineConfig, ServerConfig]:
     """The engine and server configs of a `serve` command line (config < --set < flags), with
-    everything checked that can be before a rank starts: the chat template compiles, the
-    tokenizer and generation config directories hold their files."""
+    what can be checked without the model: the chat template compiles, a `tokenizer`
+    directory holds a tokenizer."""
     engine, server_values = flags.load_settings(args, server=True, builtin=builtin_job)
     if "api_key" not in server_values and os.environ.get(API_KEY_ENV):
         server_values["api_key"] = os.environ[API_KEY_ENV]
     server = ServerConfig.from_dict(server_values)
-    from launcher.generation_config import load_generation_defaults
     from launcher.server.tokenization import check_chat_template, check_tokenizer_dir
 
     template = server.chat_template_text()
@@ -78,6 +80,25 @@ def load_configs(
         check_chat_template(template, "server.chat_template")
     if engine.tokenizer is not None:
         check_tokenizer_dir(engine.tokenizer, "tokenizer")
+    return engine, server
+
+
+def prepare_model(engine: EngineConfig, server: ServerConfig) -> tuple[EngineConfig, ServerConfig]:
+    """The configs with the model made ready before any rank starts: a hub id resolved to its
+    snapshot and pinned to its commit (the ranks get the directory; the served name defaults
+    to the id, as vLLM's does), the checkpoint checked, its tokenizer and generation config
+    found readable. Errors name what is missing."""
+    from dist_engine.engine.engine import check_max_model_len
+    from dist_engine.models.loader import check_checkpoint
+    from launcher.generation_config import load_generation_defaults
+    from launcher.server.tokenization import check_tokenizer_dir
+
+    engine = engine.with_local_model()
+    if engine.hub_id is not None and server.served_model_name is None:
+        server = dataclasses.replace(server, served_model_name=(engine.hub_id,))
+    check_max_model_len(engine.scheduler.max_model_len, check_checkpoint(engine.model))
+    if engine.tokenizer is None:
+        check_tokenizer_dir(engine.model, "model", required=False)
     load_generation_defaults(engine.generation_config, engine.model)
     return engine, server
 

@@ -1,8 +1,11 @@
 """Text in and out: the checkpoint's tokenizer, its chat template, and incremental detokenizing.
 
 `ModelTokenizer` reads what a Hugging Face checkpoint ships: `tokenizer.json` (the `tokenizers`
-library), the chat template in `tokenizer_config.json` (Jinja, rendered in a sandbox as
-transformers does) and the end-of-sequence ids of `config.json` and `generation_config.json`.
+library), or, where a checkpoint has none, a SentencePiece `tokenizer.model` through
+`transformers.AutoTokenizer`; the chat template of `chat_template.jinja` or
+`tokenizer_config.json` (Jinja, rendered in a sandbox as transformers does); the
+end-of-sequence ids of `config.json`, `generation_config.json` and the tokenizer's eos_token.
+The server and the offline `LLM` use the same class.
 
 `IncrementalDetokenizer` turns a request's tokens into text one token at a time, so a stream
 can send text as it comes and the full reply is the same text: the sum of its deltas equals
@@ -10,45 +13,66 @@ decoding all the tokens at once, less the bytes of a character left incomplete a
 (vLLM's text leaves those out too). Two things hold text back:
 
 - a token that ends inside a UTF-8 character (byte-level BPE splits characters over tokens):
-  its text is sent once the character is complete (the decode stops ending in U+FFFD);
+  its text is sent once the character is complete (the decode stops ending in U+FFFD); a
+  byte-fallback piece (SentencePiece's <0xNN>) waits for the end of its run of bytes, which
+  decodes as one;
 - stop strings: the last ``len(longest stop) - 1`` characters could be the start of one, so
   they wait until the next token rules that out. A stop string cuts the text just before it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+TOKENIZER_FILE = "tokenizer.json"
+# What a checkpoint without tokenizer.json may ship instead: a SentencePiece model, which
+# transformers converts (it needs the sentencepiece package for that).
+SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # the hub's newer place for the chat template
 _REPLACEMENT = "\ufffd"  # what a decode ending inside a UTF-8 character ends with
 
 
 class ModelTokenizer:
     def __init__(self, model_dir: str | Path, *, chat_template: str | None = None) -> None:
-        """The tokenizer files in ``model_dir``; ``chat_template`` replaces the one in its
-        tokenizer_config.json (`server.chat_template`)."""
-        from tokenizers import Tokenizer
-
+        """The tokenizer files in ``model_dir``; ``chat_template`` replaces the checkpoint's
+        (`server.chat_template`). Raises ValueError when the tokenizer needs a package that is
+        not installed, naming it, and FileNotFoundError when there are no tokenizer files."""
         directory = Path(model_dir)
-        self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        # A `tokenizers.Tokenizer`, or transformers' tokenizer behind the same methods.
+        self.tokenizer: Any = _read_tokenizer(directory)
         settings = _read_json(directory / "tokenizer_config.json")
-        self.chat_template: str | None = chat_template or settings.get("chat_template")
+        self.chat_template: str | None = chat_template or _chat_template(directory, settings)
         self.bos_token = _token_text(settings.get("bos_token"))
         self.eos_token = _token_text(settings.get("eos_token"))
         # Every id that ends a reply. The engine stops at config.json's ids itself; chat models
         # list their end-of-turn token in generation_config.json (and often as the tokenizer's
-        # eos_token), which the server passes as stop ids.
+        # eos_token), which the front ends pass as stop ids.
         eos: set[int] = set()
         for name in ("config.json", "generation_config.json"):
             eos.update(_ids(_read_json(directory / name).get("eos_token_id")))
-        if self.eos_token is not None and self.tokenizer.token_to_id(self.eos_token) is not None:
-            eos.add(self.tokenizer.token_to_id(self.eos_token))
+        if self.eos_token is not None and self.token_to_id(self.eos_token) is not None:
+            eos.add(self.token_to_id(self.eos_token))
         self.eos_token_ids = frozenset(eos)
+        # SentencePiece's byte-fallback pieces (<0x00> to <0xFF>, Llama's and Mistral's
+        # tokenizers): a run of them decodes as one, and a run that is not UTF-8 becomes one
+        # U+FFFD per piece, so a later byte can change the text of earlier ones.
+        self.byte_fallback_ids = frozenset(
+            i for b in range(256) if (i := self.token_to_id(f"<0x{b:02X}>")) is not None
+        )
         self._template: Any = None
-        self._max_chars_per_token = _max_chars_per_token(self.tokenizer, directory)
+        self._max_chars_per_token = (
+            _max_chars_per_token(self.tokenizer, directory) if self.is_fast else None
+        )
+
+    @property
+    def is_fast(self) -> bool:
+        """Whether the `tokenizers` library reads this tokenizer itself (from tokenizer.json)."""
+        return not isinstance(self.tokenizer, _TransformersTokenizer)
 
     def min_num_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text))``, found without encoding: no token covers
@@ -60,8 +84,8 @@ class ModelTokenizer:
 
     @staticmethod
     def load(model_dir: str | Path, *, chat_template: str | None = None) -> ModelTokenizer | None:
-        """The checkpoint's tokenizer, or None if it has no tokenizer.json."""
-        if not (Path(model_dir) / "tokenizer.json").is_file():
+        """The checkpoint's tokenizer, or None if it has no tokenizer files."""
+        if tokenizer_file(model_dir) is None:
             return None
         return ModelTokenizer(model_dir, chat_template=chat_template)
 
@@ -70,6 +94,27 @@ class ModelTokenizer:
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of ``token`` (a vocabulary entry or an added token), or None."""
+        return self.tokenizer.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Entries of the vocabulary, added tokens included."""
+        return self.tokenizer.get_vocab_size()
+
+    def decode_stream(self, *, skip_special_tokens: bool = True) -> Any:
+        """A `tokenizers.decoders.DecodeStream` for this tokenizer, or None where it does not
+        serve: transformers' tokenizers, byte-fallback ones (a stream sends a byte's text
+        before the next byte could change it), tokenizers older than 0.21."""
+        if not self.is_fast or self.byte_fallback_ids:
+            return None
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:
+            return None
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -80,7 +125,10 @@ class ModelTokenizer:
         ValueError if the checkpoint has no chat template or the template rejects the
         conversation."""
         if self.chat_template is None:
-            raise ValueError("this model's tokenizer_config.json has no chat_template")
+            raise ValueError(
+                f"this model has no chat template (no {CHAT_TEMPLATE_FILE}, and none in "
+                "tokenizer_config.json); give one with --chat-template"
+            )
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         from jinja2 import TemplateError
@@ -107,7 +155,15 @@ class TextDelta:
 
 class IncrementalDetokenizer:
     """One request's output tokens to text, token by token, with stop strings cut exactly
-    (before the stop string, or after it with ``include_stop``)."""
+    (before the stop string, or after it with ``include_stop``).
+
+    Each token is decoded in a window that starts a token before the unread ones (tokenizers
+    whose pieces depend on their left neighbour, leading spaces, decode the new part right):
+    by `tokenizers`' `DecodeStream` where the tokenizer has one, one call per token, else by
+    decoding the window and the part of it already read. Both keep the same two offsets, so a
+    request can change from the one to the other at any token (a stream that refuses a window
+    whose text does not extend the previous one; the end of a request, whose tail is decoded
+    even inside a character)."""
 
     def __init__(
         self,
@@ -129,6 +185,11 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens before this have their text in self.text
         self._searched = 0  # text before this holds no stop string
         self.stopped = False
+        self._stream = (
+            tokenizer.decode_stream(skip_special_tokens=skip_special_tokens)
+            if tokenizer is not None
+            else None
+        )
 
     def add(self, token_ids: Sequence[int], *, finished: bool = False) -> TextDelta:
         """Take the next tokens; ``finished``: they are the request's last (flush everything
@@ -153,8 +214,19 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return
         tokens = self.token_ids
-        # Decode a window that starts a token before the unread ones: tokenizers whose pieces
-        # depend on their left neighbour (leading spaces) decode the new part right.
+        if self._stream is not None and not flush:
+            try:
+                piece = self._stream.step(self.tokenizer.tokenizer, tokens[-1])
+            except Exception:  # tokenizers refuses a window whose text does not extend the last
+                self._stream = None  # this request decodes windows from here on
+            else:
+                if piece is not None:
+                    self._took(piece)
+                return
+        if self._read_offset == len(tokens):
+            return  # flushing with nothing unread
+        if not flush and tokens[-1] in self.tokenizer.byte_fallback_ids:
+            return  # the next token may be a byte of the same run
         skip = self.skip_special_tokens
         before = self.tokenizer.decode(
             tokens[self._prefix_offset : self._read_offset], skip_special_tokens=skip
@@ -165,9 +237,13 @@ class IncrementalDetokenizer:
             # out, as vLLM's detokenizer leaves them (its text and ours stay the same).
             now = now.rstrip(_REPLACEMENT)
         if len(now) > len(before) and (flush or not now.endswith(_REPLACEMENT)):
-            self.text += now[len(before) :]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(tokens)
+            self._took(now[len(before) :])
+
+    def _took(self, piece: str) -> None:
+        """The text of the tokens up to the last: the window moves past them."""
+        self.text += piece
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
 
     def _find_stop(self) -> None:
         if not self.stop:
@@ -221,13 +297,115 @@ def _normalizer_merge(normalizer: Any) -> int | None:
     return _NORMALIZER_MERGE.get(kind)
 
 
-def check_tokenizer_dir(directory: str | Path, key: str) -> None:
-    """Refuse a ``key`` (a setting naming a tokenizer directory) without a tokenizer.json."""
-    if not (Path(directory) / "tokenizer.json").is_file():
-        raise ValueError(
-            f"{key} {str(directory)!r}: no tokenizer.json there; give a directory with a "
-            "Hugging Face tokenizer's files"
+def tokenizer_file(directory: str | Path) -> Path | None:
+    """The file a tokenizer is read from in ``directory``: tokenizer.json, else a SentencePiece
+    model; None if there is neither."""
+    for name in (TOKENIZER_FILE, *SENTENCEPIECE_FILES):
+        if (Path(directory) / name).is_file():
+            return Path(directory) / name
+    return None
+
+
+def check_tokenizer_dir(directory: str | Path, key: str, *, required: bool = True) -> None:
+    """Refuse a tokenizer directory (the setting ``key``) that cannot be read: without
+    tokenizer files (``required``), or with only a SentencePiece model while transformers or
+    sentencepiece is missing. Reads no tokenizer, so it is cheap before any rank starts."""
+    found = tokenizer_file(directory)
+    if found is None:
+        if required:
+            raise ValueError(
+                f"{key} {str(directory)!r}: no {TOKENIZER_FILE} there (nor a SentencePiece "
+                f"{' or '.join(SENTENCEPIECE_FILES)}); give a directory with a Hugging Face "
+                "tokenizer's files"
+            )
+        return
+    if found.name != TOKENIZER_FILE:
+        missing = [m for m in ("transformers", "sentencepiece") if not _installed(m)]
+        if missing:
+            raise ValueError(_needs_packages(found, missing))
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _needs_packages(found: Path, missing: list[str]) -> str:
+    return (
+        f"{found.parent} has a SentencePiece tokenizer ({found.name}) and no {TOKENIZER_FILE}: "
+        f"reading it needs {' and '.join(missing)} (pip install {' '.join(missing)}), or "
+        f"save the tokenizer with a {TOKENIZER_FILE}"
+    )
+
+
+def _read_tokenizer(directory: Path) -> Any:
+    found = tokenizer_file(directory)
+    if found is None:
+        raise FileNotFoundError(
+            f"{directory}: no {TOKENIZER_FILE} (nor {' or '.join(SENTENCEPIECE_FILES)})"
         )
+    if found.name == TOKENIZER_FILE:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(found))
+    return _TransformersTokenizer(found)
+
+
+class _Encoding(NamedTuple):
+    ids: list[int]
+
+
+class _TransformersTokenizer:
+    """A tokenizer only transformers reads (a SentencePiece model without tokenizer.json),
+    behind the part of `tokenizers.Tokenizer`'s interface that `ModelTokenizer` uses, so both
+    encode and decode exactly as transformers does."""
+
+    def __init__(self, found: Path) -> None:
+        check_tokenizer_dir(found.parent, "tokenizer")
+        from transformers import AutoTokenizer
+
+        try:
+            # local_files_only: the directory is complete; no custom code is run.
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                str(found.parent), local_files_only=True
+            )
+        except ImportError as error:  # a further package the tokenizer class asks for
+            raise ValueError(f"{found.parent}: reading its tokenizer needs: {error}") from None
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"{found.parent}: transformers could not read the tokenizer in {found.name}: "
+                f"{error}"
+            ) from None
+        self._vocab: dict[str, int] = self._tokenizer.get_vocab()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> _Encoding:
+        return _Encoding(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        # Not convert_tokens_to_ids: that gives the unknown token's id for a missing one.
+        return self._vocab.get(token)
+
+    def get_vocab_size(self) -> int:
+        return len(self._vocab)
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return dict(self._vocab)
+
+
+def _chat_template(directory: Path, settings: dict[str, Any]) -> str | None:
+    """The checkpoint's chat template, found as transformers finds it: chat_template.jinja
+    (the hub's newer layout) over tokenizer_config.json's `chat_template`, which is a template
+    or a list of named ones (then the one named "default")."""
+    path = directory / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = settings.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def check_chat_template(source: str, key: str) -> None:

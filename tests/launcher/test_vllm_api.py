@@ -148,7 +148,7 @@ def test_outputs_have_vllms_shape_and_keep_lockstep_names(chat_model):
         tokenizer = llm.tokenizer
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         assert output.prompt == (prompt if isinstance(prompt, str) else None)
-        expected_ids = tokenizer.encode(prompt).ids if isinstance(prompt, str) else prompt
+        expected_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         assert output.prompt_token_ids == expected_ids
         assert output.finished and output.request_id
         (completion,) = output.outputs

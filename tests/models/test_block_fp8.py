@@ -34,6 +34,7 @@ from dist_engine.models.loader import (
     check_checkpoint,
     load_model,
     load_weights,
+    planned_reads,
 )
 from dist_engine.models.make_model import make_tiny_checkpoint
 from dist_engine.models.registry import load_config
@@ -205,7 +206,9 @@ def _read_by_rank(rank: int, world_size: int, model_dir: str) -> list[str]:
     context = ExpertParallelContext(placement=placement, rank=rank, group=dist.group.WORLD)
     model = build_model(config, ep_context=context)
     with CheckpointReader(model_dir) as reader:
+        planned = planned_reads(config, reader, context)  # what the progress line counts
         load_weights(model, reader, context)
+        assert reader.tensors_read == planned
         return list(reader.tensors_read)
 
 

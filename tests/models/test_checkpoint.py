@@ -16,7 +16,13 @@ from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.distributed.spawn import run_multirank
 from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.models.decoder import MoECausalLM
-from dist_engine.models.loader import CheckpointReader, build_model, load_model, load_weights
+from dist_engine.models.loader import (
+    CheckpointReader,
+    build_model,
+    load_model,
+    load_weights,
+    planned_reads,
+)
 from dist_engine.models.make_model import make_tiny_checkpoint
 from dist_engine.models.registry import load_config
 from moe import DispatchMode, ExpertPlacement
@@ -191,8 +197,10 @@ def _ep_worker(rank: int, world_size: int, model_dir: str, prompts: list[list[in
     context = ExpertParallelContext(placement=placement, rank=rank, group=dist.group.WORLD)
     model = build_model(load_config(model_dir), ep_context=context)
     with CheckpointReader(model_dir) as reader:
+        planned = planned_reads(model.config, reader, context)  # what the progress line counts
         load_weights(model, reader, context)
         tensors_read = list(reader.tensors_read)
+    assert tensors_read == planned
     prefill = _logits(model, prompts[rank])
     # Decode one token on top of the prompt; ranks have different context lengths.
     prompt = prompts[rank]

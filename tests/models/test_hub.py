@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from dist_engine.engine.config import EngineConfig
+from dist_engine.engine.engine import DPEngine
 from dist_engine.models.hub import is_hub_id, resolve_model
+from scheduler import SamplingParams
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -57,3 +60,49 @@ def test_offline_errors_say_what_is_missing_and_what_to_do():
         resolve_model("org/other")
     with pytest.raises(FileNotFoundError, match="not a hub id"):
         resolve_model("/no/such/dir")
+
+
+# -- what the driver records, and a rank on another host ----------------------------------------
+def test_the_driver_pins_a_hub_id_to_its_snapshot_and_commit(hub_cache, model_dir):
+    config = EngineConfig(model="org/tiny", revision="v1").with_local_model()
+    snapshot = str(hub_cache / "snapshots" / COMMIT)
+    assert (config.model, config.revision, config.hub_id) == (snapshot, COMMIT, "org/tiny")
+    assert config.with_local_model() is config  # on the driver's host: nothing more to do
+    assert EngineConfig(model="org/tiny").with_local_model() == config  # main is that commit
+    directory = EngineConfig(model=model_dir)
+    assert directory.with_local_model() is directory
+    with pytest.raises(ValueError, match="applies to hub ids only"):
+        EngineConfig(model=model_dir, revision="main").with_local_model()
+    with pytest.raises(FileNotFoundError, match=r"'org/tiny' at revision 'v2' is not in"):
+        EngineConfig(model="org/tiny", revision="v2").with_local_model()
+    with pytest.raises(ValueError, match="revision must be a non-empty string or null"):
+        EngineConfig(model="org/tiny", revision="")
+
+
+def _greedy(config: EngineConfig) -> tuple[str, list[int]]:
+    """The model directory a single-rank engine loaded, and its greedy tokens for a prompt."""
+    outputs = []
+    engine = DPEngine(config, on_output=outputs.append)
+    engine.submit("r", [5, 9, 13, 17], SamplingParams(max_tokens=6, ignore_eos=True))
+    while not any(output.finished for output in outputs):
+        engine.step()
+    return engine.config.model, outputs[-1].output_token_ids
+
+
+def test_a_rank_on_another_host_loads_the_same_commit_from_its_own_cache(
+    hub_cache, model_dir, tmp_path, monkeypatch
+):
+    """The driver's snapshot directory does not exist on the rank's host: the rank resolves
+    the recorded hub id at the pinned commit into its own host's cache, and runs alike."""
+    driver = EngineConfig(model="org/tiny").with_local_model()
+    other_home = tmp_path / "other-host-hf"
+    shutil.copytree(hub_cache.parent.parent, other_home)  # that host's pre-filled cache
+    shutil.rmtree(hub_cache)  # ... which is all that host has
+    monkeypatch.setenv("HF_HOME", str(other_home))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(other_home / "hub"))
+    loaded, tokens = _greedy(driver)
+    assert loaded == str(other_home / "hub" / "models--org--tiny" / "snapshots" / COMMIT)
+    assert not Path(driver.model).exists()
+    assert tokens == _greedy(EngineConfig(model=model_dir))[1]
