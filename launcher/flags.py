@@ -116,14 +116,14 @@ DESCRIPTIONS = {
     "scheduler.prefill_attempt_interval": "vote: decode steps between ALL attempt points",
     "scheduler.prefill_any_attempt_interval": "vote: decode steps between ANY attempt points",
     "scheduler.prefill_watermark": "KV usage above which a rank does not ask to prefill",
-    "scheduler.prefill_max_sum_seqlen_k": "cap on a prompt step's summed key lengths "
+    "scheduler.prefill_max_sum_seqlen_k": "cap on a prefill step's summed key lengths "
     "(default: none)",
     "scheduler.enable_prefix_caching": "reuse the KV blocks of prompt prefixes seen before",
     "scheduler.lookahead_tokens": "speculative lookahead (not served: keep 0)",
     "scheduler.cp_size": "context parallelism (not served: keep 1)",
     "scheduler.sync_policy": "how the ranks agree on each step's kind",
     "scheduler.prefill_deadline_steps": "deadline: decode steps a ready prompt waits at most",
-    "scheduler.mixed_steps": "prompt steps also decode the running sequences (default: on "
+    "scheduler.mixed_steps": "prefill steps also decode the running sequences (default: on "
     "unless the policy is vote)",
     "scheduler.mixed_prompt_tokens": "mixed steps: prompt tokens per step while any rank decodes",
     "scheduler.vocab_size": "fail prompts with ids beyond this (the engine sets it from the model)",

@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, replace
 from scheduler.vote import SYNC_POLICIES
 
 PREEMPTION_ORDERS = ("lcfs", "fcfs")
-# The contenders the sync benchmarks compare: vote (prompt-only steps, the reference), and the
-# two other policies with prompt-only ("+separate") or mixed ("+mixed", the default) steps.
+# The contenders the sync benchmarks compare: vote (prefill-only steps, the reference), and the
+# two other policies with prefill-only ("+separate") or mixed ("+mixed", the default) steps.
 POLICY_VARIANTS = (
     "vote",
     "every_step+separate",
@@ -57,10 +57,10 @@ class SchedulerConfig:
     # deadline policy: the most decode steps a ready head of waiting (schedulable, under the
     # watermark, admissible now) sits out before the group prefills.
     prefill_deadline_steps: int = 2
-    # Mixed steps: a prompt step also carries one decode token for every running sequence, so
+    # Mixed steps: a prefill step also carries one decode token for every running sequence, so
     # prompts never pause decoding; while any rank of the group decodes, a rank's prompt chunks
     # in one step total at most mixed_prompt_tokens (the head always gets its minimum chunk),
-    # which bounds how much a prompt step stretches the decoders' token gap. None: on under
+    # which bounds how much a prefill step stretches the decoders' token gap. None: on under
     # deadline and every_step, off under vote (the reference's protocol, kept exact).
     mixed_steps: bool | None = None
     mixed_prompt_tokens: int = 256
@@ -99,7 +99,7 @@ class SchedulerConfig:
         if self.mixed_steps and self.sync_policy == "vote":
             raise ValueError(
                 "mixed_steps needs sync_policy deadline or every_step: vote is the reference's "
-                "protocol, whose prompt steps carry prompts only"
+                "protocol, whose prefill steps carry prompts only"
             )
         _require_choice("preemption_order", self.preemption_order, PREEMPTION_ORDERS)
         if (
@@ -141,7 +141,7 @@ class SchedulerConfig:
 
     @property
     def mixed(self) -> bool:
-        """Whether prompt steps also decode (``mixed_steps`` resolved against the policy)."""
+        """Whether prefill steps also decode (``mixed_steps`` resolved against the policy)."""
         if self.mixed_steps is None:
             return self.sync_policy != "vote"
         return self.mixed_steps

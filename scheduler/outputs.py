@@ -46,7 +46,7 @@ class SchedulerOutputs:
     any_scheduled: bool | None = None  # vote 2, when taken
     # Every rank knows no rank has a token this step: nobody runs a forward.
     known_empty: bool = False
-    # Mixed steps: the last this-many scheduled sequences of a prompt step are running
+    # Mixed steps: the last this-many scheduled sequences of a prefill step are running
     # sequences taking their one decode token (seqlen_q 1); the ones before are prompt chunks.
     num_decode_seqs: int = 0
 

@@ -1,4 +1,4 @@
-"""Prefill assembly: which waiting sequences enter this prompt step, and how many tokens each.
+"""Prefill assembly: which waiting sequences enter this prefill step, and how many tokens each.
 
 The head of ``waiting`` is served first and nobody overtakes it: an unschedulable head, or one
 whose blocks are not free yet, ends the assembly for this step. Checks run in a fixed order and

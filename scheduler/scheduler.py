@@ -7,7 +7,7 @@ One step is ``schedule()`` then, once the model has run, ``process_outputs()``. 
 
 Which steps are attempt points and what the group decides there depends on ``sync_policy``
 (``vote``, ``every_step``, ``deadline``; see ``scheduler/vote.py``). With mixed steps (the
-default outside ``vote``) a prompt step also carries a decode token for every running sequence,
+default outside ``vote``) a prefill step also carries a decode token for every running sequence,
 so the step kind still decides the MoE dispatch mode but prompts no longer pause decoding.
 ``decode_step``, ``next_vote`` and the previous vote are identical on every rank, so every rank
 reaches the same attempt points and takes the same collectives. Not thread-safe: one engine
@@ -80,7 +80,7 @@ class Scheduler:
         self.group_idle = False
         self.drain_step: int | None = None
         self.next_vote = 0  # deadline policy: the decode step of the next scheduled vote
-        self.prefill_run = 0  # consecutive prompt steps up to the last one
+        self.prefill_run = 0  # consecutive prefill steps up to the last one
         # Deadline policy, this rank only: the head that is ready to start a prefill, and for
         # how many decode steps it has been (checked every step, reported at votes).
         self._ready_seq: Sequence | None = None
@@ -206,7 +206,7 @@ class Scheduler:
             view = GroupView.from_vector((yield self._local_state(wake_epoch, shutdown).encode()))
             if self._group_prefills(point, view):
                 decode, batch = self._assemble_prefill(view)
-                # Vote 2: if no rank assembled anything, a prompt step would be empty
+                # Vote 2: if no rank assembled anything, a prefill step would be empty
                 # everywhere and the next step would vote again: the empty-prefill livelock.
                 # Decode instead.
                 any_scheduled = (yield [0 if batch.seqs else 1])[0] == 0
@@ -301,7 +301,7 @@ class Scheduler:
             max_remaining_tokens=self._max_remaining_tokens(),
             ready=ready is not None,
             ready_wait=self._ready_wait if ready is not None else -1,
-            # Queued no later than the first of the current run of prompt steps.
+            # Queued no later than the first of the current run of prefill steps.
             backlog=ready is not None
             and self.prefill_run > 0
             and ready.queued_step <= self.step_index - self.prefill_run,

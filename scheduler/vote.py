@@ -106,7 +106,7 @@ class LocalState:
     max_remaining_tokens: int = 0
     ready: bool = False  # the head could start a prefill now (deadline policy)
     ready_wait: int = -1  # decode steps the head has been ready for; -1 when not ready
-    backlog: bool = False  # the ready head was queued before the current prompt steps began
+    backlog: bool = False  # the ready head was queued before the current prefill steps began
 
     def encode(self) -> list[int]:
         return [
@@ -194,9 +194,9 @@ def deadline_prefills(point: AttemptPoint, view: GroupView, deadline: int) -> bo
 
     With nobody decoding there is nothing to protect: any ready head suffices. Otherwise the
     group interrupts decoding for a head that has been ready for ``deadline`` decode steps,
-    or when every rank has a head to start (a prompt step without placeholder ranks). Right
-    after a prompt step, while decoding is interrupted anyway, it goes on as long as some
-    rank still has a ready head that was queued before the prompt steps began: one burst of
+    or when every rank has a head to start (a prefill step without placeholder ranks). Right
+    after a prefill step, while decoding is interrupted anyway, it goes on as long as some
+    rank still has a ready head that was queued before the prefill steps began: one burst of
     arrivals costs the decoding sequences one gap, not one per deadline.
     """
     if view.none_running:

@@ -1,4 +1,4 @@
-"""What a prompt chunk costs inside a decode step (a mixed step) against a prompt step of its own.
+"""What a prompt chunk costs inside a decode step (a mixed step) against a prefill step of its own.
 
     .venv/bin/python scripts/bench_mixed_step.py [--decode-seqs 16] [--chunks 16 32 64 128 256]
         [--out bench_results/mixed_step.json]
@@ -9,14 +9,14 @@ cached tokens each; a prompt chunk of P tokens starts a fresh prompt. Timed, int
 of each per repeat, median over repeats after warm-up), forward + logits as the runner runs them:
 
   decode   one decode step of the S sequences (low-latency dispatch, decode attention)
-  prefill  one prompt step of the P-token chunk alone (normal dispatch, prompt attention)
+  prefill  one prefill step of the P-token chunk alone (normal dispatch, prompt attention)
   mixed    one mixed step: both in one forward (``MixedMetadata``: the decode rows attended by the
            decode backend, the chunk by the prompt backend, every other layer over all rows)
 
 Reported per P: what the chunk adds to the decoders' token gap in a mixed step (mixed - decode)
-against the gap a separate prompt step makes (prefill, on top of the decode step), and the
+against the gap a separate prefill step makes (prefill, on top of the decode step), and the
 marginal cost of a prompt token in each. ``simulate_vote.py``'s cost model charges a mixed step's
-prompt tokens at the prompt step's rate (its ``k`` = 0); the ratio printed here is that rate as
+prompt tokens at the prefill step's rate (its ``k`` = 0); the ratio printed here is that rate as
 this host measures it. A figure from this host, not a property of the code.
 """
 
@@ -171,7 +171,7 @@ def main() -> None:
     )
     print(
         "| chunk P | prefill step ms | mixed step ms | gap added: mixed / separate ms "
-        "| ms per prompt token: mixed / prompt step |"
+        "| ms per prompt token: mixed / prefill step |"
     )
     print("| ---: | ---: | ---: | ---: | ---: |")
     for row in rows:

@@ -1,5 +1,5 @@
 """What step synchronisation costs a DP group: sync policies ``vote``, ``every_step`` and
-``deadline``, the latter two with prompt-only (``+separate``) or mixed (``+mixed``) prompt steps.
+``deadline``, the latter two with prefill-only (``+separate``) or mixed (``+mixed``) prefill steps.
 
 The same seeded workloads run under each policy at DP=2 and DP=4, in real multi-process gloo
 groups (one spawned process per rank, CPU, float32) serving a small random Qwen3-MoE written by
@@ -503,7 +503,7 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def compare(rows: list[dict[str, Any]], policy: str = "deadline+mixed") -> list[str]:
-    """Per run and DP: ``policy`` against vote and every_step with prompt-only steps, on the
+    """Per run and DP: ``policy`` against vote and every_step with prefill-only steps, on the
     issue's terms (TTFT p99 vs every_step's, ITL p99 vs vote's, output rate and placeholder
     share vs the better)."""
     lines = []

@@ -7,7 +7,7 @@ pool, coupled by a MIN vote exactly as the engine couples them. Their ``schedule
 votes, picks the step kind and assembles the batch; ``process_outputs()`` does the accounting
 (prompt chunks, stop rules, releases). The sync policy under test is the scheduler's own
 (``vote`` with ALL/ANY intervals, ``every_step``, or ``deadline``), the latter two with prompt
-steps that carry prompts only (``+separate``) or mixed steps (``+mixed``: a prompt step also
+steps that carry prompts only (``+separate``) or mixed steps (``+mixed``: a prefill step also
 decodes every running sequence; ``mixed_prompt_tokens`` caps its chunks).
 
 Modelled: the model and the network. No forward runs; every scheduled sequence gets a
@@ -637,7 +637,7 @@ GOAL_ITL_VS_VOTE = 1.1  # ITL p99 at most this times vote's
 
 
 def goal_check(results: list[RunResult], policy: str = "deadline+mixed") -> list[dict[str, object]]:
-    """``policy`` against vote and every_step with prompt-only steps (the goals' terms), per
+    """``policy`` against vote and every_step with prefill-only steps (the goals' terms), per
     (workload, N) where all three ran."""
     cells = {(r.workload, r.num_ranks, r.policy): r.metrics for r in results}
     checks = []

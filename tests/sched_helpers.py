@@ -36,7 +36,7 @@ def make_seq(request_id: str, prompt_len: int, max_tokens: int = 8, **kwargs) ->
 
 
 def prompt_part(outputs: SchedulerOutputs) -> list[Sequence]:
-    """The prompt chunks of a prompt step (a mixed step lists its decode tokens after them)."""
+    """The prompt chunks of a prefill step (a mixed step lists its decode tokens after them)."""
     return outputs.scheduled_seqs[: outputs.num_seqs - outputs.num_decode_seqs]
 
 

@@ -58,7 +58,7 @@ def case(request, tmp_path_factory):
 
 
 def generate(model, prompts, riders=None, **overrides) -> tuple[list[list[int]], Scheduler]:
-    """Greedy tokens of every prompt; ``riders``, when a list, gets each prompt step's count of
+    """Greedy tokens of every prompt; ``riders``, when a list, gets each prefill step's count of
     decode tokens that rode in it (mixed steps)."""
     settings = dict(
         max_num_seqs=16,
@@ -200,7 +200,7 @@ def test_decode_tokens_of_a_mixed_step_are_attended_in_the_decode_regime(case):
 
 
 def test_mla_mixed_steps_give_transformers_tokens(tmp_path):
-    """DeepSeek-V3 (MLA over the latent cache): decode tokens riding in prompt steps keep the
+    """DeepSeek-V3 (MLA over the latent cache): decode tokens riding in prefill steps keep the
     absorbed decode form beside chunks taking the expanded one; greedy tokens stay
     transformers'."""
     model_dir = make_tiny_checkpoint(

@@ -2,7 +2,7 @@
 
 The bound: a head of waiting that stays *ready* (schedulable, under the watermark or mid-chunk,
 a free sequence slot, its blocks and state slot free now) sits out at most
-``prefill_deadline_steps`` decode steps; the step after that is a prompt step that starts it.
+``prefill_deadline_steps`` decode steps; the step after that is a prefill step that starts it.
 The property test checks it over random traffic on 4 thread-ranks with its own notion of
 "ready", built from the scheduler's public pieces, not from the policy's bookkeeping.
 """
@@ -73,7 +73,7 @@ def test_attempt_points():
         args = dict(group_idle=False, next_vote=6, drain_step=None) | kw
         return deadline_point(decode_step, **args)
 
-    assert point(0) is AttemptPoint.FOLLOW  # the step after a prompt step
+    assert point(0) is AttemptPoint.FOLLOW  # the step after a prefill step
     assert point(6) is AttemptPoint.DUE
     assert point(3) is AttemptPoint.NONE and point(7) is AttemptPoint.NONE
     assert point(3, drain_step=3) is AttemptPoint.DRAIN
@@ -89,9 +89,9 @@ def test_decision_rules():
     # Decoding: only a head that is due ...
     assert not deadline_prefills(due, view(max_ready_wait=DEADLINE - 1), DEADLINE)
     assert deadline_prefills(due, view(max_ready_wait=DEADLINE), DEADLINE)
-    # ... or every rank ready (no placeholder rank in the prompt step) ...
+    # ... or every rank ready (no placeholder rank in the prefill step) ...
     assert deadline_prefills(due, view(max_ready_wait=0, all_ready=True), DEADLINE)
-    # ... or, right after a prompt step, a backlog that was queued before it.
+    # ... or, right after a prefill step, a backlog that was queued before it.
     assert deadline_prefills(follow, view(max_ready_wait=0, any_backlog=True), DEADLINE)
     assert not deadline_prefills(follow, view(max_ready_wait=1), DEADLINE)
     assert not deadline_prefills(due, view(max_ready_wait=1, any_backlog=True), DEADLINE)
@@ -186,15 +186,15 @@ def test_late_prompt_waits_exactly_the_deadline_and_votes_are_sparse(num_ranks):
             sched.add_sequence(make_seq("late", 8, max_tokens=3))
 
     kinds = group.run(40, before_step=arrive)
-    # Ready from step 10, it sits out DEADLINE decode steps (10 .. 13): its prompt step is 14.
+    # Ready from step 10, it sits out DEADLINE decode steps (10 .. 13): its prefill step is 14.
     assert group.prefills(num_ranks - 1, "late") == [10 + DEADLINE]
     assert [s for s, kind, _ in kinds if kind == "prefill"] == [0, 10 + DEADLINE]
-    # Votes: step 0, the FOLLOW vote after each prompt step, and one look-out vote every
+    # Votes: step 0, the FOLLOW vote after each prefill step, and one look-out vote every
     # DEADLINE steps while nothing is ready; never a collective on the steps between.
     votes = [s for s, _, point in kinds if point is not AttemptPoint.NONE]
     assert votes == [0, 1, 5, 9, 13, 14, 15, 19, 23, 27, 31, 35, 39]
     assert kinds[14][2] is AttemptPoint.DUE and kinds[15][2] is AttemptPoint.FOLLOW
-    assert group.votes.num_collectives == len(votes) + 2  # + vote 2 of the two prompt steps
+    assert group.votes.num_collectives == len(votes) + 2  # + vote 2 of the two prefill steps
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -226,7 +226,7 @@ def test_idle_group_prefills_on_arrival(num_ranks):
 
 
 def test_burst_is_served_in_one_run_of_prompt_steps():
-    # Rank 0 queues more prompt tokens than one step holds: after the first prompt step the
+    # Rank 0 queues more prompt tokens than one step holds: after the first prefill step the
     # FOLLOW vote sees the backlog and goes on, so decoding sequences see one gap, not two.
     group = Group(2, max_num_batched_tokens=64)
     for rank, sched in enumerate(group.ranks):

@@ -70,7 +70,7 @@ def test_recompute_mode_requeues_at_the_head_and_keeps_results():
 
 
 def test_preempted_victim_goes_to_the_head_of_waiting():
-    # Separate prompt steps: c's prefill does not decode a and b, so it can take a block.
+    # Separate prefill steps: c's prefill does not decode a and b, so it can take a block.
     sched = make_scheduler(block_size=4, num_blocks=5, mixed_steps=False)  # 4 usable blocks
     sched.add_sequence(make_seq("a", 4, max_tokens=20))
     sched.add_sequence(make_seq("b", 4, max_tokens=20))
@@ -90,7 +90,7 @@ def test_mixed_step_serves_running_sequences_before_admitting_a_prompt():
     sched.add_sequence(make_seq("b", 4, max_tokens=20))
     run_step(sched)  # both prefilled: 2 blocks
     sched.add_sequence(make_seq("c", 4, max_tokens=20))
-    outputs, _ = run_step(sched)  # the prompt step decodes a and b first: their second blocks
+    outputs, _ = run_step(sched)  # the prefill step decodes a and b first: their second blocks
     # leave none for c, so nobody is preempted and c waits for a block.
     assert not outputs.is_prefill and outputs.num_seqs == 2
     assert [seq.request_id for seq in sched.waiting] == ["c"] and sched.num_preemptions == 0

@@ -56,8 +56,8 @@ def test_simulation_invariants_at_n8(workload):
     every, vote = runs["every_step+separate"].metrics, runs["vote"].metrics
     assert every["collectives_per_step"] >= max(1.0, vote["collectives_per_step"])
     # The deadline policy bounds TTFT in steps (every request here is ready at intake): the
-    # deadline, the prompt step, and one more for a request behind a full prompt batch.
-    # Mixed steps change what a prompt step carries, not when the group takes one.
+    # deadline, the prefill step, and one more for a request behind a full prompt batch.
+    # Mixed steps change what a prefill step carries, not when the group takes one.
     for name in ("deadline+separate", "deadline+mixed"):
         deadline = runs[name].metrics
         assert deadline["ttft_steps_p99"] <= CONFIG.prefill_deadline_steps + 2, name

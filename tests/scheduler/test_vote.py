@@ -141,7 +141,7 @@ def test_all_point_waits_for_every_rank_then_any_point_serves_one(num_ranks):
     assert prefills == [0, 11]
     assert kinds[11][2] is AttemptPoint.ANY
     assert group.finished[0]["late"][1].finish_reason == "length"
-    # Ranks without a prompt ran an empty prompt step (placeholder) alongside.
+    # Ranks without a prompt ran an empty prefill step (placeholder) alongside.
     assert all(group.trace[r][11][3] == 0 for r in range(1, num_ranks))
 
 
