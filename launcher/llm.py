@@ -12,8 +12,12 @@ Prompts are token-id lists, or strings when the tokenizer directory (the model's
 Lockstep's own ``output_token_ids``, ``text``, ``finish_reason``, ``dp_rank``, ``detail`` and
 timings. ``generate(prompts)`` with no sampling params samples with the model's defaults
 (launcher/generation_config.py), as vLLM does; a given ``SamplingParams`` is used as it is
-(``SamplingParams()`` is greedy). If a rank dies, ``generate`` raises ``LockstepError`` naming
-it; the error's ``outputs`` hold every request's result, the unfinished ones failed.
+(``SamplingParams()`` is greedy). If a rank dies or stops answering, the group heals
+(``on_rank_failure: heal``, the default, under Ray): it is replaced by a new one and every
+unfinished request goes on there, ending with the tokens a fault-free run gives
+(launcher/healing.py). Where it cannot heal (``fail``, the recovery budget spent, a local or
+torchrun group), ``generate`` raises ``LockstepError`` naming the rank; the error's
+``outputs`` hold every request's result, the unfinished ones failed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,13 @@ from dist_engine.models.loader import check_checkpoint
 from launcher.clients import Client, LocalClient, RankFailure, Submission
 from launcher.flags import VLLM_KEYWORDS
 from launcher.generation_config import GenerationDefaults, load_generation_defaults
+from launcher.healing import (
+    DriverSeeds,
+    GroupFault,
+    RecoveryBudget,
+    ResumeLedger,
+    is_group_failure,
+)
 from launcher.routing import Router
 from launcher.server.tokenization import check_tokenizer_dir
 from scheduler import SamplingParams
@@ -66,6 +78,7 @@ class _Prompt:
     params: SamplingParams
     dp_rank: int | None  # pinned by the caller, or None
     text: str | None  # the prompt as given, when it was text
+    seed: int | None = None  # fixed here when the params give none (`DriverSeeds`)
 
 
 class _GroupFailure(Exception):
@@ -296,6 +309,8 @@ class LLM:
                 or not 0 <= pin < self.client.num_ranks
             ):
                 raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
+        # Every prompt's seed, in order, whichever rank serves it (under torchrun every process
+        # draws them all alike).
         return [
             _Prompt(
                 f"{self._id_prefix}-{next(self._ids)}",
@@ -303,17 +318,30 @@ class LLM:
                 param,
                 pin,
                 prompt if isinstance(prompt, str) else None,
+                self._driver_seeds.seed_for(param),
             )
             for prompt, param, pin in zip(prompts, params, pins, strict=True)
         ]
 
+    @cached_property
+    def _driver_seeds(self) -> DriverSeeds:
+        return DriverSeeds(self.config.seed)
+
+    @cached_property
+    def _recoveries(self) -> RecoveryBudget:
+        return RecoveryBudget(self.config.parallel.max_recoveries_per_hour)
+
     def _run(self, requests, *, stream: bool) -> Iterator[tuple[int, RequestOutput]]:
         """Submit, then yield (index, output) until every request has its terminal output.
-        A failed rank's requests are yielded failed at once; the others get the collective
-        timeout plus a margin to end on their own. Raises _GroupFailure at the end if any rank
-        failed."""
-        index_of = {}
-        batches: dict[int, list[Submission]] = {}
+
+        A failed group is healed while it may be (`_may_heal`): the client re-forms it and
+        every unfinished request is resubmitted (`_recover`), so the caller sees each request
+        end once, with a fault-free run's tokens. Otherwise a failed rank's requests are
+        yielded failed at once; the others get the collective timeout plus a margin to end on
+        their own, and _GroupFailure is raised at the end."""
+        ledger = ResumeLedger(self.config.parallel.poison_failure_threshold)
+        index_of: dict[str, int] = {}
+        submissions: list[Submission] = []
         for index, prompt in enumerate(requests):
             pin = prompt.dp_rank
             if self._torchrun:
@@ -323,20 +351,26 @@ class LLM:
             cost = len(prompt.token_ids) + prompt.params.max_tokens
             rank = self.router.assign(prompt.request_id, cost, pin)
             index_of[prompt.request_id] = index
-            batches.setdefault(rank, []).append(
-                Submission(prompt.request_id, prompt.token_ids, prompt.params, stream)
-            )
+            submissions.append(
+                ledger.add(prompt.request_id, prompt.token_ids, prompt.params, prompt.seed,
+                           stream, rank)
+            )  # fmt: skip
         pending = set(index_of)
-        failed: dict[int, str] = {}  # rank -> why
+        failed: dict[int, str] = {}  # rank -> why (-1: the group as a whole)
         deadline = None  # once a rank failed: when the others' requests are failed too
-        for rank, batch in batches.items():
-            try:
-                self.client.submit(rank, batch)
-            except RankFailure as failure:
-                failed[failure.rank] = str(failure)
+        fault = self._submit(submissions)
         while pending:
+            if fault is not None:
+                ended, fault = self._recover(fault, ledger, failed)
+                for output in ended:  # poison requests, ended alone
+                    pending.discard(output.request_id)
+                    self.router.finished(output.request_id)
+                    yield index_of[output.request_id], output
+                if -1 in failed:  # no group is left to end the others
+                    deadline = time.monotonic()
+                continue
             doomed = [r for r in pending if self.router.rank_of(r) in failed]
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 doomed = list(pending)  # the healthy ranks did not end them in time either
             for request_id in sorted(doomed, key=index_of.__getitem__):
                 rank = self.router.rank_of(request_id)
@@ -351,21 +385,87 @@ class LLM:
                 break
             if failed and deadline is None:
                 deadline = time.monotonic() + self._failure_grace_s
+            generation = self.client.generation
             try:
-                outputs = self.client.poll(_POLL_S)
+                outputs = self.client.poll(_POLL_S, generation=generation)
             except RankFailure as failure:
-                failed[failure.rank] = str(failure)
+                if failure.generation == self.client.generation:
+                    fault = GroupFault(str(failure), failure.rank)
                 continue
             for output in outputs:
                 if output.request_id not in pending:
                     continue
+                if is_group_failure(output) and self._may_heal():
+                    # Its rank gave it up with the group: it is resubmitted, not ended.
+                    fault = fault or GroupFault(f"DP rank {output.dp_rank}: {output.finish_reason}")
+                    continue
+                shown = ledger.take(output)
                 if output.finished:
                     pending.discard(output.request_id)
                     self.router.finished(output.request_id)
-                if output.finished or stream:
-                    yield index_of[output.request_id], output
+                if shown is not None and (output.finished or stream):
+                    yield index_of[output.request_id], shown
         if failed:
             raise _GroupFailure(failed)
+
+    def _submit(self, submissions: list[Submission]) -> GroupFault | None:
+        """Hand each submission to its rank (the router's) in the current group; the group's
+        failure if a rank is gone."""
+        batches: dict[int, list[Submission]] = {}
+        for submission in submissions:
+            batches.setdefault(self.router.rank_of(submission.request_id), []).append(submission)
+        generation = self.client.generation
+        fault = None
+        for rank, batch in batches.items():
+            try:
+                self.client.submit(rank, batch, generation=generation)
+            except RankFailure as failure:
+                fault = fault or GroupFault(str(failure), failure.rank)
+        return fault
+
+    def _may_heal(self) -> bool:
+        """Whether a failure now heals: `on_rank_failure: heal`, a client that can re-form
+        its group (Ray), and a recovery left in this hour's budget."""
+        return (
+            self.config.parallel.on_rank_failure == "heal"
+            and self.client.can_reform
+            and self._recoveries.available(time.monotonic())
+        )
+
+    def _recover(
+        self, fault: GroupFault, ledger: ResumeLedger, failed: dict[int, str]
+    ) -> tuple[list[RequestOutput], GroupFault | None]:
+        """Heal the group after ``fault`` and resubmit every unfinished request: returns the
+        poison requests' terminal outputs and a failure of the new group's submissions, if
+        any. Where it may not heal (or the new group does not start), records the failure in
+        ``failed`` instead, for `_run` to fail the requests as `on_rank_failure: fail` does."""
+        if not self._may_heal():
+            if self.config.parallel.on_rank_failure == "heal" and self.client.can_reform:
+                log.error("not healing the DP group: %s", self._recoveries.describe())
+            failed[fault.rank if fault.rank is not None else -1] = fault.reason
+            return [], None
+        start = time.monotonic()
+        self._recoveries.spend(start)
+        log.error(
+            "DP group failure seen: %s; re-forming the group (%d unfinished request(s))",
+            fault.reason, len(ledger),
+        )  # fmt: skip
+        resumption = ledger.resume(fault)
+        for output in resumption.ended:
+            log.error("%s", output.finish_reason)
+        try:
+            self.client.reform()
+        except Exception as error:
+            failed[-1] = f"re-forming the DP group failed ({type(error).__name__}: {error})"
+            log.error("%s; after: %s", failed[-1], fault.reason)
+            return resumption.ended, None
+        log.warning(
+            "DP group re-formed in %.1f s; %d request(s) resumed: %d from their streamed "
+            "tokens, %d from their prompts",
+            time.monotonic() - start, len(resumption.submissions), resumption.num_from_tokens,
+            len(resumption.submissions) - resumption.num_from_tokens,
+        )  # fmt: skip
+        return resumption.ended, self._submit(resumption.submissions)
 
     @property
     def _failure_grace_s(self) -> float:
