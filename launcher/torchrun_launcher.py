@@ -148,6 +148,11 @@ class TorchrunClient:
     def stop_ranks(self) -> None:
         self.shutdown()
 
+    def broadcast_json(self, value: object) -> object:
+        """Rank 0's ``value`` (plain JSON data), on every rank: one all-gather on the results
+        exchange's own gloo group, while no engine collective depends on it."""
+        return all_gather_json(value, self._results_group)[0]
+
     def exchange(self, mine: dict[int, RequestOutput]) -> dict[int, RequestOutput]:
         """Give every rank every rank's results (keyed by prompt index).
 

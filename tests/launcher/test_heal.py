@@ -62,10 +62,17 @@ def reference(llm) -> list[list[int]]:
     return [o.output_token_ids for o in outputs]
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _serves_at_full_size(llm, reference, killed: set[int]) -> None:
     pids = llm.client.pids
     assert sorted(pids) == [0, 1] and not killed & set(pids.values())
-    assert all(psutil.pid_exists(pid) for pid in pids.values())
+    assert not any(_gone(pid) for pid in pids.values())
     outputs = llm.generate(PROMPTS[:4], PARAMS[:4], use_tqdm=False)
     assert [o.output_token_ids for o in outputs] == reference[:4]
     assert {o.dp_rank for o in outputs} == {0, 1}
@@ -85,32 +92,47 @@ def _stream(llm, on_output) -> tuple[list[list[int]], list[list]]:
     return streamed, ends
 
 
-def test_a_stream_heals_two_kills_one_after_the_other(llm, reference):
-    """SIGKILL rank 1 mid-run; once the new group has given every unfinished request a token,
-    SIGKILL rank 0 of the new group."""
-    start_generation = llm.client.generation
-    killed: set[int] = set()
+def test_a_stream_heals_a_kill_then_a_stop(llm, reference):
+    """Two failures one after the other: SIGKILL rank 1 mid-run; once the new group has given
+    every unfinished request a token, SIGSTOP its rank 0. The stopped rank's peer gives its
+    requests up after the collective timeout, the driver re-forms the group again (killing the
+    stopped process), and every request goes on."""
+    generation = llm.client.generation
+    killed: dict[str, float] = {}
     since_heal: set[int] = set()
+    healed_after: list[float] = []
 
     def on_output(index, completion, ends) -> None:
         if not killed and len(completion.output_token_ids) >= 6:
-            killed.add(llm.client.pids[1])
-            os.kill(llm.client.pids[1], signal.SIGKILL)
-        elif len(killed) == 1 and llm.client.generation == start_generation + 1:
+            killed["killed"] = llm.client.pids[1]
+            os.kill(killed["killed"], signal.SIGKILL)
+        elif "stopped" not in killed and llm.client.generation == generation + 1:
             since_heal.add(index)
             unfinished = {i for i in range(len(PROMPTS)) if not ends[i]}
             if unfinished and unfinished <= since_heal:
-                killed.add(llm.client.pids[0])
-                os.kill(llm.client.pids[0], signal.SIGKILL)
+                killed["stopped"], killed["at"] = llm.client.pids[0], time.monotonic()
+                os.kill(killed["stopped"], signal.SIGSTOP)
+        elif "stopped" in killed and not healed_after and llm.client.generation > generation + 1:
+            healed_after.append(time.monotonic() - killed["at"])
 
-    streamed, ends = _stream(llm, on_output)
-    assert len(killed) == 2 and llm.client.generation == start_generation + 2
+    try:
+        streamed, ends = _stream(llm, on_output)
+    finally:
+        if "stopped" in killed and psutil.pid_exists(killed["stopped"]):
+            os.kill(killed["stopped"], signal.SIGCONT)
+    assert "stopped" in killed and llm.client.generation == generation + 2
     for index, expected in enumerate(reference):
         (final,) = ends[index]  # ended exactly once
         assert final.finish_reason == "length", final.finish_reason
         assert final.output_token_ids == expected, index
     assert streamed == reference  # no token missing or repeated
-    _serves_at_full_size(llm, reference, killed)
+    # The stop is seen when the peer's collective times out: the heal cannot come sooner.
+    assert healed_after[0] > TIMEOUT_S
+    deadline = time.monotonic() + 20
+    while not _gone(killed["stopped"]):
+        assert time.monotonic() < deadline, "the stopped rank was left alive"
+        time.sleep(0.2)
+    _serves_at_full_size(llm, reference, {killed["killed"], killed["stopped"]})
 
 
 def test_generate_heals_a_killed_rank(llm, reference):
@@ -126,37 +148,6 @@ def test_generate_heals_a_killed_rank(llm, reference):
     assert [seen[i].output_token_ids for i in sorted(seen)] == reference * 2
     assert all(seen[i].finish_reason == "length" for i in seen)
     _serves_at_full_size(llm, reference, {killed})
-
-
-def test_a_stopped_rank_heals_after_the_collective_timeout(llm, reference):
-    """SIGSTOP rank 1: its peer's collective times out, the peer gives its requests up, the
-    driver re-forms the group (killing the stopped process) and every request goes on."""
-    generation = llm.client.generation
-    stopped: dict[str, float] = {}
-    healed_after: list[float] = []
-
-    def on_output(index, completion, ends) -> None:
-        if not stopped and len(completion.output_token_ids) >= 6:
-            stopped["pid"] = llm.client.pids[1]
-            stopped["at"] = time.monotonic()
-            os.kill(stopped["pid"], signal.SIGSTOP)
-        elif stopped and not healed_after and llm.client.generation > generation:
-            healed_after.append(time.monotonic() - stopped["at"])
-
-    try:
-        streamed, ends = _stream(llm, on_output)
-    finally:
-        if stopped and psutil.pid_exists(stopped["pid"]):
-            os.kill(stopped["pid"], signal.SIGCONT)
-    assert all(len(end) == 1 for end in ends)
-    assert [end[0].output_token_ids for end in ends] == reference and streamed == reference
-    # The peer gives up after the collective timeout (the heal cannot come sooner); one heal.
-    assert healed_after[0] > TIMEOUT_S and llm.client.generation == generation + 1
-    deadline = time.monotonic() + 20
-    while psutil.pid_exists(stopped["pid"]) and psutil.Process(stopped["pid"]).status() != "zombie":
-        assert time.monotonic() < deadline, "the stopped rank was left alive"
-        time.sleep(0.2)
-    _serves_at_full_size(llm, reference, {stopped["pid"]})
 
 
 # -- the server ------------------------------------------------------------------------------
