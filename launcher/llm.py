@@ -186,9 +186,10 @@ class LLM:
         """Run every prompt to its end; results in input order. ``sampling_params``: one for
         all, one per prompt, or None for `get_default_sampling_params()`.
 
-        If a rank fails, raises `LockstepError` naming it once every request has its one
-        terminal result: the error's `outputs` hold all of them in input order, the finished
-        ones as they finished and the others failed with the reason.
+        A rank that fails is healed over (`on_rank_failure: heal`): the results are those of a
+        fault-free run. Where it is not, raises `LockstepError` naming it once every request
+        has its one terminal result: the error's `outputs` hold all of them in input order,
+        the finished ones as they finished and the others failed with the reason.
         """
         finals = dict(self.generate_as_completed(prompts, sampling_params, dp_rank, use_tqdm))
         return [finals[i] for i in range(len(finals))]
@@ -202,9 +203,10 @@ class LLM:
     ) -> Iterator[tuple[int, Completion]]:
         """Yield `(prompt index, result)` for every prompt as it finishes (each exactly once).
 
-        If a rank fails, the requests it held are yielded failed (reason naming the rank), the
-        other ranks' requests still end on their own (or fail within the collective timeout
-        plus a margin), and then `LockstepError` is raised as `generate` describes. Under
+        A rank that fails is healed over as `generate` says. Where it is not, the requests it
+        held are yielded failed (reason naming the rank), the other ranks' requests still end
+        on their own (or fail within the collective timeout plus a margin), and then
+        `LockstepError` is raised as `generate` describes. Under
         torchrun this process's share comes first, the other ranks' results after the
         exchange.
         """
@@ -254,7 +256,9 @@ class LLM:
         dp_rank: int | Sequence[int | None] | None = None,
     ) -> Iterator[Completion]:
         """Yield each request's new tokens as they come; its last item has ``finished``.
-        A rank failure ends its requests with a failed last item, then raises LockstepError."""
+        A rank failure is healed over as `generate` says (a stream goes on with no token missing
+        or repeated); where it is not, it ends its requests with a failed last item, then
+        raises LockstepError."""
         if self._torchrun:
             raise ValueError("generate_stream is not available under torchrun; use generate")
         requests = self._prepare(prompts, sampling_params, dp_rank)
@@ -453,12 +457,18 @@ class LLM:
         resumption = ledger.resume(fault)
         for output in resumption.ended:
             log.error("%s", output.finish_reason)
-        try:
-            self.client.reform()
-        except Exception as error:
-            failed[-1] = f"re-forming the DP group failed ({type(error).__name__}: {error})"
-            log.error("%s; after: %s", failed[-1], fault.reason)
-            return resumption.ended, None
+        while True:  # a new group that fails to start (a rank dies meanwhile) is tried again
+            try:
+                self.client.reform()
+                break
+            except Exception as error:
+                reason = f"re-forming the DP group failed ({type(error).__name__}: {error})"
+                if not self._may_heal():
+                    failed[-1] = reason
+                    log.error("%s; not trying again: %s", reason, self._recoveries.describe())
+                    return resumption.ended, None
+                log.error("%s; trying again", reason)
+                self._recoveries.spend(time.monotonic())
         log.warning(
             "DP group re-formed in %.1f s; %d request(s) resumed: %d from their streamed "
             "tokens, %d from their prompts",

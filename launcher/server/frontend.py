@@ -483,6 +483,13 @@ class EngineFrontend:
         )  # fmt: skip
 
     def _heal_failed(self, reason: str) -> None:
+        """The new group did not start: try again while the budget lasts, else fail."""
+        if self._may_heal() and not self._stopping.is_set():
+            self._budget.spend(time.monotonic())
+            log.error("%s; trying again", reason)
+            threading.Thread(target=self._reform, name="lockstep-heal", daemon=True).start()
+            return
+        log.error("%s; not trying again: %s", reason, self._budget.describe())
         self.healing = None
         self._awaiting = {}
         self._fail_group(reason)
