@@ -12,6 +12,10 @@ override both. MODEL is a checkpoint directory or a Hugging Face hub id (org/nam
 --config, `run` serves the built-in tiny Qwen3-MoE with DP=2 on a local Ray. Under torchrun
 every process runs the same command; rank 0 prints and writes the output.
 
+A job torchrun restarts (`--max-restarts`, after a rank died) starts again with the results
+its `--output` already holds: those that finished are kept and their prompts skipped (a rank
+death under torchrun cannot be healed from inside: no process outlives the group).
+
 This module imports nothing heavy at the top (no torch): `lockstep --help` answers at once.
 """
 
@@ -45,9 +49,11 @@ the request unless it sets ignore_eos (--generation-config: auto, vllm for none,
 output file (JSONL): one record per request, written and flushed as each finishes, with
 "index" (its line among the prompts), "prompt_token_ids", "output_token_ids", "text",
 "finish_reason", "detail" and "dp_rank"; once every request has finished the file is
-rewritten in input order. Exit status: 0 if every request finished by stop or length, 1 if
-any failed or was refused (the group failing included, naming the rank), 2 for bad input,
-130 when interrupted (the file keeps every result finished so far).
+rewritten in input order. Under torchrun, an attempt torchrun restarted (--max-restarts) keeps
+the records that finished by stop or length and runs only the other prompts. Exit status: 0
+if every request finished by stop or length, 1 if any failed or was refused (the group
+failing included, naming the rank), 2 for bad input, 130 when interrupted (the file keeps
+every result finished so far).
 """
 # Finish reasons of a request that got what it asked for; anything else makes the exit code 1.
 SUCCESSFUL = ("stop", "length")
@@ -159,7 +165,11 @@ def run_job(args: argparse.Namespace) -> int:
     if args.output:
         check_output_path(Path(args.output))  # before any rank starts
     writes = config.parallel.launcher != "torchrun" or int(os.environ.get("RANK", "0")) == 0
-    writer = ResultWriter(Path(args.output)) if args.output and writes else None
+    restarted = config.parallel.launcher == "torchrun" and restarted_by_torchrun()
+    kept: dict[int, str] = {}
+    if args.output and writes and restarted and Path(args.output).is_file():
+        kept = finished_records(Path(args.output), len(prompts))
+    writer = ResultWriter(Path(args.output), kept) if args.output and writes else None
     outputs: dict[int, Any] = {}
     group_error: LockstepError | None = None
     start = time.perf_counter()
@@ -167,10 +177,23 @@ def run_job(args: argparse.Namespace) -> int:
         with LLM(config=config) as llm:
             ready = time.perf_counter()
             exchange, backends = llm.moe_exchange, llm.backends
+            if restarted:  # every rank skips what rank 0 (the writer) found
+                skipped = set(llm.client.broadcast_json(sorted(kept)))
+                if writes:
+                    check_kept_prompts(kept, prompts, llm.tokenizer, args.output)
+                    print(f"lockstep: restarted by torchrun: {len(skipped)} of {len(prompts)} "
+                          f"results are kept from {args.output}", file=sys.stderr)  # fmt: skip
+            else:
+                skipped = set()
+            todo = [i for i in range(len(prompts)) if i not in skipped]
             try:
-                for index, completion in llm.generate_as_completed(
-                    prompts, sampling, dp_rank=pins, use_tqdm=not args.quiet
+                for position, completion in llm.generate_as_completed(
+                    [prompts[i] for i in todo],
+                    [sampling[i] for i in todo],
+                    dp_rank=[pins[i] for i in todo],
+                    use_tqdm=not args.quiet,
                 ):
+                    index = todo[position]
                     outputs[index] = completion
                     if writer is not None:
                         writer.write(index, completion)
@@ -196,7 +219,7 @@ def run_job(args: argparse.Namespace) -> int:
             print(f"[{index}] rank {output.dp_rank} {output.finish_reason}{detail}: {shown!r}")
     _print_summary(config, ordered, ready - start, done - ready, exchange, backends)
     if writer is not None:
-        writer.close(in_input_order=len(outputs) == len(prompts))
+        writer.close(in_input_order=len(outputs) + len(kept) == len(prompts))
     if group_error is not None:
         print(f"lockstep: error: {group_error}", file=sys.stderr)
         return 1
@@ -217,16 +240,18 @@ def check_output_path(path: Path) -> None:
 
 class ResultWriter:
     """--output as JSONL: each result appended and flushed as it finishes (a crash or Ctrl-C
-    keeps everything finished so far), then rewritten in input order once all are in."""
+    keeps everything finished so far), then rewritten in input order once all are in.
+    ``kept``: records of an earlier attempt (index -> line), written first, as they were."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, kept: dict[int, str] | None = None) -> None:
         self.path = path
         self._file: Any = None
-        self._records: dict[int, str] = {}
+        self._records: dict[int, str] = dict(kept or {})
 
     def write(self, index: int, output: Any) -> None:
         if self._file is None:
             self._file = self.path.open("w")
+            self._file.write("".join(line + "\n" for line in self._records.values()))
         line = json.dumps(_record(index, output))
         self._records[index] = line
         self._file.write(line + "\n")
@@ -240,6 +265,50 @@ class ResultWriter:
             partial = self.path.with_name(self.path.name + ".partial")
             partial.write_text("".join(self._records[i] + "\n" for i in sorted(self._records)))
             partial.replace(self.path)
+
+
+def restarted_by_torchrun() -> bool:
+    """Whether torchrun restarted this job after a failure (`--max-restarts`)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def finished_records(path: Path, num_prompts: int) -> dict[int, str]:
+    """The results an earlier attempt of the job wrote to ``path`` that finished by stop or
+    length: prompt index -> the line as written. A last line cut short (the attempt died while
+    writing it) is left out; any other line that is not such a record is refused, naming it."""
+    lines = path.read_text().splitlines()
+    kept: dict[int, str] = {}
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(
+                f"--output {path}:{number}: not JSON, so not this job's results"
+            ) from None
+        index = record.get("index") if isinstance(record, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < num_prompts:
+            raise ValueError(
+                f"--output {path}:{number}: a result needs an index in [0, {num_prompts}) (the "
+                f"prompts' lines), got {str(index)[:40]!r}"
+            )
+        if record.get("finish_reason") in SUCCESSFUL:
+            kept[index] = line
+    return kept
+
+
+def check_kept_prompts(kept: dict[int, str], prompts: list, tokenizer: Any, output: str) -> None:
+    """Refuse to keep results of other prompts: a kept record's prompt tokens must be its
+    prompt's (text prompts encoded with the job's tokenizer)."""
+    for index, line in kept.items():
+        prompt = prompts[index]
+        tokens = prompt if not isinstance(prompt, str) else tokenizer.encode(prompt).ids
+        if json.loads(line).get("prompt_token_ids") != list(tokens):
+            raise ValueError(
+                f"--output {output}: the result for prompt {index} has other prompt tokens than "
+                "that prompt: the file is not this job's; remove it or choose another --output"
+            )
 
 
 def job_config(args: argparse.Namespace):

@@ -1,7 +1,10 @@
 """How the LLM front end reaches its ranks: in this process, or as Ray actors.
 
 A client submits requests to a given rank, aborts them, polls for outputs from every rank, and
-shuts the group down. ``RankFailure`` means a rank's process is gone.
+shuts the group down. ``RankFailure`` means a rank's process is gone. A client that can heal
+(`RayClient`) replaces a failed group by a new one of the same size (`reform`); each group it
+has run is a *generation*, and calls that name one (`generation=`) reach that group or none
+(`StaleGroup`), so a call racing a reform never lands in the new group by mistake.
 """
 
 from __future__ import annotations
@@ -22,12 +25,19 @@ from scheduler import SamplingParams
 
 @dataclass(frozen=True)
 class Submission:
-    """A request handed to a rank."""
+    """A request handed to a rank.
+
+    seed: the seed the driver fixed for a request whose params give none (so that a
+    resubmission draws the same stream); None: the rank draws one. resumed_token_ids: the
+    output tokens a resubmitted request had already committed; it continues after them
+    (`DPEngine.submit`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool  # report new tokens as they come, not only the terminal result
+    seed: int | None = None
+    resumed_token_ids: tuple[int, ...] = ()
 
 
 class Client(Protocol):
@@ -38,16 +48,29 @@ class Client(Protocol):
     num_ranks: int
     moe_exchange: str  # how the MoE all-to-alls travel (`LLM.moe_exchange`)
     backends: str  # the backends the ranks resolved (`LLM.backends`)
+    generation: int  # the group now running: 0, then one more per `reform`
+    can_reform: bool  # whether `reform` can replace a failed group
 
-    def submit(self, rank: int, batch: list[Submission]) -> None: ...
+    def submit(self, rank: int, batch: list[Submission], generation: int | None = None) -> None:
+        """Hand ``batch`` to ``rank``; with ``generation``, only if that group still runs
+        (else `StaleGroup`)."""
+        ...
 
-    def abort(self, rank: int, request_id: str) -> None: ...
+    def abort(self, rank: int, request_id: str, generation: int | None = None) -> None: ...
 
-    def poll(self, timeout_s: float) -> list[RequestOutput]:
-        """Outputs from any rank, waiting up to ``timeout_s`` for the first."""
+    def poll(self, timeout_s: float, generation: int | None = None) -> list[RequestOutput]:
+        """Outputs from any rank, waiting up to ``timeout_s`` for the first; with
+        ``generation``, outputs of that group only (none once it has been replaced)."""
         ...
 
     def stats(self, timeout_s: float | None = None) -> list[RankStats]: ...
+
+    def reform(self) -> None:
+        """Replace the group by a new one of the same size: stop every rank that is left,
+        start new ones (each loading its share of the experts), and advance `generation`.
+        Requests the old group held are gone; the caller resubmits them. Raises (and leaves
+        no group running) if the new group cannot start."""
+        ...
 
     def silent_ranks(self) -> dict[int, float]:
         """Live ranks that have not answered lately: rank -> seconds."""
@@ -61,9 +84,19 @@ class Client(Protocol):
 
 
 class RankFailure(RuntimeError):
-    def __init__(self, rank: int, detail: str) -> None:
+    """A rank of group ``generation`` is gone or has stopped answering."""
+
+    def __init__(self, rank: int, detail: str, generation: int = 0) -> None:
         super().__init__(f"DP rank {rank} died: {detail}")
         self.rank = rank
+        self.generation = generation
+
+
+class StaleGroup(RuntimeError):
+    """A call named a group that has been replaced; nothing was sent."""
+
+    def __init__(self, asked: int, running: int) -> None:
+        super().__init__(f"group {asked} has been replaced by group {running}")
 
 
 class OutputBuffer:
@@ -137,7 +170,12 @@ class EngineHost:
     def submit(self, batch: list[Submission]) -> None:
         for item in batch:
             self.engine.submit(
-                item.request_id, item.prompt_token_ids, item.params, stream=item.stream
+                item.request_id,
+                item.prompt_token_ids,
+                item.params,
+                stream=item.stream,
+                seed=item.seed,
+                resumed_token_ids=item.resumed_token_ids,
             )
 
     def abort(self, request_id: str) -> None:
@@ -169,17 +207,26 @@ class LocalClient:
             )
         self.num_ranks = 1
         self.moe_exchange = "none"  # one rank: its MoE layers exchange nothing
+        # The rank is this process: nothing is left to re-form a group with.
+        self.generation = 0
+        self.can_reform = False
         self.host = EngineHost(config)
         self.backends = self.host.engine.describe_compute()
 
-    def submit(self, rank: int, batch: list[Submission]) -> None:
+    def submit(self, rank: int, batch: list[Submission], generation: int | None = None) -> None:
         self.host.submit(batch)
 
-    def abort(self, rank: int, request_id: str) -> None:
+    def abort(self, rank: int, request_id: str, generation: int | None = None) -> None:
         self.host.abort(request_id)
 
-    def poll(self, timeout_s: float) -> list[RequestOutput]:
+    def poll(self, timeout_s: float, generation: int | None = None) -> list[RequestOutput]:
         return self.host.take(timeout_s)
+
+    def reform(self) -> None:
+        raise RuntimeError(
+            "a group of one in this process cannot be re-formed (parallel.launcher local): "
+            "its rank is this process"
+        )
 
     def stats(self, timeout_s: float | None = None) -> list[RankStats]:
         """A snapshot taken on the caller's thread: it never waits on the engine's loop."""

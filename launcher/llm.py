@@ -16,9 +16,12 @@ a tokenizer (the server's kind, launcher/server/tokenization.py). Each output ca
 with the model's defaults (launcher/generation_config.py), as vLLM does; a given
 ``SamplingParams`` is used as it is (``SamplingParams()`` is greedy), except that every
 request stops at the model's EOS ids (config.json's, generation_config.json's and the
-tokenizer's eos_token, as vLLM stops) unless it sets ``ignore_eos``. If a rank dies,
-``generate`` raises ``LockstepError`` naming it; the error's ``outputs`` hold every request's
-result, the unfinished ones failed.
+tokenizer's eos_token, as vLLM stops) unless it sets ``ignore_eos``. If a rank dies or stops
+answering, the group heals (``on_rank_failure: heal``, the default, under Ray): it is
+replaced by a new one and every unfinished request goes on there, ending with the tokens a
+fault-free run gives (launcher/healing.py). Where it cannot heal (``fail``, the recovery
+budget spent, a local or torchrun group), ``generate`` raises ``LockstepError`` naming the
+rank; the error's ``outputs`` hold every request's result, the unfinished ones failed.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,13 @@ from dist_engine.models.loader import check_checkpoint
 from launcher.clients import Client, LocalClient, RankFailure, Submission
 from launcher.flags import VLLM_KEYWORDS
 from launcher.generation_config import GenerationDefaults, load_generation_defaults, with_eos_ids
+from launcher.healing import (
+    DriverSeeds,
+    GroupFault,
+    RecoveryBudget,
+    ResumeLedger,
+    is_group_failure,
+)
 from launcher.routing import Router
 from launcher.server.tokenization import ModelTokenizer, check_tokenizer_dir
 from scheduler import SamplingParams
@@ -72,6 +83,7 @@ class _Prompt:
     params: SamplingParams
     dp_rank: int | None  # pinned by the caller, or None
     text: str | None  # the prompt as given, when it was text
+    seed: int | None = None  # fixed here when the params give none (`DriverSeeds`)
 
 
 class _GroupFailure(Exception):
@@ -188,9 +200,10 @@ class LLM:
         """Run every prompt to its end; results in input order. ``sampling_params``: one for
         all, one per prompt, or None for `get_default_sampling_params()`.
 
-        If a rank fails, raises `LockstepError` naming it once every request has its one
-        terminal result: the error's `outputs` hold all of them in input order, the finished
-        ones as they finished and the others failed with the reason.
+        A rank that fails is healed over (`on_rank_failure: heal`): the results are those of a
+        fault-free run. Where it is not, raises `LockstepError` naming it once every request
+        has its one terminal result: the error's `outputs` hold all of them in input order,
+        the finished ones as they finished and the others failed with the reason.
         """
         finals = dict(self.generate_as_completed(prompts, sampling_params, dp_rank, use_tqdm))
         return [finals[i] for i in range(len(finals))]
@@ -204,9 +217,10 @@ class LLM:
     ) -> Iterator[tuple[int, Completion]]:
         """Yield `(prompt index, result)` for every prompt as it finishes (each exactly once).
 
-        If a rank fails, the requests it held are yielded failed (reason naming the rank), the
-        other ranks' requests still end on their own (or fail within the collective timeout
-        plus a margin), and then `LockstepError` is raised as `generate` describes. Under
+        A rank that fails is healed over as `generate` says. Where it is not, the requests it
+        held are yielded failed (reason naming the rank), the other ranks' requests still end
+        on their own (or fail within the collective timeout plus a margin), and then
+        `LockstepError` is raised as `generate` describes. Under
         torchrun this process's share comes first, the other ranks' results after the
         exchange.
         """
@@ -256,7 +270,9 @@ class LLM:
         dp_rank: int | Sequence[int | None] | None = None,
     ) -> Iterator[Completion]:
         """Yield each request's new tokens as they come; its last item has ``finished``.
-        A rank failure ends its requests with a failed last item, then raises LockstepError."""
+        A rank failure is healed over as `generate` says (a stream goes on with no token missing
+        or repeated); where it is not, it ends its requests with a failed last item, then
+        raises LockstepError."""
         if self._torchrun:
             raise ValueError("generate_stream is not available under torchrun; use generate")
         requests = self._prepare(prompts, sampling_params, dp_rank)
@@ -314,6 +330,8 @@ class LLM:
                 or not 0 <= pin < self.client.num_ranks
             ):
                 raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
+        # Every prompt's seed, in order, whichever rank serves it (under torchrun every process
+        # draws them all alike).
         return [
             _Prompt(
                 f"{self._id_prefix}-{next(self._ids)}",
@@ -321,17 +339,30 @@ class LLM:
                 param,
                 pin,
                 prompt if isinstance(prompt, str) else None,
+                self._driver_seeds.seed_for(param),
             )
             for prompt, param, pin in zip(prompts, params, pins, strict=True)
         ]
 
+    @cached_property
+    def _driver_seeds(self) -> DriverSeeds:
+        return DriverSeeds(self.config.seed)
+
+    @cached_property
+    def _recoveries(self) -> RecoveryBudget:
+        return RecoveryBudget(self.config.parallel.max_recoveries_per_hour)
+
     def _run(self, requests, *, stream: bool) -> Iterator[tuple[int, RequestOutput]]:
         """Submit, then yield (index, output) until every request has its terminal output.
-        A failed rank's requests are yielded failed at once; the others get the collective
-        timeout plus a margin to end on their own. Raises _GroupFailure at the end if any rank
-        failed."""
-        index_of = {}
-        batches: dict[int, list[Submission]] = {}
+
+        A failed group is healed while it may be (`_may_heal`): the client re-forms it and
+        every unfinished request is resubmitted (`_recover`), so the caller sees each request
+        end once, with a fault-free run's tokens. Otherwise a failed rank's requests are
+        yielded failed at once; the others get the collective timeout plus a margin to end on
+        their own, and _GroupFailure is raised at the end."""
+        ledger = ResumeLedger(self.config.parallel.poison_failure_threshold)
+        index_of: dict[str, int] = {}
+        submissions: list[Submission] = []
         for index, prompt in enumerate(requests):
             pin = prompt.dp_rank
             if self._torchrun:
@@ -341,20 +372,26 @@ class LLM:
             cost = len(prompt.token_ids) + prompt.params.max_tokens
             rank = self.router.assign(prompt.request_id, cost, pin)
             index_of[prompt.request_id] = index
-            batches.setdefault(rank, []).append(
-                Submission(prompt.request_id, prompt.token_ids, prompt.params, stream)
-            )
+            submissions.append(
+                ledger.add(prompt.request_id, prompt.token_ids, prompt.params, prompt.seed,
+                           stream, rank)
+            )  # fmt: skip
         pending = set(index_of)
-        failed: dict[int, str] = {}  # rank -> why
+        failed: dict[int, str] = {}  # rank -> why (-1: the group as a whole)
         deadline = None  # once a rank failed: when the others' requests are failed too
-        for rank, batch in batches.items():
-            try:
-                self.client.submit(rank, batch)
-            except RankFailure as failure:
-                failed[failure.rank] = str(failure)
+        fault = self._submit(submissions)
         while pending:
+            if fault is not None:
+                ended, fault = self._recover(fault, ledger, failed)
+                for output in ended:  # poison requests, ended alone
+                    pending.discard(output.request_id)
+                    self.router.finished(output.request_id)
+                    yield index_of[output.request_id], output
+                if -1 in failed:  # no group is left to end the others
+                    deadline = time.monotonic()
+                continue
             doomed = [r for r in pending if self.router.rank_of(r) in failed]
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 doomed = list(pending)  # the healthy ranks did not end them in time either
             for request_id in sorted(doomed, key=index_of.__getitem__):
                 rank = self.router.rank_of(request_id)
@@ -369,21 +406,93 @@ class LLM:
                 break
             if failed and deadline is None:
                 deadline = time.monotonic() + self._failure_grace_s
+            generation = self.client.generation
             try:
-                outputs = self.client.poll(_POLL_S)
+                outputs = self.client.poll(_POLL_S, generation=generation)
             except RankFailure as failure:
-                failed[failure.rank] = str(failure)
+                if failure.generation == self.client.generation:
+                    fault = GroupFault(str(failure), failure.rank)
                 continue
             for output in outputs:
                 if output.request_id not in pending:
                     continue
+                if is_group_failure(output) and self._may_heal():
+                    # Its rank gave it up with the group: it is resubmitted, not ended.
+                    fault = fault or GroupFault(f"DP rank {output.dp_rank}: {output.finish_reason}")
+                    continue
+                shown = ledger.take(output)
                 if output.finished:
                     pending.discard(output.request_id)
                     self.router.finished(output.request_id)
-                if output.finished or stream:
-                    yield index_of[output.request_id], output
+                if shown is not None and (output.finished or stream):
+                    yield index_of[output.request_id], shown
         if failed:
             raise _GroupFailure(failed)
+
+    def _submit(self, submissions: list[Submission]) -> GroupFault | None:
+        """Hand each submission to its rank (the router's) in the current group; the group's
+        failure if a rank is gone."""
+        batches: dict[int, list[Submission]] = {}
+        for submission in submissions:
+            batches.setdefault(self.router.rank_of(submission.request_id), []).append(submission)
+        generation = self.client.generation
+        fault = None
+        for rank, batch in batches.items():
+            try:
+                self.client.submit(rank, batch, generation=generation)
+            except RankFailure as failure:
+                fault = fault or GroupFault(str(failure), failure.rank)
+        return fault
+
+    def _may_heal(self) -> bool:
+        """Whether a failure now heals: `on_rank_failure: heal`, a client that can re-form
+        its group (Ray), and a recovery left in this hour's budget."""
+        return (
+            self.config.parallel.on_rank_failure == "heal"
+            and self.client.can_reform
+            and self._recoveries.available(time.monotonic())
+        )
+
+    def _recover(
+        self, fault: GroupFault, ledger: ResumeLedger, failed: dict[int, str]
+    ) -> tuple[list[RequestOutput], GroupFault | None]:
+        """Heal the group after ``fault`` and resubmit every unfinished request: returns the
+        poison requests' terminal outputs and a failure of the new group's submissions, if
+        any. Where it may not heal (or the new group does not start), records the failure in
+        ``failed`` instead, for `_run` to fail the requests as `on_rank_failure: fail` does."""
+        if not self._may_heal():
+            if self.config.parallel.on_rank_failure == "heal" and self.client.can_reform:
+                log.error("not healing the DP group: %s", self._recoveries.describe())
+            failed[fault.rank if fault.rank is not None else -1] = fault.reason
+            return [], None
+        start = time.monotonic()
+        self._recoveries.spend(start)
+        log.error(
+            "DP group failure seen: %s; re-forming the group (%d unfinished request(s))",
+            fault.reason, len(ledger),
+        )  # fmt: skip
+        resumption = ledger.resume(fault)
+        for output in resumption.ended:
+            log.error("%s", output.finish_reason)
+        while True:  # a new group that fails to start (a rank dies meanwhile) is tried again
+            try:
+                self.client.reform()
+                break
+            except Exception as error:
+                reason = f"re-forming the DP group failed ({type(error).__name__}: {error})"
+                if not self._may_heal():
+                    failed[-1] = reason
+                    log.error("%s; not trying again: %s", reason, self._recoveries.describe())
+                    return resumption.ended, None
+                log.error("%s; trying again", reason)
+                self._recoveries.spend(time.monotonic())
+        log.warning(
+            "DP group re-formed in %.1f s; %d request(s) resumed: %d from their streamed "
+            "tokens, %d from their prompts",
+            time.monotonic() - start, len(resumption.submissions), resumption.num_from_tokens,
+            len(resumption.submissions) - resumption.num_from_tokens,
+        )  # fmt: skip
+        return resumption.ended, self._submit(resumption.submissions)
 
     @property
     def _failure_grace_s(self) -> float:

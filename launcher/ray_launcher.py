@@ -21,6 +21,12 @@ one that stops answering (its process stopped, or hung) is declared failed once 
 answered for `collective_timeout_s + RANK_SILENCE_MARGIN_S`, and killed, whichever call
 notices it. Stats are asked with a short timeout of their own and never fail a rank: a silent
 rank's last stats come back with how long it has been silent.
+
+After a failure `reform` replaces the whole group (`on_rank_failure: heal`, driven by the
+front end, launcher/healing.py): every actor of the old one is killed, its placement group
+removed, and a new group of the same size placed and started as at start-up (new actors, a
+new store under a new namespace, each rank loading its share of the experts). Each group is
+a generation; a call that names one reaches it or nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -46,7 +53,7 @@ from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
 from dist_engine.log import get_logger
-from launcher.clients import EngineHost, RankFailure, Submission
+from launcher.clients import EngineHost, RankFailure, StaleGroup, Submission
 
 log = get_logger()
 
@@ -248,80 +255,172 @@ def _reload_auth_settings() -> None:
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+@dataclass(eq=False)
+class _Group:
+    """One generation of the group: its placement group, its actors, and what the driver
+    knows of each rank. A reform replaces the whole object, so a call that captured an old
+    one can only reach (dead) old actors."""
+
+    generation: int
+    pg: Any
+    actors: list[Any] = field(default_factory=list)
+    takes: dict[int, Any] = field(default_factory=dict)  # rank -> its outstanding `take`
+    failed: dict[int, str] = field(default_factory=dict)  # rank -> why; never asked again
+    heard: dict[int, float] = field(default_factory=dict)  # rank -> when it last answered
+    last_stats: dict[int, RankStats] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)
+    node_ids: dict[int, str] = field(default_factory=dict)
+    store_address: tuple[str, int] | None = None
+    moe_exchange: str = "none"
+    backends: str = ""
+
+
 class RayClient:
     def __init__(self, config: EngineConfig) -> None:
         world = config.parallel.dp_size
         self.num_ranks = world
+        self.can_reform = True
         self.started_ray = connect_ray(num_cpus=max(world, os.cpu_count() or 1))
         self._reaper = start_reaper() if self.started_ray else None
         if self.started_ray:
             # Every rank runs on this host: build the native code here, where the first build's
             # progress reaches the user's terminal, and the ranks load the cached files.
             _prepare_native(config)
-        use_gpu = config.parallel.backend != "gloo" and _cluster_has_gpus()
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([bundle] * world, strategy=config.parallel.placement_strategy)
-        self.actors: list[Any] = []
-        self._takes: dict[int, Any] = {}
-        self.failed: dict[int, str] = {}  # rank -> why; such a rank is never asked again
+        self._use_gpu = config.parallel.backend != "gloo" and _cluster_has_gpus()
+        self._bundle = {"GPU": 1, "CPU": 1} if self._use_gpu else {"CPU": 1}
+        # Each actor's EngineHost sets its torch threads from the config.
+        threads = config.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
+        self._config = config.with_overrides(threads_per_rank=threads)
         self._silence_limit_s = config.parallel.collective_timeout_s + RANK_SILENCE_MARGIN_S
-        self._heard: dict[int, float] = {}  # rank -> when it last answered a call
-        self._last_stats: dict[int, RankStats] = {}
-        # poll, submit/abort and stats may each run on a thread of their own (the server).
+        # poll, submit/abort and stats may each run on a thread of their own (the server); the
+        # lock guards the group's bookkeeping and which group is current.
         self._lock = threading.Lock()
+        self._reform_lock = threading.Lock()
+        self._group = _Group(generation=0, pg=None)
+        try:
+            self._group = self._start_group(0)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- the current group, as the callers and tests see it ---------------------------------
+    @property
+    def generation(self) -> int:
+        return self._group.generation
+
+    @property
+    def actors(self) -> list[Any]:
+        return self._group.actors
+
+    @property
+    def pg(self) -> Any:
+        return self._group.pg
+
+    @property
+    def failed(self) -> dict[int, str]:
+        return self._group.failed
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return self._group.pids
+
+    @property
+    def node_ids(self) -> dict[int, str]:
+        return self._group.node_ids
+
+    @property
+    def store_address(self) -> tuple[str, int] | None:
+        return self._group.store_address
+
+    @property
+    def moe_exchange(self) -> str:
+        return self._group.moe_exchange
+
+    @property
+    def backends(self) -> str:
+        return self._group.backends
+
+    def _start_group(self, generation: int) -> _Group:
+        """Place and start a group of `num_ranks` new actors: a placement group of its own, a
+        store on new rank 0 under a new random namespace, every rank loading its share of the
+        experts. Leaves nothing running if it fails."""
+        config, world, bundle = self._config, self.num_ranks, self._bundle
+        group = _Group(
+            generation, placement_group([bundle] * world, config.parallel.placement_strategy)
+        )
         try:
             try:
-                ray.get(self.pg.ready(), timeout=_STARTUP_TIMEOUT_S)
+                ray.get(group.pg.ready(), timeout=_STARTUP_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 raise LockstepError(
                     f"Ray could not place {world} rank(s) of {bundle} with placement_strategy "
                     f"{config.parallel.placement_strategy} within {_STARTUP_TIMEOUT_S:.0f} s; "
                     f"the cluster has {_describe_nodes()}"
                 ) from None
-            # Each actor's EngineHost sets its torch threads from the config.
-            threads = config.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // world)
-            config = config.with_overrides(threads_per_rank=threads)
-            self.actors = [
+            group.actors = [
                 RankActor.options(
                     num_cpus=1,
-                    num_gpus=1 if use_gpu else 0,
+                    num_gpus=1 if self._use_gpu else 0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.pg, placement_group_bundle_index=rank
+                        placement_group=group.pg, placement_group_bundle_index=rank
                     ),
                 ).remote(config, rank)
                 for rank in range(world)
             ]
-            hosts = _rank_hosts(self.pg, world)
+            hosts = _rank_hosts(group.pg, world)
             loopback = len(set(hosts.values())) == 1
             host, port = ray.get(
-                self.actors[0].create_store.remote(loopback), timeout=_STARTUP_TIMEOUT_S
+                group.actors[0].create_store.remote(loopback), timeout=_STARTUP_TIMEOUT_S
             )
-            self.store_address = (host, port)
-            slots = _cpu_slots(hosts) if config.parallel.cpu_binding and not use_gpu else {}
+            group.store_address = (host, port)
+            pin = config.parallel.cpu_binding and not self._use_gpu
+            slots = _cpu_slots(hosts) if pin else {}
             namespace = f"lockstep/{secrets.token_hex(16)}/"
             started = ray.get(
                 [
                     actor.start.remote(host, port, namespace, slots.get(rank), loopback)
-                    for rank, actor in enumerate(self.actors)
+                    for rank, actor in enumerate(group.actors)
                 ],
                 timeout=_STARTUP_TIMEOUT_S,
             )
-            self._heard = dict.fromkeys(range(world), time.monotonic())
-            self.pids = {rank: pid for rank, (pid, *_) in enumerate(started)}
-            self.node_ids = {rank: node for rank, (_, node, *_) in enumerate(started)}
-            self.moe_exchange = started[0][2]  # a group decision: the same on every rank
-            for rank, pid in self.pids.items():
-                log.info("DP rank %d: pid %d, Ray node %s", rank, pid, self.node_ids[rank][:12])
-            self.backends = describe_per_rank([backends for *_, backends in started])
         except BaseException:
-            self.shutdown()
+            self._kill_group(group)
             raise
+        group.heard = dict.fromkeys(range(world), time.monotonic())
+        group.pids = {rank: pid for rank, (pid, *_) in enumerate(started)}
+        group.node_ids = {rank: node for rank, (_, node, *_) in enumerate(started)}
+        group.moe_exchange = started[0][2]  # a group decision: the same on every rank
+        group.backends = describe_per_rank([backends for *_, backends in started])
+        for rank, pid in group.pids.items():
+            log.info("DP rank %d: pid %d, Ray node %s", rank, pid, group.node_ids[rank][:12])
+        return group
 
-    def submit(self, rank: int, batch: list[Submission]) -> None:
-        self._get(rank, self._actor(rank).submit.remote(batch))
+    def reform(self) -> None:
+        """Kill every rank of the current group at once (the survivors' requests go with
+        them: the caller resubmits them all), free its placement group, and start a new group
+        of the same size (`_start_group`): a replacement for the dead rank wherever the
+        cluster has room, new actors for the others, a new store and namespace. The time is
+        the group's start-up time (model load included)."""
+        with self._reform_lock:
+            old = self._group
+            self._kill_group(old)
+            group = self._start_group(old.generation + 1)
+            with self._lock:
+                self._group = group
 
-    def abort(self, rank: int, request_id: str) -> None:
-        self._get(rank, self._actor(rank).abort.remote(request_id))
+    def _current(self, generation: int | None) -> _Group:
+        group = self._group
+        if generation is not None and generation != group.generation:
+            raise StaleGroup(generation, group.generation)
+        return group
+
+    def submit(self, rank: int, batch: list[Submission], generation: int | None = None) -> None:
+        group = self._current(generation)
+        self._get(group, rank, self._actor(group, rank).submit.remote(batch))
+
+    def abort(self, rank: int, request_id: str, generation: int | None = None) -> None:
+        group = self._current(generation)
+        self._get(group, rank, self._actor(group, rank).abort.remote(request_id))
 
     def stats(self, timeout_s: float = STATS_TIMEOUT_S) -> list[RankStats]:
         """Every live rank's queues, KV pool and counters, in rank order.
@@ -330,10 +429,11 @@ class RayClient:
         `silent_s` set (or left out, if it never answered one); it is not failed here: the
         calls that carry requests, and `poll`, decide that.
         """
+        group = self._group
         asked = {
             rank: actor.stats.remote()
-            for rank, actor in enumerate(self.actors)
-            if rank not in self.failed
+            for rank, actor in enumerate(group.actors)
+            if rank not in group.failed
         }
         ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
         done = set(ready)
@@ -341,15 +441,16 @@ class RayClient:
         now = time.monotonic()
         for rank, ref in asked.items():
             if ref in done:
-                self._last_stats[rank] = self._get(rank, ref)
-                stats.append(self._last_stats[rank])
-            elif rank in self._last_stats:
-                silent_s = now - self._heard.get(rank, now)
-                stats.append(dataclasses.replace(self._last_stats[rank], silent_s=silent_s))
+                group.last_stats[rank] = self._get(group, rank, ref)
+                stats.append(group.last_stats[rank])
+            elif rank in group.last_stats:
+                silent_s = now - group.heard.get(rank, now)
+                stats.append(dataclasses.replace(group.last_stats[rank], silent_s=silent_s))
         return stats
 
-    def poll(self, timeout_s: float) -> list[RequestOutput]:
-        """Outputs from whichever ranks have some, waiting up to ``timeout_s``.
+    def poll(self, timeout_s: float, generation: int | None = None) -> list[RequestOutput]:
+        """Outputs from whichever ranks have some, waiting up to ``timeout_s``; with
+        ``generation``, from that group only (none once it has been replaced).
 
         Each live rank always has one ``take`` outstanding, which returns as soon as that rank
         has outputs (or after ``_TAKE_S``); we wait on all of them together. Asking every rank
@@ -358,66 +459,71 @@ class RayClient:
         The takes are also the ranks' heartbeat: a rank whose take has not come back for
         `collective_timeout_s + RANK_SILENCE_MARGIN_S` has stopped answering and is failed.
         """
-        for rank, actor in enumerate(self.actors):
-            if rank not in self._takes and rank not in self.failed:
-                self._takes[rank] = actor.take.remote(_TAKE_S)
-        takes = dict(self._takes)
+        try:
+            group = self._current(generation)
+        except StaleGroup:
+            return []
+        for rank, actor in enumerate(group.actors):
+            if rank not in group.takes and rank not in group.failed:
+                group.takes[rank] = actor.take.remote(_TAKE_S)
+        takes = dict(group.takes)
         if not takes:
             return []
         ready, _ = ray.wait(list(takes.values()), num_returns=1, timeout=timeout_s)
         outputs: list[RequestOutput] = []
         for rank, ref in takes.items():
             if ref in ready:
-                self._takes.pop(rank, None)
-                outputs.extend(self._get(rank, ref))
+                group.takes.pop(rank, None)
+                outputs.extend(self._get(group, rank, ref))
         now = time.monotonic()
-        for rank in list(self._takes):
-            silent_s = now - self._heard[rank]
+        for rank in list(group.takes):
+            silent_s = now - group.heard[rank]
             if silent_s > self._silence_limit_s:
-                self._fail_silent(rank, silent_s)
+                self._fail_silent(group, rank, silent_s)
         return outputs
 
     def silent_ranks(self) -> dict[int, float]:
         """Live ranks whose last answer is more than two heartbeats old: rank -> seconds."""
+        group = self._group
         now = time.monotonic()
         return {
             rank: now - heard
-            for rank, heard in self._heard.items()
-            if rank not in self.failed and now - heard > 4 * _TAKE_S
+            for rank, heard in group.heard.items()
+            if rank not in group.failed and now - heard > 4 * _TAKE_S
         }
 
-    def _actor(self, rank: int) -> Any:
-        if rank in self.failed:
-            raise RankFailure(rank, self.failed[rank])
-        return self.actors[rank]
+    def _actor(self, group: _Group, rank: int) -> Any:
+        if rank in group.failed:
+            raise RankFailure(rank, group.failed[rank], group.generation)
+        return group.actors[rank]
 
-    def _get(self, rank: int, ref: Any) -> Any:
+    def _get(self, group: _Group, rank: int, ref: Any) -> Any:
         """A rank's answer, waiting at most the silence limit; a rank that has not answered
         anything for that long is failed (and killed), whichever call noticed."""
         try:
             value = ray.get(ref, timeout=self._silence_limit_s)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
-            self._declare_failed(rank, f"its Ray actor is gone ({type(error).__name__})")
-            raise RankFailure(rank, self.failed[rank]) from error
+            self._declare_failed(group, rank, f"its Ray actor is gone ({type(error).__name__})")
+            raise RankFailure(rank, group.failed[rank], group.generation) from error
         except ray.exceptions.GetTimeoutError:
-            self._fail_silent(rank, time.monotonic() - self._heard.get(rank, 0.0))
-        self._heard[rank] = time.monotonic()
+            self._fail_silent(group, rank, time.monotonic() - group.heard.get(rank, 0.0))
+        group.heard[rank] = time.monotonic()
         return value
 
-    def _fail_silent(self, rank: int, silent_s: float) -> None:
+    def _fail_silent(self, group: _Group, rank: int, silent_s: float) -> None:
         """Declare a rank that stopped answering failed, kill it (a stopped process too) and
         raise `RankFailure`."""
-        if self._declare_failed(rank, f"it stopped answering for {silent_s:.0f} s"):
+        if self._declare_failed(group, rank, f"it stopped answering for {silent_s:.0f} s"):
             log.error("DP rank %d has not answered for %.0f s: killing it", rank, silent_s)
-            ray.kill(self.actors[rank], no_restart=True)
-        raise RankFailure(rank, self.failed[rank])
+            ray.kill(group.actors[rank], no_restart=True)
+        raise RankFailure(rank, group.failed[rank], group.generation)
 
-    def _declare_failed(self, rank: int, why: str) -> bool:
+    def _declare_failed(self, group: _Group, rank: int, why: str) -> bool:
         """Mark ``rank`` failed; True if this call did (another thread may have first)."""
         with self._lock:
-            first = rank not in self.failed
-            self.failed.setdefault(rank, why)
-            self._takes.pop(rank, None)
+            first = rank not in group.failed
+            group.failed.setdefault(rank, why)
+            group.takes.pop(rank, None)
         return first
 
     def shutdown(self) -> None:
@@ -436,22 +542,35 @@ class RayClient:
     def stop_ranks(self) -> None:
         """Stop every rank, then kill the actors and free the placement group; Ray itself
         stays up. Ranks that have gone silent are killed without being asked (they would not
-        answer)."""
-        if self.actors:
-            silent = self.silent_ranks() if self._heard else {}
+        answer). Waits for a reform under way, and stops the group it started."""
+        with self._reform_lock:
+            self._stop_group(self._group)
+
+    def _stop_group(self, group: _Group) -> None:
+        if group.actors:
+            silent = self.silent_ranks() if group.heard else {}
             refs = [
                 actor.shutdown.remote(30.0)
-                for rank, actor in enumerate(self.actors)
-                if rank not in self.failed and rank not in silent
+                for rank, actor in enumerate(group.actors)
+                if rank not in group.failed and rank not in silent
             ]
             # A dead actor's ref counts as ready; killing below is enough for it.
             ray.wait(refs, num_returns=len(refs), timeout=40.0)
-            for actor in self.actors:
-                ray.kill(actor, no_restart=True)
-            self.actors = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        self._kill_group(group)
+
+    def _kill_group(self, group: _Group) -> None:
+        """Kill every actor of ``group`` without asking it (the calls waiting on one return
+        at once, failed) and free its placement group."""
+        with self._lock:
+            for rank in range(len(group.actors)):
+                group.failed.setdefault(rank, "its group was stopped")
+            group.takes.clear()
+        for actor in group.actors:
+            ray.kill(actor, no_restart=True)
+        group.actors = []
+        if group.pg is not None:
+            remove_placement_group(group.pg)
+            group.pg = None
 
 
 def describe_per_rank(values: list[str]) -> str:

@@ -94,6 +94,9 @@ class TorchrunClient:
             )
         self.rank = rank
         self.num_ranks = world
+        # No driver outlives a rank here: torchrun restarts the whole job (--max-restarts).
+        self.generation = 0
+        self.can_reform = False
         # torchrun's agent already serves a store on MASTER_PORT; otherwise rank 0 hosts it.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
@@ -119,15 +122,21 @@ class TorchrunClient:
         self.backends = self.host.engine.describe_compute()
         self._num_exchanges = 0
 
-    def submit(self, rank: int, batch: list[Submission]) -> None:
+    def submit(self, rank: int, batch: list[Submission], generation: int | None = None) -> None:
         assert rank == self.rank, "under torchrun a process only serves its own rank"
         self.host.submit(batch)
 
-    def abort(self, rank: int, request_id: str) -> None:
+    def abort(self, rank: int, request_id: str, generation: int | None = None) -> None:
         self.host.abort(request_id)
 
-    def poll(self, timeout_s: float) -> list[RequestOutput]:
+    def poll(self, timeout_s: float, generation: int | None = None) -> list[RequestOutput]:
         return self.host.take(timeout_s)
+
+    def reform(self) -> None:
+        raise RuntimeError(
+            "a torchrun group cannot be re-formed from inside: every process is a rank; "
+            "torchrun --max-restarts restarts the job"
+        )
 
     def stats(self, timeout_s: float | None = None) -> list[RankStats]:
         """This process's rank only: the others are other processes' to report."""
@@ -138,6 +147,11 @@ class TorchrunClient:
 
     def stop_ranks(self) -> None:
         self.shutdown()
+
+    def broadcast_json(self, value: object) -> object:
+        """Rank 0's ``value`` (plain JSON data), on every rank: one all-gather on the results
+        exchange's own gloo group, while no engine collective depends on it."""
+        return all_gather_json(value, self._results_group)[0]
 
     def exchange(self, mine: dict[int, RequestOutput]) -> dict[int, RequestOutput]:
         """Give every rank every rank's results (keyed by prompt index).

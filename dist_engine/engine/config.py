@@ -38,11 +38,14 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 AttentionBackend = Literal["auto", "native", "torch"]
 ExpertBackend = Literal["auto", "native", "torch", "grouped_mm"]
 NormBackend = Literal["auto", "native", "torch"]
+# What the driver does when a rank dies or stops answering (launcher/healing.py).
+OnRankFailure = Literal["heal", "fail"]
 
 LAUNCHERS = get_args(Launcher)
 BACKENDS = get_args(Backend)
 PLACEMENT_STRATEGIES = get_args(PlacementStrategy)
 MOE_EXCHANGES = get_args(MoEExchange)
+ON_RANK_FAILURE = get_args(OnRankFailure)
 DTYPES = get_args(Dtype)
 BACKEND_CHOICES = {
     "attention_backend": get_args(AttentionBackend),
@@ -72,9 +75,22 @@ class ParallelConfig:
     # backend; `auto` takes shared memory where every rank is on one host and the backend is
     # gloo.
     moe_exchange: MoEExchange = "auto"
+    # A rank that dies or stops answering: `heal` re-forms the group (a new one of the same
+    # size under Ray) and resumes every unfinished request from its committed tokens; `fail`
+    # ends every unfinished request with an error naming the rank. A group of one (local) and
+    # torchrun cannot heal, so they fail either way (docs/design.md, "Failure model").
+    on_rank_failure: OnRankFailure = "heal"
+    # Past this many recoveries within the last hour the next failure fails the group.
+    max_recoveries_per_hour: int = 3
+    # A request outstanding in this many failures in a row, without a token committed in
+    # between, is ended alone with an error naming it (it may be what kills the group).
+    poison_failure_threshold: int = 2
 
     def __post_init__(self) -> None:
         _positive_int("parallel.dp_size", self.dp_size)
+        _choice("parallel.on_rank_failure", self.on_rank_failure, ON_RANK_FAILURE)
+        _positive_int("parallel.max_recoveries_per_hour", self.max_recoveries_per_hour)
+        _positive_int("parallel.poison_failure_threshold", self.poison_failure_threshold)
         if not isinstance(self.cpu_binding, bool):
             raise ValueError(
                 f"parallel.cpu_binding must be true or false, got {self.cpu_binding!r}"

@@ -43,7 +43,7 @@ from dist_engine.engine.messages import (
     Shutdown,
 )
 from dist_engine.engine.outputs import ErrorKind, RequestOutput
-from dist_engine.engine.request import Request
+from dist_engine.engine.request import Request, resume_sequence
 from dist_engine.engine.runner import ModelRunner, dispatch_mode
 from dist_engine.engine.stats import RankStats, StepCounters, rank_stats
 from dist_engine.engine.structured import GrammarMasks
@@ -296,10 +296,17 @@ class DPEngine:
         *,
         stream: bool = False,
         schedulable: bool = True,
+        seed: int | None = None,
+        resumed_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
         """Queue a request. ``schedulable=False`` holds it (and, since nobody overtakes the
         head of the queue, those behind it) until ``set_schedulable``: a request whose inputs
-        are still being prepared."""
+        are still being prepared.
+
+        Resuming a request another group had started (launcher/healing.py): ``seed`` is the
+        seed it drew with when its params give none, and ``resumed_token_ids`` the output
+        tokens it had committed; it continues after them as a fault-free run would
+        (`resume_sequence`), reporting only the tokens after them as new."""
         seq = Sequence(
             request_id,
             prompt_token_ids,
@@ -307,7 +314,9 @@ class DPEngine:
             eos_token_id=self.model_config.eos_token_ids,
             schedulable=schedulable,
         )
-        self._post(AddRequest(seq, stream))
+        if resumed_token_ids:
+            resume_sequence(seq, resumed_token_ids)
+        self._post(AddRequest(seq, stream, seed))
 
     def set_schedulable(self, request_id: str, schedulable: bool = True) -> None:
         self._post(SetSchedulable(request_id, schedulable))
@@ -398,8 +407,8 @@ class DPEngine:
             self._inbox.clear()
         for item in items:
             match item:
-                case AddRequest(seq, stream):
-                    self._admit(seq, stream)
+                case AddRequest(seq, stream, seed):
+                    self._admit(seq, stream, seed)
                 case SetSchedulable(request_id, schedulable):
                     if self.scheduler.get_sequence(request_id) is not None:
                         self.scheduler.set_schedulable(request_id, schedulable)
@@ -410,12 +419,14 @@ class DPEngine:
                 case _:  # _post refuses anything else; this guards the loop's own state
                     raise TypeError(f"unknown inbox message {item!r}")
 
-    def _admit(self, seq: Sequence, stream: bool) -> None:
-        """A new request: its record, then the scheduler's queue."""
+    def _admit(self, seq: Sequence, stream: bool, seed: int | None) -> None:
+        """A new request: its record, then the scheduler's queue. ``seed``: the caller's for
+        a request whose params give none; None: drawn here."""
         if seq.request_id in self._requests:
             self._reject(seq, f"request id {seq.request_id!r} is already in use")
             return
-        seed = self._seeds.getrandbits(63) if self._seeds is not None else None
+        if seed is None and self._seeds is not None:
+            seed = self._seeds.getrandbits(63)
         try:
             request = Request.admit(seq, stream, seed)
             if seq.sampling_params.grammar is not None:

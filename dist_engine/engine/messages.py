@@ -15,6 +15,7 @@ from scheduler import Sequence
 class AddRequest:
     seq: Sequence
     stream: bool  # report new tokens as they come, not only the terminal result
+    seed: int | None = None  # fixed by the caller for a request whose params give none
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,8 +46,9 @@ class Request:
     stream: bool  # report new tokens as they come, not only the terminal result
     num_streamed: int = 0  # output tokens already reported
     error_kind: ErrorKind | None = None  # set when the engine ends it with an error
-    # With SamplingParams.logprobs: one entry per output token drawn so far (the runner's).
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With SamplingParams.logprobs: one entry per output token drawn so far (the runner's);
+    # None for the tokens a resumed request brought (reported before, never again).
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
     # With SamplingParams.prompt_logprobs: one entry per prompt token, filled chunk by chunk
     # (the first stays None: nothing predicts it); reported once, with the first output.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
@@ -63,15 +64,23 @@ class Request:
         """The record of a new request. ``seed``: the seed of a request that gives none (the
         engine draws it from its own seed); the request's own `SamplingParams.seed` wins;
         with neither, a random one. It is fixed here, once, so the request's random stream is
-        known from its record alone."""
+        known from its record alone.
+
+        A resumed sequence (`resume_sequence`) counts its committed outputs as reported: only
+        the tokens after them are new, and its prompt logprobs, which went out with its first
+        token, are not sent again."""
         params = seq.sampling_params
         if params.seed is not None:
             seed = params.seed
         elif seed is None:
             seed = secrets.randbits(64)
-        request = cls(seq, seed, stream)
+        num_resumed = seq.num_output_tokens
+        request = cls(seq, seed, stream, num_streamed=num_resumed)
+        if params.logprobs is not None:
+            request.logprobs = [None] * num_resumed
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None] * seq.num_prompt_tokens
+            request.prompt_logprobs_sent = num_resumed > 0
         return request
 
     @property
@@ -115,3 +124,26 @@ class Request:
             stream=self.stream,
             num_streamed=self.num_streamed,
         )
+
+
+def resume_sequence(seq: Sequence, output_token_ids: list[int] | tuple[int, ...]) -> None:
+    """Give a new sequence the output tokens its request had committed before (on a group that
+    failed), so that it continues after them exactly as it would have.
+
+    The sequence is then what a request preempted for recompute is: prompt and outputs in its
+    token ledger, no KV, waiting to be prefilled whole; its next token is drawn at output index
+    ``len(output_token_ids)`` (the runner's `seq.num_output_tokens`), and its penalties,
+    ``min_tokens``, ``max_tokens`` and stop rules count the resumed outputs as outputs. So with
+    the same seed it draws the tokens a fault-free run draws (greedy needs no seed).
+    Raises ValueError when the tokens leave nothing to generate (``max_tokens`` reached) or
+    the sequence is not new.
+    """
+    if seq.num_output_tokens or seq.num_tokens or seq.block_table:
+        raise ValueError(f"only a new sequence can be resumed, got {seq!r}")
+    if len(output_token_ids) >= seq.max_tokens:
+        raise ValueError(
+            f"request {seq.request_id!r}: {len(output_token_ids)} resumed output tokens leave "
+            f"nothing to generate (max_tokens {seq.max_tokens})"
+        )
+    seq.token_ids.extend(output_token_ids)
+    seq.num_output_tokens = len(output_token_ids)

@@ -93,11 +93,17 @@ class LockstepServer:
         stats_log = None
         if config.stats_log_interval_s > 0:
             stats_log = StatsLog(self.metrics, config.stats_log_interval_s, time.monotonic())
+        parallel = engine_config.parallel
         self.frontend = EngineFrontend(
             client,
             routing=config.routing,
             max_pending_requests=config.max_pending_requests,
             on_stats=stats_log.observe if stats_log is not None else None,
+            on_rank_failure=parallel.on_rank_failure,
+            max_recoveries_per_hour=parallel.max_recoveries_per_hour,
+            poison_failure_threshold=parallel.poison_failure_threshold,
+            job_seed=engine_config.seed,
+            heal_metrics=self.metrics,
         )
         self.created = int(time.time())
         self.port: int | None = None
@@ -266,14 +272,16 @@ class LockstepServer:
         return web.json_response({"object": "list", "data": models})
 
     async def _health(self, request: web.Request) -> web.Response:
-        healthy, reason = self.frontend.health()
-        body = {"status": "ok" if healthy else "unhealthy", "reason": reason}
-        return web.json_response(body, status=200 if healthy else 503)
+        """200 while the group serves ("ok") or heals ("degraded": requests wait for the new
+        group), 503 once it failed or while draining ("unhealthy")."""
+        status, reason = self.frontend.health()
+        body = {"status": status, "reason": reason}
+        return web.json_response(body, status=503 if status == "unhealthy" else 200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         stats = await self.frontend.stats()
-        healthy, _ = self.frontend.health()
-        body = self.metrics.render(stats, self.frontend.num_open, healthy)
+        status, _ = self.frontend.health()
+        body = self.metrics.render(stats, self.frontend.num_open, status != "unhealthy")
         response = web.Response(body=body)
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response

@@ -21,9 +21,18 @@ reports it, whether or not the HTTP client streams. A request stays open here un
 reports its end, even after its HTTP client has gone: that is when its blocks are free, and
 what `max_pending_requests` counts.
 
-A failed group (`RankFailure` from the client, or a rank reporting its loop failed) ends every
-open request with an error naming the rank, refuses new ones, and shuts the remaining ranks
-down; `/health` then says why.
+A failed group (`RankFailure` from the client, a rank ending its requests because its group
+failed, or a rank reporting its loop failed) is healed under `on_rank_failure: heal` while
+the recovery budget lasts (launcher/healing.py): the client re-forms the group on a thread of
+its own, every open request is resubmitted with the tokens it has streamed (a poison request
+is ended alone), and new requests wait for the new group; `/health` says `degraded` until it
+is up. Otherwise the failure ends every open request with an error naming the rank, refuses
+new ones, and shuts the remaining ranks down; `/health` then says why.
+
+Each group the client runs is a generation. Commands carry the generation they are for and
+outputs the generation they came from; those of a replaced group are dropped (the heal
+resubmits what they were about), so nothing of the old group reaches the new one or a caller
+once the failure is seen.
 """
 
 from __future__ import annotations
@@ -36,12 +45,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from dist_engine.engine.outputs import ErrorKind, RequestOutput
 from dist_engine.engine.stats import RankStats
 from dist_engine.log import get_logger
-from launcher.clients import Client, RankFailure, Submission
+from launcher.clients import Client, RankFailure, StaleGroup, Submission
+from launcher.healing import (
+    DriverSeeds,
+    GroupFault,
+    RecoveryBudget,
+    ResumeLedger,
+    is_group_failure,
+)
 from launcher.routing import Router
 from scheduler import SamplingParams
 
@@ -49,6 +65,7 @@ _POLL_S = 0.05
 _RANK_CHECK_S = 1.0  # how often the monitor asks the ranks for their stats
 _STATS_TIMEOUT_S = 1.0
 _FRESH_STATS_TIMEOUT_S = 0.5  # /metrics: how long a scrape waits for fresh stats
+_READY_WAIT_S = 0.1  # how often a thread held by a heal looks whether it should stop
 
 log = get_logger()
 
@@ -61,14 +78,24 @@ class Unavailable(Exception):
         self.retry_after_s = retry_after_s
 
 
+class HealMetrics(Protocol):
+    """Where a heal is counted (`ServerMetrics`)."""
+
+    def rank_failed(self) -> None: ...
+
+    def recovered(self, seconds: float, num_resumed: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class _Submit:
     submission: Submission
+    generation: int  # the group it is for
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+    generation: int
 
 
 _Command = _Submit | _Abort  # what a courier carries to its rank
@@ -80,6 +107,7 @@ class _Open:
     prompt_token_ids: list[int]
     queue: asyncio.Queue[RequestOutput]
     abort_reason: str | None = None  # set when the server, not the client, ended it
+    aborted: bool = False  # an abort was asked for
 
 
 class RequestStream:
@@ -112,16 +140,35 @@ class EngineFrontend:
         routing: str,
         max_pending_requests: int,
         on_stats: Callable[[list[RankStats], float], object] | None = None,
+        on_rank_failure: str = "fail",
+        max_recoveries_per_hour: int = 3,
+        poison_failure_threshold: int = 2,
+        job_seed: int | None = None,
+        heal_metrics: HealMetrics | None = None,
     ) -> None:
         """``on_stats(stats, now)`` runs on the event loop with each of the monitor's fresh
-        stats (about once a second; never on a request's path)."""
+        stats (about once a second; never on a request's path). ``on_rank_failure``,
+        ``max_recoveries_per_hour``, ``poison_failure_threshold``: the `parallel` settings of
+        that name; ``job_seed``: `EngineConfig.seed`, which seeds requests that give none."""
         self.client = client
         self.on_stats = on_stats
         self.num_ranks: int = client.num_ranks
         self.router = Router(self.num_ranks, routing)
         self.max_pending_requests = max_pending_requests
         self.failure: str | None = None
+        self.healing: str | None = None  # why, while a failed group is being replaced
         self.draining = False
+        self._heals = on_rank_failure == "heal" and client.can_reform
+        self._budget = RecoveryBudget(max_recoveries_per_hour)
+        self._ledger = ResumeLedger(poison_failure_threshold)
+        self._seeds = DriverSeeds(job_seed)
+        self._heal_metrics = heal_metrics
+        # The group requests go to: the client's, or while healing the one being started.
+        self._generation = client.generation
+        self._ready = threading.Event()  # clear while healing: the threads hold their calls
+        self._ready.set()
+        self._awaiting: dict[str, Submission] = {}  # resubmissions held for the new group
+        self._heal_started = 0.0
         self.latest_stats: list[RankStats] = []
         self._open: dict[str, _Open] = {}
         self._num_admitted = 0  # requests being read and tokenized (see `admission`)
@@ -241,8 +288,9 @@ class EngineFrontend:
         self._open[request_id] = entry
         self._idle.clear()
         # Streaming on, whatever the HTTP client asked: the server sees every token as it comes.
-        submission = Submission(request_id, prompt_token_ids, params, stream=True)
-        self._commands[rank].put(_Submit(submission))
+        seed = self._seeds.seed_for(params)
+        submission = self._ledger.add(request_id, prompt_token_ids, params, seed, True, rank)
+        self._commands[rank].put(_Submit(submission, self._generation))
         return RequestStream(self, request_id, entry)
 
     def abort(self, request_id: str, reason: str | None = None) -> None:
@@ -251,75 +299,201 @@ class EngineFrontend:
             return
         if reason is not None:
             entry.abort_reason = reason
-        self._commands[entry.rank].put(_Abort(request_id))
+        entry.aborted = True
+        if self._awaiting.pop(request_id, None) is not None:
+            # It waits for the new group: no rank holds it, so it ends here.
+            self._end_here(request_id)
+            return
+        self._commands[entry.rank].put(_Abort(request_id, self._generation))
 
     @property
     def num_open(self) -> int:
         return len(self._open)
 
-    def health(self) -> tuple[bool, str]:
-        """Never waits on a rank: the failure the threads recorded, or the ranks that have
-        not answered lately (still healthy until the client declares them failed)."""
+    def health(self) -> tuple[str, str]:
+        """(status, reason), never waiting on a rank: "unhealthy" once the group failed or
+        while draining, "degraded" while a failed group is being replaced, else "ok" (with
+        the ranks that have not answered lately, until the client declares them failed)."""
         if self.failure is not None:
-            return False, f"the DP group failed: {self.failure}"
+            return "unhealthy", f"the DP group failed: {self.failure}"
         if self.draining:
-            return False, "draining: the server is shutting down"
+            return "unhealthy", "draining: the server is shutting down"
+        if self.healing is not None:
+            return "degraded", f"re-forming the DP group after a failure: {self.healing}"
         silent = self.client.silent_ranks()
         if silent:
             named = ", ".join(f"DP rank {r} for {s:.0f} s" for r, s in sorted(silent.items()))
-            return True, f"ok; not answering: {named}"
-        return True, "ok"
+            return "ok", f"ok; not answering: {named}"
+        return "ok", "ok"
 
     async def stats(self, timeout_s: float = _FRESH_STATS_TIMEOUT_S) -> list[RankStats]:
         """Every rank's stats: asked afresh, waiting at most ``timeout_s`` (the client's own
         timeout bounds the thread that asks); else the monitor's latest, at most about a
         second old (a silent rank's are its last, with `silent_s` set)."""
-        if self.failure is None and not self._stopping.is_set():
+        if self.failure is None and self.healing is None and not self._stopping.is_set():
+            generation = self._generation
             try:
                 stats = await asyncio.wait_for(
                     _in_thread(lambda: self.client.stats(timeout_s)), timeout_s + 0.2
                 )
             except RankFailure as failure:
-                self._fail_group(str(failure))
+                self._fault(GroupFault(str(failure), failure.rank), failure.generation)
             except (asyncio.TimeoutError, Exception) as error:
                 log.debug("fresh stats unavailable: %r", error)
             else:
-                self._check_stats(stats)
+                self._check_stats(stats, generation)
         return self.latest_stats
 
     # -- outputs and failures (event loop thread) -------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], generation: int) -> None:
+        """Outputs polled from group ``generation``; dropped once that group has failed."""
+        if generation != self._generation:
+            return
+        fault: GroupFault | None = None
         for output in outputs:
             entry = self._open.get(output.request_id)
             if entry is None:
                 continue
+            if is_group_failure(output) and self._may_heal():
+                # Its rank gave it up with its group: it is resubmitted, not ended.
+                fault = fault or GroupFault(f"DP rank {output.dp_rank}: {output.finish_reason}")
+                continue
+            shown = self._ledger.take(output)
             if output.finished:
                 self._close(output.request_id)
-                if entry.abort_reason is not None and output.finish_reason == "abort":
-                    output = dataclasses.replace(
-                        output,
-                        finish_reason=f"error: {entry.abort_reason}",
-                        error_kind=ErrorKind.ENGINE_STOPPED,
-                    )
-            entry.queue.put_nowait(output)
+            if shown is None:
+                continue
+            if output.finished and shown.finish_reason == "abort":
+                shown = _as_server_abort(entry, shown)
+            entry.queue.put_nowait(shown)
+        if fault is not None:  # after the batch: its other outputs came before the failure
+            self._fault(fault, generation)
 
     def _close(self, request_id: str) -> None:
         del self._open[request_id]
+        self._ledger.forget(request_id)
+        self._awaiting.pop(request_id, None)
         self.router.finished(request_id)
         if not self._open:
             self._idle.set()
 
-    def _check_stats(self, stats: list[RankStats]) -> None:
+    def _end_here(self, request_id: str, output: RequestOutput | None = None) -> None:
+        """End an open request that no rank holds (it waits for a new group): with
+        ``output``, or else as aborted."""
+        entry = self._open[request_id]
+        self._close(request_id)
+        if output is None:
+            failed = RequestOutput.failed(
+                request_id, entry.prompt_token_ids, "", entry.rank, time.monotonic(),
+                ErrorKind.ENGINE_STOPPED,
+            )  # fmt: skip
+            output = _as_server_abort(
+                entry, dataclasses.replace(failed, finish_reason="abort", error_kind=None)
+            )
+        entry.queue.put_nowait(output)
+
+    def _check_stats(self, stats: list[RankStats], generation: int) -> None:
+        if generation != self._generation:
+            return  # a replaced group's
         self.latest_stats = stats
         for rank_stats in stats:
             if rank_stats.error is not None:
-                self._fail_group(f"DP rank {rank_stats.dp_rank} stopped: {rank_stats.error}")
+                reason = f"DP rank {rank_stats.dp_rank} stopped: {rank_stats.error}"
+                self._fault(GroupFault(reason, rank_stats.dp_rank), generation)
                 return
 
-    def _monitor_report(self, stats: list[RankStats]) -> None:
-        self._check_stats(stats)
-        if self.on_stats is not None and self.failure is None:
+    def _monitor_report(self, stats: list[RankStats], generation: int) -> None:
+        self._check_stats(stats, generation)
+        if self.on_stats is not None and self.failure is None and self.healing is None:
             self.on_stats(stats, time.monotonic())
+
+    # -- healing (event loop thread) --------------------------------------------------------
+    def _may_heal(self) -> bool:
+        return self._heals and self.failure is None and self._budget.available(time.monotonic())
+
+    def _fault(self, fault: GroupFault, generation: int) -> None:
+        """Group ``generation`` failed: heal it (while the budget lasts), or fail for good.
+        A failure of a group already being replaced is the same failure, and one seen while
+        the server stops is the group going away."""
+        if self.failure is not None or self.healing is not None or generation != self._generation:
+            return
+        if self._stopping.is_set():
+            return
+        if self._heal_metrics is not None:
+            self._heal_metrics.rank_failed()
+        if not self._may_heal():
+            if self._heals:
+                log.error("not healing the DP group: %s", self._budget.describe())
+            self._fail_group(fault.reason)
+            return
+        now = time.monotonic()
+        self._budget.spend(now)
+        self.healing = fault.reason
+        self._heal_started = now
+        self._ready.clear()
+        self._generation += 1
+        log.error(
+            "DP group failure seen: %s; re-forming the group (%d open request(s))",
+            fault.reason, len(self._open),
+        )  # fmt: skip
+        resumption = self._ledger.resume(fault)
+        for output in resumption.ended:
+            log.error("%s", output.finish_reason)
+            self._end_here(output.request_id, output)
+        self._awaiting = {s.request_id: s for s in resumption.submissions}
+        threading.Thread(target=self._reform, name="lockstep-heal", daemon=True).start()
+
+    def _reform(self) -> None:
+        """On a thread of its own: replace the group (the client's start-up time)."""
+        try:
+            self.client.reform()
+        except Exception as error:
+            reason = f"re-forming the DP group failed: {type(error).__name__}: {error}"
+            self._from_thread(self._heal_failed, reason)
+        else:
+            self._from_thread(self._healed)
+
+    def _healed(self) -> None:
+        """The new group is up: resubmit what waited for it, then let the threads go on."""
+        assert self.client.generation == self._generation, (
+            self.client.generation,
+            self._generation,
+        )
+        seconds = time.monotonic() - self._heal_started
+        awaiting, self._awaiting = self._awaiting, {}
+        num_resumed = num_from_tokens = 0
+        for request_id, submission in awaiting.items():
+            entry = self._open.get(request_id)
+            if entry is None:
+                continue
+            if entry.aborted:  # its abort went to the failed group
+                self._end_here(request_id)
+                continue
+            num_resumed += 1
+            num_from_tokens += bool(submission.resumed_token_ids)
+            self._commands[entry.rank].put(_Submit(submission, self._generation))
+        self.healing = None
+        self._ready.set()
+        if self._heal_metrics is not None:
+            self._heal_metrics.recovered(seconds, num_resumed)
+        log.warning(
+            "DP group re-formed in %.1f s; %d request(s) resumed: %d from their streamed "
+            "tokens, %d from their prompts",
+            seconds, num_resumed, num_from_tokens, num_resumed - num_from_tokens,
+        )  # fmt: skip
+
+    def _heal_failed(self, reason: str) -> None:
+        """The new group did not start: try again while the budget lasts, else fail."""
+        if self._may_heal() and not self._stopping.is_set():
+            self._budget.spend(time.monotonic())
+            log.error("%s; trying again", reason)
+            threading.Thread(target=self._reform, name="lockstep-heal", daemon=True).start()
+            return
+        log.error("%s; not trying again: %s", reason, self._budget.describe())
+        self.healing = None
+        self._awaiting = {}
+        self._fail_group(reason)
+        self._ready.set()  # the threads find the failure and stop
 
     def _fail_group(self, message: str) -> None:
         if self.failure is not None:
@@ -353,28 +527,49 @@ class EngineFrontend:
                 loop.call_soon_threadsafe(callback, *args)
 
     # -- threads ----------------------------------------------------------------------------
-    def _poll_loop(self) -> None:
-        while not self._stopping.is_set() and self.failure is None:
-            try:
-                outputs = self.client.poll(_POLL_S)
-                if outputs:
-                    self._from_thread(self._deliver, outputs)
-            except RankFailure as failure:
-                self._from_thread(self._fail_group, str(failure))
+    def _wait_ready(self) -> bool:
+        """Wait while a heal replaces the group; False once the front end stops or fails."""
+        while not self._ready.wait(_READY_WAIT_S):
+            if self._stopping.is_set():
+                return False
+        return not self._stopping.is_set() and self.failure is None
+
+    def _reported(self, generation: int) -> None:
+        """After reporting a failure of ``generation``: wait until the loop has taken it up
+        (a heal began, or the group failed), rather than asking the failed group again."""
+        deadline = time.monotonic() + 5.0
+        while self._generation == generation and self.failure is None:
+            if self._stopping.is_set() or time.monotonic() > deadline:
                 return
+            time.sleep(0.01)
+
+    def _poll_loop(self) -> None:
+        while self._wait_ready():
+            generation = self._generation
+            try:
+                outputs = self.client.poll(_POLL_S, generation=generation)
+                if outputs:
+                    self._from_thread(self._deliver, outputs, generation)
+            except RankFailure as failure:
+                fault = GroupFault(str(failure), failure.rank)
+                self._from_thread(self._fault, fault, failure.generation)
+                self._reported(failure.generation)
             except Exception as error:
                 if self._stopping.is_set():
                     return
-                self._from_thread(self._fail_group, f"polling the ranks failed: {error!r}")
-                return
+                fault = GroupFault(f"polling the ranks failed: {error!r}")
+                self._from_thread(self._fault, fault, generation)
+                self._reported(generation)
 
     def _monitor_loop(self) -> None:
-        while not self._stopping.is_set() and self.failure is None:
+        while self._wait_ready():
+            generation = self._generation
             try:
-                self._from_thread(self._monitor_report, self.client.stats(_STATS_TIMEOUT_S))
+                stats = self.client.stats(_STATS_TIMEOUT_S)
+                self._from_thread(self._monitor_report, stats, generation)
             except RankFailure as failure:
-                self._from_thread(self._fail_group, str(failure))
-                return
+                fault = GroupFault(str(failure), failure.rank)
+                self._from_thread(self._fault, fault, failure.generation)
             except Exception as error:
                 if not self._stopping.is_set():
                     log.warning("the ranks did not report their stats: %r", error)
@@ -391,23 +586,41 @@ class EngineFrontend:
                     break
             if None in batch:
                 return
-            self._carry(rank, [c for c in batch if c is not None])
+            if not self._wait_ready():
+                continue  # failed or stopping: the requests were ended here
+            for generation in sorted({c.generation for c in batch}):
+                self._carry(rank, [c for c in batch if c.generation == generation], generation)
 
-    def _carry(self, rank: int, batch: list[_Command]) -> None:
+    def _carry(self, rank: int, batch: list[_Command], generation: int) -> None:
+        """Carry commands for group ``generation``: nothing, if it has been replaced (the
+        heal resubmitted what is still open)."""
         # Submissions first, then aborts: an abort in this batch may be for a request
         # submitted in it, never the other way round.
         submissions = [c.submission for c in batch if isinstance(c, _Submit)]
         try:
             if submissions:
-                self.client.submit(rank, submissions)
+                self.client.submit(rank, submissions, generation=generation)
             for command in batch:
                 if isinstance(command, _Abort):
-                    self.client.abort(rank, command.request_id)
+                    self.client.abort(rank, command.request_id, generation=generation)
+        except StaleGroup:
+            return
         except RankFailure as failure:
-            self._from_thread(self._fail_group, str(failure))
+            fault = GroupFault(str(failure), failure.rank)
+            self._from_thread(self._fault, fault, failure.generation)
         except Exception as error:
             if not self._stopping.is_set():
-                self._from_thread(self._fail_group, f"reaching the ranks failed: {error!r}")
+                fault = GroupFault(f"reaching the ranks failed: {error!r}")
+                self._from_thread(self._fault, fault, generation)
+
+
+def _as_server_abort(entry: _Open, output: RequestOutput) -> RequestOutput:
+    """An aborted request's terminal output; an error saying why if the server aborted it."""
+    if entry.abort_reason is None:
+        return output
+    return dataclasses.replace(
+        output, finish_reason=f"error: {entry.abort_reason}", error_kind=ErrorKind.ENGINE_STOPPED
+    )
 
 
 async def _in_thread(function: Any) -> Any:

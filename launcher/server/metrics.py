@@ -17,7 +17,10 @@ Where the numbers come from:
 - per rank, from the latest `RankStats` (`RankCollector`): running and waiting requests, KV
   usage and free blocks, preemptions, prefix-cache queries and hits, and the lock-step
   counters: steps by kind, votes by attempt point, second votes;
-- the server's own: open requests, health, HTTP responses by path and status.
+- the server's own: open requests, health, HTTP responses by path and status;
+- healing (`on_rank_failure: heal`; Lockstep's own, vLLM has none): failures of the group,
+  recoveries, requests resumed, and how long each recovery took (failure seen to new group
+  up, requests resubmitted).
 
 Left out of vLLM's set: queue, prefill and inference time (a rank reports no time at which
 a request was first scheduled, so time to first token cannot be split), tokens per step
@@ -55,6 +58,9 @@ _REQUEST_LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 _N_BUCKETS = (1, 2, 5, 10, 20)
+# A recovery is a group's start-up: model load dominates (seconds here, minutes for a large
+# checkpoint).
+_RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0)
 # vLLM's finish reasons; Lockstep's others (a prompt that does not fit, a preempted request
 # that was stopped, a failed group) are errors.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
@@ -170,6 +176,29 @@ class ServerMetrics:
             ["model_name"],
             registry=self.registry,
         ).labels(model_name)
+
+        def group_counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(
+                model_name
+            )
+
+        self.rank_failures = group_counter(
+            "rank_failures", "Failures of the DP group: a rank died or stopped answering"
+        )
+        self.recoveries = group_counter(
+            "recoveries", "Failed groups replaced by a new one of the same size (healed)"
+        )
+        self.resumed_requests = group_counter(
+            "resumed_requests", "Unfinished requests resubmitted to a re-formed group"
+        )
+        self.recovery_seconds = Histogram(
+            PREFIX + "recovery_seconds",
+            "Time from a group failure being seen to its replacement serving the resubmitted "
+            "requests",
+            ["model_name"],
+            buckets=_RECOVERY_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
         self.ranks = RankCollector(model_name)
         self.registry.register(self.ranks)
 
@@ -177,6 +206,14 @@ class ServerMetrics:
         # Every rank's series exists from the start, as in vLLM: a rate over a series that
         # appears mid-window misses its first increments.
         return [metric.labels(self.model_name, str(rank)) for rank in range(self.num_ranks)]
+
+    def rank_failed(self) -> None:
+        self.rank_failures.inc()
+
+    def recovered(self, seconds: float, num_resumed: int) -> None:
+        self.recoveries.inc()
+        self.resumed_requests.inc(num_resumed)
+        self.recovery_seconds.observe(seconds)
 
     def response(self, path: str, status: int) -> None:
         path = path if path in KNOWN_PATHS else "other"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -169,3 +170,37 @@ def test_kv_pool_sized_from_a_memory_budget(model_dir):
     assert engine.model.kv_cache.num_blocks == 122
     # What was allocated is those blocks: it fits the budget, and one block more would not.
     assert engine.model.kv_cache.storage.nbytes == 122 * 8192 <= 1_000_000 < 123 * 8192
+
+
+def test_a_resumed_request_draws_on_as_the_uninterrupted_one(running):
+    """The hook healing uses (DPEngine.submit's seed and resumed_token_ids): a request given
+    its first k committed tokens continues with exactly the tokens, logprobs and ending of the
+    run that was not interrupted, with penalties and min_tokens counting the resumed tokens,
+    and reports only the tokens after them; a seed passed beside params without one draws as
+    that seed in the params does."""
+    sampled = SamplingParams(
+        max_tokens=10, temperature=1.0, seed=11, presence_penalty=1.5, min_tokens=6,
+        stop_token_ids=frozenset({3, 5, 9}), logprobs=1, ignore_eos=True,
+    )  # fmt: skip
+    running.engine.submit("whole", [4, 8, 15, 16], sampled)
+    whole = running.final("whole")
+    tokens = whole.output_token_ids
+    assert len(tokens) >= 6
+    unseeded = dataclasses.replace(sampled, seed=None)
+    for k in (1, 5):
+        running.engine.submit(
+            f"resumed{k}", [4, 8, 15, 16], unseeded, stream=True, seed=11,
+            resumed_token_ids=tokens[:k],
+        )  # fmt: skip
+        final = running.final(f"resumed{k}")
+        with running.lock:
+            outs = list(running.outputs[f"resumed{k}"])
+        assert final.output_token_ids == tokens and final.finish_reason == whole.finish_reason
+        assert final.prompt_token_ids == [4, 8, 15, 16]
+        assert [t for o in outs for t in o.new_token_ids] == tokens[k:]
+        logprobs = [entry for o in outs for entry in o.new_logprobs]
+        assert [e.token_id for e in logprobs] == tokens[k:]
+        pairs = zip(logprobs, whole.new_logprobs[k:], strict=True)
+        assert all(abs(got.logprob - want.logprob) < 1e-4 for got, want in pairs)
+    with pytest.raises(ValueError, match="leave nothing to generate"):
+        running.engine.submit("done", [4, 8], PARAMS, resumed_token_ids=[1] * 6)

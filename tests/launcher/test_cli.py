@@ -8,6 +8,7 @@ flags themselves (one per config key, vLLM's names) are tested in test_flags.py.
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -247,7 +248,7 @@ def test_a_local_job_writes_one_record_per_prompt_in_order(capsys, tmp_path, con
     # The same prompts through the API give the same tokens: the file is in input order. A line
     # without temperature samples at vLLM's default, 1.0 (the tiny model's generation_config.json
     # sets no sampling), and stops at that file's EOS ids [0, 2] unless it ignores EOS; the
-    # engine draws the same per-request seeds in the same arrival order in both runs.
+    # driver draws the same per-request seeds in the same order in both runs.
     eos = {0, 2}
     with LLM(config=config_path) as llm:
         params = [
@@ -289,6 +290,69 @@ def test_a_failed_request_is_written_and_the_exit_code_is_1(capsys, tmp_path, co
     assert reason.startswith("error") and "vocabulary" in reason
     assert records[1]["output_token_ids"] == []
     assert "[1] rank 0 error" in out
+
+
+def test_a_job_torchrun_restarted_keeps_what_its_output_holds(capsys, tmp_path, model_dir,
+                                                                monkeypatch):  # fmt: skip
+    """An attempt torchrun restarted (--max-restarts) keeps the results that had finished
+    (as written: the kept one below carries tokens no run would make, so it was not run
+    again), runs the others (a failed one, one cut short by the crash, one never reached),
+    and rewrites the file in input order. One torchrun rank in this process, with the
+    environment torchrun gives a restarted worker."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    worker = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+              "TORCHELASTIC_RESTART_COUNT": "1"}  # fmt: skip
+    config = tmp_path / "torchrun.yaml"
+    config.write_text(
+        f"model: {model_dir}\ndtype: float64\n"
+        "parallel: {dp_size: 1, launcher: torchrun, backend: gloo, cpu_binding: false}\n"
+        "scheduler: {max_num_seqs: 8, max_model_len: 128, num_blocks: 128, block_size: 4}\n"
+    )
+    lines = [{"prompt_token_ids": [3 + i, 9, 27], "max_tokens": 4, "ignore_eos": True,
+              "temperature": 0} for i in range(4)]  # fmt: skip
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    kept = {"index": 2, "prompt_token_ids": [5, 9, 27], "output_token_ids": [7, 7, 7, 7],
+            "text": "", "finish_reason": "length", "detail": None, "dp_rank": 0}  # fmt: skip
+    failed = {**kept, "index": 0, "prompt_token_ids": [3, 9, 27], "output_token_ids": [],
+              "finish_reason": "error: DP group failed: rank 1 stopped answering"}  # fmt: skip
+    output.write_text(json.dumps(failed) + "\n" + json.dumps(kept) + "\n" + '{"index": 1, "pro')
+    with monkeypatch.context() as env:
+        for name, value in worker.items():
+            env.setenv(name, value)
+        code, _, err = run_cli(capsys, "run", "--config", str(config), "--prompts", prompts,
+                               "--output", str(output), "--quiet")  # fmt: skip
+    assert code == 0, err
+    assert "restarted by torchrun: 1 of 4 results are kept" in err
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2, 3]
+    assert records[2] == kept
+    with LLM(model=model_dir, launcher="local", dtype="float64", max_model_len=128) as llm:
+        expected = llm.generate(
+            [lines[i]["prompt_token_ids"] for i in (0, 1, 3)],
+            SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+        )  # fmt: skip
+    assert [records[i]["output_token_ids"] for i in (0, 1, 3)] == [
+        o.output_token_ids for o in expected
+    ]
+    assert all(records[i]["finish_reason"] == "length" for i in (0, 1, 3))
+
+
+def test_results_of_other_prompts_are_not_kept(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text(json.dumps({"index": 0, "prompt_token_ids": [1, 2], "finish_reason": "stop"}))
+    kept = cli_module.finished_records(path, num_prompts=1)
+    with pytest.raises(ValueError, match="the file is not this job's"):
+        cli_module.check_kept_prompts(kept, [[1, 3]], None, str(path))
+    with pytest.raises(ValueError, match=r"a result needs an index in \[0, 1\)"):
+        path.write_text('{"index": 5}\n{"index": 0}\n')
+        cli_module.finished_records(path, num_prompts=1)
+    path.write_text('not json\n{"index": 0}\n')
+    with pytest.raises(ValueError, match=r"out\.jsonl:1: not JSON"):
+        cli_module.finished_records(path, num_prompts=1)
 
 
 def test_make_model_writes_a_loadable_checkpoint(capsys, tmp_path):

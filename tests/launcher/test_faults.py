@@ -28,6 +28,8 @@ from launcher import LLM, SamplingParams
 pytestmark = pytest.mark.multirank
 
 GROUP = dict(max_model_len=128, num_blocks=256, block_size=4, max_num_seqs=8)
+# These tests show what a failure does when the group does not heal (test_heal.py: when it does).
+FAIL = dict(on_rank_failure="fail")
 LOCKSTEP = str(Path(sys.executable).parent / "lockstep")
 
 
@@ -68,7 +70,7 @@ def reference(model_dir) -> dict[int, list[int]]:
 
 
 def test_a_dp2_group_contains_bad_requests_keeps_results_and_hides_its_store(model_dir, reference):
-    llm = LLM(model=model_dir, dp_size=2, launcher="ray", collective_timeout_s=20, **GROUP)
+    llm = LLM(model=model_dir, dp_size=2, launcher="ray", collective_timeout_s=20, **FAIL, **GROUP)
     try:
         # 6: the store listens on loopback (every rank is on this host), and the group's keys
         # are under a random namespace: an outside client finds none of them.
@@ -124,7 +126,9 @@ def test_a_stopped_rank_ends_its_requests_within_the_bound(model_dir):
     from launcher.ray_launcher import RANK_SILENCE_MARGIN_S
 
     timeout_s = 4.0
-    llm = LLM(model=model_dir, dp_size=2, launcher="ray", collective_timeout_s=timeout_s, **GROUP)
+    llm = LLM(
+        model=model_dir, dp_size=2, launcher="ray", collective_timeout_s=timeout_s, **FAIL, **GROUP
+    )
     try:
         stopped = llm.client.pids[1]
         count = 120
@@ -172,7 +176,8 @@ def _job_files(root: Path, model_dir: str, launcher: str, dp_size: int) -> tuple
     config = root / f"{launcher}.yaml"
     config.write_text(
         f"model: {model_dir}\n"
-        f"parallel: {{dp_size: {dp_size}, launcher: {launcher}, collective_timeout_s: 20}}\n"
+        f"parallel: {{dp_size: {dp_size}, launcher: {launcher}, collective_timeout_s: 20, "
+        "on_rank_failure: fail}\n"
         "scheduler: {max_num_seqs: 8, max_model_len: 128, num_blocks: 256, block_size: 4}\n"
     )
     lines = [

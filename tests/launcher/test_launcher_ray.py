@@ -114,7 +114,7 @@ def test_bad_requests_end_with_a_reason(llm):
 
 
 def test_a_killed_actor_fails_generate_and_a_new_llm_starts(model_dir, ray_cluster, reference):
-    llm = LLM(model=model_dir, dp_size=2, launcher="ray", **SETTINGS)
+    llm = LLM(model=model_dir, dp_size=2, launcher="ray", on_rank_failure="fail", **SETTINGS)
     pids = dict(llm.client.pids)
     os.kill(pids[1], 9)
     start = time.monotonic()

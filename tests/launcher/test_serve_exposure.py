@@ -44,7 +44,7 @@ class Serve:
         config.write_text(
             f"model: {model_dir}\ndtype: float32\n"
             f"parallel: {{dp_size: 2, launcher: ray, threads_per_rank: 1, "
-            f"collective_timeout_s: {TIMEOUT_S}}}\n"
+            f"collective_timeout_s: {TIMEOUT_S}, on_rank_failure: fail}}\n"
             f"scheduler: {json.dumps(SCHEDULER)}\n"
             "server: {port: 0, served_model_name: tiny, drain_timeout_s: 5}\n"
         )

@@ -125,7 +125,9 @@ def test_a_dead_rank_fails_its_requests_and_health(model_dir, ray_cluster):
         (expected,) = llm.generate(
             [[7, 8, 9]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False
         )
-    config = EngineConfig(model=model_dir).with_overrides(dp_size=2, launcher="ray", **settings)
+    config = EngineConfig(model=model_dir).with_overrides(
+        dp_size=2, launcher="ray", on_rank_failure="fail", **settings
+    )
     server = ServerThread(config, ServerConfig(port=0))
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)

@@ -1,0 +1,184 @@
+"""A group that heals: from a rank's SIGKILL to the first token after it, and throughput
+before / during / after, by DP size and model size.
+
+    .venv/bin/python scripts/bench_faults.py [--dp 2 4] [--models small large]
+        [--requests 32] [--prompt-len 32] [--max-tokens 96] [--cache-dir DIR]
+        [--out bench_results/faults.json]
+
+(from the repository root, with the package installed editable)
+
+Models (Qwen3-MoE, float32, random weights written once under `--cache-dir`): `small` is the
+built-in tiny model (`launcher.builtin.BUILTIN_MODEL`: hidden 256, 4 layers, 16 experts);
+`large` is hidden 768, 8 layers, 32 experts of 384 (about 0.9 GB), so that loading the
+experts, the part of a recovery that grows with the model, shows.
+
+Per (model, DP size): an `LLM` on an embedded Ray (`on_rank_failure: heal`, one torch thread
+per rank) streams the workload (`--requests` prompts of `--prompt-len` random tokens, greedy,
+EOS ignored, `--max-tokens` each) once without a fault (the reference, and a warm-up), then
+again, SIGKILLing rank 1 once a third of the tokens have arrived. Every token is timestamped
+as it reaches the driver, with the group generation it came from. Reported:
+  start-up s      — the LLM's start (placement, actors, model load), for comparison;
+  fault->token s  — from the kill to the first token of the re-formed group;
+  tok/s before / during / after — tokens reaching the driver per second from the first token
+                    to the kill, from the kill to the new group's first token, and from then
+                    to the end (which includes re-prefilling the resumed requests);
+  resumed, same   — requests resubmitted, and whether every request's tokens equal the
+                    fault-free run's.
+Figures are this host's under whatever else runs on it, not properties of the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from dist_engine.models.make_model import make_tiny_checkpoint
+from launcher import LLM, SamplingParams
+from launcher.builtin import BUILTIN_MODEL
+
+LARGE_MODEL = dict(
+    arch="qwen3_moe",
+    seed=0,
+    vocab_size=4096,
+    hidden_size=768,
+    num_layers=8,
+    num_heads=12,
+    num_kv_heads=4,
+    head_dim=64,
+    num_experts=32,
+    top_k=4,
+    moe_intermediate_size=384,
+)
+MODELS = {"small": BUILTIN_MODEL, "large": LARGE_MODEL}
+
+
+def model_dir(name: str, cache_dir: Path) -> Path:
+    target = cache_dir / f"bench-faults-{name}"
+    if not (target / "config.json").is_file():
+        settings = dict(MODELS[name])
+        make_tiny_checkpoint(settings.pop("arch"), target, settings.pop("seed"), **settings)
+    return target
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+
+
+def stream(llm: LLM, prompts: list[list[int]], params: SamplingParams, kill_at_tokens: int | None):
+    """Stream the prompts; returns (token arrivals [(time, generation)], tokens per prompt,
+    the kill's time or None, the requests unfinished then). Kills rank 1 once
+    ``kill_at_tokens`` tokens have arrived."""
+    index_of = {tuple(p): i for i, p in enumerate(prompts)}
+    arrivals: list[tuple[float, int]] = []
+    tokens: list[list[int]] = [[] for _ in prompts]
+    finished: set[int] = set()
+    killed_at, unfinished = None, 0
+    for completion in llm.generate_stream(prompts, params):
+        now, generation = time.monotonic(), llm.client.generation
+        index = index_of[tuple(completion.prompt_token_ids)]
+        arrivals += [(now, generation)] * len(completion.new_token_ids)
+        tokens[index] += completion.new_token_ids
+        if completion.finished:
+            finished.add(index)
+        if killed_at is None and kill_at_tokens is not None and len(arrivals) >= kill_at_tokens:
+            os.kill(llm.client.pids[1], signal.SIGKILL)
+            killed_at, unfinished = time.monotonic(), len(prompts) - len(finished)
+    return arrivals, tokens, killed_at, unfinished
+
+
+def rate(arrivals: list[tuple[float, int]], start: float, end: float) -> float:
+    count = sum(1 for at, _ in arrivals if start < at <= end)
+    return count / (end - start) if end > start else 0.0
+
+
+def measure(name: str, dp_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    directory = model_dir(name, Path(args.cache_dir))
+    prompts = workload(args, MODELS[name]["vocab_size"])
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    settings = dict(
+        threads_per_rank=1, max_num_seqs=args.requests, max_model_len=1024, num_blocks=2048,
+        block_size=16, max_recoveries_per_hour=10,
+    )  # fmt: skip
+    start = time.monotonic()
+    with LLM(model=str(directory), launcher="ray", dp_size=dp_size, **settings) as llm:
+        startup_s = time.monotonic() - start
+        _, reference, _, _ = stream(llm, prompts, params, None)
+        generation = llm.client.generation
+        total = args.requests * args.max_tokens
+        arrivals, tokens, killed_at, unfinished = stream(llm, prompts, params, total // 3)
+    assert killed_at is not None, "the workload ended before the kill"
+    first = arrivals[0][0]
+    healed_at = next(at for at, gen in arrivals if gen > generation)
+    return {
+        "model": name,
+        "dp": dp_size,
+        "startup_s": startup_s,
+        "fault_to_token_s": healed_at - killed_at,
+        "tok_s_before": rate(arrivals, first, killed_at),
+        "tok_s_during": rate(arrivals, killed_at, healed_at),
+        "tok_s_after": rate(arrivals, healed_at, arrivals[-1][0]),
+        "resumed": unfinished,
+        "same_tokens": tokens == reference,
+        "tokens": len(arrivals),
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = ("model", "DP", "start-up s", "fault->token s", "before", "during", "after",
+              "resumed", "same")  # fmt: skip
+    print(f"{header[0]:<7}{header[1]:>4}" + "".join(f"{h:>15}" for h in header[2:]))
+    for row in rows:
+        print(
+            f"{row['model']:<7}{row['dp']:>4}{row['startup_s']:>15.2f}"
+            f"{row['fault_to_token_s']:>15.2f}{row['tok_s_before']:>15.1f}"
+            f"{row['tok_s_during']:>15.1f}{row['tok_s_after']:>15.1f}{row['resumed']:>15}"
+            f"{row['same_tokens']!s:>15}"
+        )
+    print("(before / during / after: tokens/s reaching the driver)")
+
+
+def processor() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, nargs="+", default=(2, 4))
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=("small", "large"))
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "lockstep" / "bench"))
+    parser.add_argument("--out", default="bench_results/faults.json")
+    args = parser.parse_args()
+    os.environ.setdefault("LOCKSTEP_AUTOTUNE", "0")  # the rule's backends, no timing per start
+    rows = []
+    for name in args.models:
+        for dp_size in args.dp:
+            rows.append(measure(name, dp_size, args))
+            print(json.dumps(rows[-1]), flush=True)
+    print_table(rows)
+    cpu = f"{processor()}, {os.cpu_count()} cores"
+    print(f"processor: {cpu}; median fault->token "
+          f"{statistics.median(r['fault_to_token_s'] for r in rows):.2f} s")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"config": vars(args), "processor": cpu, "models": MODELS, "rows": rows}
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

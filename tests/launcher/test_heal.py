@@ -1,0 +1,225 @@
+"""A DP=2 Ray group that heals (`on_rank_failure: heal`), with real processes: a rank SIGKILLed
+or SIGSTOPped mid-run, through `LLM.generate_stream`, `LLM.generate` and the server with
+concurrent streaming `openai` clients. Every request ends exactly once, with no error and the
+tokens of the fault-free run (greedy and seeded sampling at temperature 1.0), streams with no
+token missing or repeated, and the group serves at full size afterwards.
+
+One group serves the module (the server last, over the same client); the fault-free run on it
+before any fault is the reference. The tests run in file order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import psutil
+import pytest
+import ray
+
+from launcher import LLM, SamplingParams
+from launcher.server.app import LockstepServer
+from launcher.server.config import ServerConfig
+
+pytestmark = pytest.mark.multirank
+
+TIMEOUT_S = 4  # parallel.collective_timeout_s: a stopped rank's peer gives up after this
+SETTINGS = dict(
+    threads_per_rank=1, max_model_len=128, num_blocks=256, block_size=4, max_num_seqs=8,
+    collective_timeout_s=TIMEOUT_S, max_recoveries_per_hour=20,
+)  # fmt: skip
+PROMPTS = [[(7 * i + 3 * j) % 380 + 1 for j in range(4 + i % 5)] for i in range(12)]
+# Greedy and seeded sampling alternate; seeded ones keep their seed whichever group runs them.
+PARAMS = [
+    SamplingParams(max_tokens=32, ignore_eos=True, temperature=float(i % 2), seed=50 + i)
+    for i in range(len(PROMPTS))
+]
+PROMPT_INDEX = {tuple(prompt): index for index, prompt in enumerate(PROMPTS)}
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=200 * 2**20)
+    try:
+        with LLM(model=model_dir, dp_size=2, launcher="ray", **SETTINGS) as instance:
+            yield instance
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(llm) -> list[list[int]]:
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert {o.dp_rank for o in outputs} == {0, 1}
+    return [o.output_token_ids for o in outputs]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _serves_at_full_size(llm, reference, killed: set[int]) -> None:
+    pids = llm.client.pids
+    assert sorted(pids) == [0, 1] and not killed & set(pids.values())
+    assert not any(_gone(pid) for pid in pids.values())
+    outputs = llm.generate(PROMPTS[:4], PARAMS[:4], use_tqdm=False)
+    assert [o.output_token_ids for o in outputs] == reference[:4]
+    assert {o.dp_rank for o in outputs} == {0, 1}
+
+
+def _stream(llm, on_output) -> tuple[list[list[int]], list[list]]:
+    """Stream PROMPTS, calling ``on_output(index, completion, ends)`` after each output;
+    returns each prompt's streamed tokens and its terminal outputs."""
+    streamed: list[list[int]] = [[] for _ in PROMPTS]
+    ends: list[list] = [[] for _ in PROMPTS]
+    for completion in llm.generate_stream(PROMPTS, PARAMS):
+        index = PROMPT_INDEX[tuple(completion.prompt_token_ids)]
+        streamed[index] += completion.new_token_ids
+        if completion.finished:
+            ends[index].append(completion)
+        on_output(index, completion, ends)
+    return streamed, ends
+
+
+def test_a_stream_heals_a_kill_then_a_stop(llm, reference):
+    """Two failures one after the other: SIGKILL rank 1 mid-run; once the new group has given
+    every unfinished request a token, SIGSTOP its rank 0. The stopped rank's peer gives its
+    requests up after the collective timeout, the driver re-forms the group again (killing the
+    stopped process), and every request goes on."""
+    generation = llm.client.generation
+    killed: dict[str, float] = {}
+    since_heal: set[int] = set()
+    healed_after: list[float] = []
+
+    def on_output(index, completion, ends) -> None:
+        if not killed and len(completion.output_token_ids) >= 6:
+            killed["killed"] = llm.client.pids[1]
+            os.kill(killed["killed"], signal.SIGKILL)
+        elif "stopped" not in killed and llm.client.generation == generation + 1:
+            since_heal.add(index)
+            unfinished = {i for i in range(len(PROMPTS)) if not ends[i]}
+            if unfinished and unfinished <= since_heal:
+                killed["stopped"], killed["at"] = llm.client.pids[0], time.monotonic()
+                os.kill(killed["stopped"], signal.SIGSTOP)
+        elif "stopped" in killed and not healed_after and llm.client.generation > generation + 1:
+            healed_after.append(time.monotonic() - killed["at"])
+
+    try:
+        streamed, ends = _stream(llm, on_output)
+    finally:
+        if "stopped" in killed and psutil.pid_exists(killed["stopped"]):
+            os.kill(killed["stopped"], signal.SIGCONT)
+    assert "stopped" in killed and llm.client.generation == generation + 2
+    for index, expected in enumerate(reference):
+        (final,) = ends[index]  # ended exactly once
+        assert final.finish_reason == "length", final.finish_reason
+        assert final.output_token_ids == expected, index
+    assert streamed == reference  # no token missing or repeated
+    # The stop is seen when the peer's collective times out: the heal cannot come sooner.
+    assert healed_after[0] > TIMEOUT_S
+    deadline = time.monotonic() + 20
+    while not _gone(killed["stopped"]):
+        assert time.monotonic() < deadline, "the stopped rank was left alive"
+        time.sleep(0.2)
+    _serves_at_full_size(llm, reference, {killed["killed"], killed["stopped"]})
+
+
+def test_generate_heals_a_killed_rank(llm, reference):
+    seen: dict[int, object] = {}
+    killed = None
+    for index, completion in llm.generate_as_completed(PROMPTS * 2, PARAMS * 2):
+        assert index not in seen, f"prompt {index} reported twice"
+        seen[index] = completion
+        if killed is None and len(seen) == 3:
+            killed = llm.client.pids[1]
+            os.kill(killed, signal.SIGKILL)
+    assert sorted(seen) == list(range(2 * len(PROMPTS)))
+    assert [seen[i].output_token_ids for i in sorted(seen)] == reference * 2
+    assert all(seen[i].finish_reason == "length" for i in seen)
+    _serves_at_full_size(llm, reference, {killed})
+
+
+# -- the server ------------------------------------------------------------------------------
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_serve_heals_concurrent_streams(llm, reference):
+    """The server over the same group: 6 streaming clients on both ranks, rank 1 killed while
+    every stream is mid-run; /health says degraded while the group re-forms, ok after."""
+    server = LockstepServer(llm.client, llm.config, ServerConfig(port=0, served_model_name="t"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    port = asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+    url = f"http://127.0.0.1:{port}"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    count = 6
+    started = threading.Barrier(count + 1)
+    results: dict[int, object] = {}
+
+    def stream(index: int) -> None:
+        tokens, reasons = [], []
+        try:
+            chunks = client.completions.create(
+                model="t", prompt=PROMPTS[index], max_tokens=32, stream=True,
+                temperature=PARAMS[index].temperature, seed=PARAMS[index].seed,
+                extra_body={"ignore_eos": True, "return_token_ids": True, "dp_rank": index % 2},
+            )  # fmt: skip
+            for number, chunk in enumerate(chunks):
+                tokens += chunk.choices[0].token_ids
+                reasons.append(chunk.choices[0].finish_reason)
+                if number == 1:
+                    started.wait(60)
+            results[index] = (tokens, [r for r in reasons if r])
+        except Exception as error:  # reported below, naming the stream
+            results[index] = error
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(count)]
+    try:
+        for worker in threads:
+            worker.start()
+        started.wait(60)  # every stream has had tokens, none has ended
+        os.kill(llm.client.pids[1], signal.SIGKILL)
+        health = set()
+        while any(worker.is_alive() for worker in threads):
+            status, body = _get(f"{url}/health")
+            health.add((status, re.search(r'"status": "(\w+)"', body).group(1)))
+            time.sleep(0.05)
+        assert (200, "degraded") in health and health <= {(200, "degraded"), (200, "ok")}
+        assert _get(f"{url}/health")[0] == 200 and '"status": "ok"' in _get(f"{url}/health")[1]
+        for index in range(count):
+            assert not isinstance(results[index], Exception), (index, results[index])
+            tokens, reasons = results[index]
+            assert tokens == reference[index] and reasons == ["length"], index
+        _, metrics = _get(f"{url}/metrics")
+        for series, value in (
+            ("rank_failures_total", 1), ("recoveries_total", 1),
+            ("resumed_requests_total", count), ("recovery_seconds_count", 1),
+        ):  # fmt: skip
+            assert f'lockstep:{series}{{model_name="t"}} {value:.1f}' in metrics, series
+        for rank, index in ((0, 0), (1, 2)):  # both ranks of the new group serve (greedy)
+            reply = client.completions.create(
+                model="t", prompt=PROMPTS[index], max_tokens=32, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True, "dp_rank": rank},
+            )  # fmt: skip
+            assert reply.choices[0].token_ids == reference[index]
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(5.0), loop).result(120)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
