@@ -24,15 +24,17 @@ the same on every rank, and so is everything below that is scheduled by it.
   collective and writes nothing a step reads. Extra memory: the staged experts, M <= S per
   layer, so at most one more copy of this rank's expert weights (usually far less), held from
   the decision to the commit.
-- **Commit check**, at F = decision + 1, 2, 4, ... (then every `_MAX_CHECK_GAP` steps): one
-  MIN all-reduce of each rank's staging state. All ready: every layer adopts at this step
-  boundary (`MoELayer.adopt`: the changed slots' weights copied in on the device, the maps
-  rebound), so no forward ever sees half a placement. Any rank failed: the proposal is dropped
-  everywhere, the old placement stays, and the failure is logged; nothing crashes. Otherwise
-  the group looks again later.
+- **Commit check**, at F = decision + 1, then after gaps of 2, 4, 8, ... forward steps (at
+  most `_MAX_CHECK_GAP`): one MIN all-reduce of each rank's staging state. All ready: every
+  layer adopts at this step boundary (`MoELayer.adopt`: the changed slots' weights copied in
+  on the device, the maps rebound), so no forward ever sees half a placement. Any rank
+  failed: the proposal is dropped everywhere, the old placement stays, and the failure is
+  logged; nothing crashes. Otherwise the group looks again later.
 
-Results do not change: the routing is untouched and every replica holds the same weights; a
-(token, choice) pair only goes to another rank.
+Results do not change: the routing is untouched and every replica holds the same weights;
+only which rank computes a (token, choice) pair moves, so a token's partial sums may group
+differently, as between DP sizes (the multi-rank tests compare greedy tokens, across
+rebalances, with a single-process reference).
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ from scheduler import Vote
 
 # A rank's staging state in the commit check's MIN all-reduce.
 _FAILED, _STAGING, _READY = -1, 0, 1
-# Commit checks back off (1, 2, 4, ... forward steps after the decision) up to this gap: a
-# fast staging commits at once, a slow one costs one small collective per gap.
+# Commit checks back off (gaps of 1, 2, 4, ... forward steps) up to this gap: a fast staging
+# commits at once, a slow one costs one small collective per gap.
 _MAX_CHECK_GAP = 64
 
 
@@ -144,6 +146,7 @@ class _Proposal:
     group_slots: int  # slots rewritten over the whole group
     decide_s: float
     next_check: int
+    check_gap: int = 1
     cancel: threading.Event = field(default_factory=threading.Event)
     state: int = _STAGING
     staged: list[StagedPlacement] = field(default_factory=list)
@@ -230,10 +233,11 @@ class ExpertBalancer:
         return ""
 
     def _decide(self, forward_step: int, step_index: int) -> str:
-        start = time.perf_counter()
         load = self.window.window_sum().cpu()  # the one host sync, at a decision step only
         if self.group is not None:
             dist.all_reduce(load, op=dist.ReduceOp.SUM, group=self.group)
+        # The pause counts EPLB's own work, not the collectives' wait for the slowest rank.
+        start = time.perf_counter()
         current = [layer.placement for layer in self.layers]
         result = rebalance(load, self.num_physical, self.num_groups, self.num_nodes, self.num_ranks)
         proposed = [keep_hosted_slots(current[i], result.placement(i)) for i in range(len(current))]
@@ -277,11 +281,11 @@ class ExpertBalancer:
         return "decided"
 
     def _check_commit(self, proposal: _Proposal, step_index: int, votes: Vote) -> str:
-        start = time.perf_counter()
         agreed = votes.allreduce_min([proposal.state])[0]
+        start = time.perf_counter()
         if agreed == _STAGING:
-            gap = min(2 * (proposal.next_check - proposal.decided_at), _MAX_CHECK_GAP)
-            proposal.next_check = self.num_forward_steps + gap
+            proposal.check_gap = min(2 * proposal.check_gap, _MAX_CHECK_GAP)
+            proposal.next_check = self.num_forward_steps + proposal.check_gap
             return "waiting"
         self.pending = None
         if agreed == _FAILED:
@@ -340,7 +344,9 @@ class ExpertBalancer:
     # -- the staging thread ---------------------------------------------------------------------
     def _stage(self, proposal: _Proposal) -> None:
         """Build every layer's `StagedPlacement` for this rank; sets `proposal.state` last."""
-        # One torch thread: this thread must not compete with the step's OpenMP pool.
+        # One torch thread, so this one does not compete with the step's OpenMP pool. torch
+        # also keeps the count process-wide for threads that start later: put it back after.
+        process_threads = torch.get_num_threads()
         torch.set_num_threads(1)
         start = time.perf_counter()
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -355,6 +361,8 @@ class ExpertBalancer:
                 self.log.warning("EPLB staging failed: %s", proposal.error)
             proposal.state = _FAILED
             return
+        finally:
+            torch.set_num_threads(process_threads)
         proposal.staged = staged
         proposal.staging_s = time.perf_counter() - start
         proposal.state = _READY

@@ -73,9 +73,11 @@ class RankExpertStats:
     num_failed: int = 0  # proposals dropped because a rank's staging failed
     # The last adopted one: the step indices of its decision and commit, balancedness per
     # layer before and after on the window it was computed from, this rank's time staging
-    # in the background and time the steps paused for it (the decision and the commit), the
-    # expert weights it wrote into its slots, and of those the bytes it staged (read from
-    # the checkpoint into spare buffers: the extra memory it held until the commit).
+    # in the background and time its steps paused for it (computing the placement, and
+    # writing the weights in at the commit; not the two small collectives, a SUM of the
+    # [L, E] counts and a one-integer MIN), the expert weights it wrote into its slots, and
+    # of those the bytes it staged (read from the checkpoint into spare buffers: the extra
+    # memory it held until the commit).
     last_decided_step: int | None = None
     last_adopted_step: int | None = None
     last_balancedness_before: list[float] = field(default_factory=list)
