@@ -77,9 +77,9 @@ def parse_args() -> argparse.Namespace:
     live = parser.add_argument_group("live (--live)")
     live.add_argument("--live", action="store_true", help="run the engine part instead")
     live.add_argument("--dp", type=int, nargs="+", default=[2, 4])
-    live.add_argument("--requests-per-rank", type=int, default=12)
-    live.add_argument("--max-tokens", type=int, default=96)
-    live.add_argument("--interval", type=int, default=32, help="eplb_interval_steps = window")
+    live.add_argument("--requests-per-rank", type=int, default=48)
+    live.add_argument("--max-tokens", type=int, default=48)
+    live.add_argument("--interval", type=int, default=16, help="eplb_interval_steps = window")
     live.add_argument("--live-out", default="bench_results/eplb_live.json")
     return parser.parse_args()
 
@@ -313,7 +313,7 @@ def _live_config(model_dir: str, world: int, args: argparse.Namespace, eplb: boo
                 "max_num_batched_tokens": 1024,
                 "max_model_len": 256,
                 "block_size": 16,
-                "num_blocks": 256,
+                "num_blocks": 512,
             },
             "moe": settings if eplb else {},
         }
@@ -418,15 +418,7 @@ def run_live(args: argparse.Namespace, world: int, model_dir: str) -> dict[str, 
     trace = on[0]["trace"]
     adopted = [step for step, _, _, event in trace if event == "adopted"]
     first = adopted[0] if adopted else None
-    # Decode steps with a full batch on every rank, before and after the first swap.
-    decode = [
-        step
-        for step, kind, _, _ in trace
-        if kind == "decode"
-        and all(
-            dict((s, n) for s, _, n, _ in r["trace"])[step] == args.requests_per_rank for r in on
-        )
-    ]
+    decode = _full_decode_steps(on, args.requests_per_rank)
 
     def slowest(steps: list[int], runs: list[dict]) -> float:
         return statistics.fmean(max(r["expert_s"][s] for r in runs) for s in steps)
@@ -436,7 +428,7 @@ def run_live(args: argparse.Namespace, world: int, model_dir: str) -> dict[str, 
 
     before = [s for s in decode if first is None or s < first]
     after = [s for s in decode if first is not None and s > first]
-    off_decode = [s for s, kind, n, _ in off[0]["trace"] if kind == "decode"]
+    off_decode = _full_decode_steps(off, args.requests_per_rank)
     stats = [r["stats"] for r in on]
     group = stats[0]
     return {
@@ -451,13 +443,23 @@ def run_live(args: argparse.Namespace, world: int, model_dir: str) -> dict[str, 
         "slowest_expert_ms_after": 1e3 * slowest(after, on) if after else None,
         "mean_expert_ms_before": 1e3 * mean_rank(before, on) if before else None,
         "mean_expert_ms_after": 1e3 * mean_rank(after, on) if after else None,
-        "slowest_expert_ms_without_eplb": 1e3 * slowest(off_decode[2:], off),
+        "slowest_expert_ms_without_eplb": 1e3 * slowest(off_decode, off),
         "num_decode_steps": [len(before), len(after)],
         "pause_ms": 1e3 * max(s.last_pause_s for s in stats),
         "staging_ms": 1e3 * max(s.last_staging_s for s in stats),
         "bytes_moved": sum(s.last_bytes for s in stats),
         "tokens_unchanged": all(a["tokens"] == b["tokens"] for a, b in zip(off, on, strict=True)),
     }
+
+
+def _full_decode_steps(runs: list[dict], batch: int) -> list[int]:
+    """Decode steps in which every rank ran its whole batch (steps agree across ranks)."""
+    seqs = [{step: n for step, _, n, _ in run["trace"]} for run in runs]
+    return [
+        step
+        for step, kind, _, _ in runs[0]["trace"]
+        if kind == "decode" and all(counts.get(step) == batch for counts in seqs)
+    ]
 
 
 def print_live(rows: list[dict[str, Any]], cpu: dict) -> None:
