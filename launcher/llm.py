@@ -42,7 +42,9 @@ from tqdm import tqdm
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import check_max_model_len
+from dist_engine.engine.eplb import check_slots
 from dist_engine.engine.outputs import CompletionOutput, ErrorKind, RequestOutput
+from dist_engine.engine.stats import ExpertStats, group_expert_stats
 from dist_engine.errors import GroupFailedError, LockstepError
 from dist_engine.log import get_logger
 from dist_engine.models.loader import check_checkpoint
@@ -143,6 +145,7 @@ class LLM:
         self.config = self.config.with_local_model()
         model_config = check_checkpoint(self.config.model)
         check_max_model_len(self.config.scheduler.max_model_len, model_config)
+        check_slots(self.config.moe, model_config.num_experts, self.config.parallel.dp_size)
         if self.config.tokenizer is not None:
             check_tokenizer_dir(self.config.tokenizer, "tokenizer")
         self.tokenizer = _load_tokenizer(self.config.tokenizer or self.config.model)
@@ -303,6 +306,14 @@ class LLM:
         they differ), as the ranks resolved `attention_backend`, `expert_backend` and
         `norm_backend` at start-up."""
         return self.client.backends
+
+    def expert_stats(self) -> ExpertStats:
+        """Expert load balancing (EPLB): `balancedness` (per MoE layer, mean / max tokens per
+        rank over the last window measured), `num_rebalances`, and the last rebalance's
+        steps, balancedness before and after, time and bytes moved (`ExpertStats`);
+        `enabled=False` without `enable_eplb`. Under torchrun only this process's rank
+        reports, so the bytes are its own."""
+        return group_expert_stats(self.client.stats())
 
     @property
     def _torchrun(self) -> bool:

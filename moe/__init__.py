@@ -18,9 +18,21 @@ from moe.eplb import (
     worth_adopting,
 )
 from moe.exchange import Exchange, GroupExchange
-from moe.experts import ExpertImpl, LocalExperts, grouped_mm_weighted_sum, torch_weighted_sum
-from moe.layer import MoELayer, dense_reference_moe
-from moe.placement import ExpertPlacement, choose_replicas
+from moe.experts import (
+    ExpertImpl,
+    LocalExperts,
+    fill_expert,
+    grouped_mm_weighted_sum,
+    torch_weighted_sum,
+)
+from moe.layer import MoELayer, StagedPlacement, dense_reference_moe
+from moe.placement import (
+    ExpertPlacement,
+    SlotMoves,
+    choose_replicas,
+    keep_hosted_slots,
+    slot_moves,
+)
 from moe.routing import (
     SOFTMAX_TOPK,
     RoutingMethod,
@@ -47,17 +59,22 @@ __all__ = [
     "ReceivedRouting",
     "RoutingMethod",
     "RoutingResult",
+    "SlotMoves",
+    "StagedPlacement",
     "balancedness",
     "choose_replicas",
     "combine",
     "dense_reference_moe",
     "dispatch",
+    "fill_expert",
     "grouped_mm_weighted_sum",
+    "keep_hosted_slots",
     "rank_loads",
     "rebalance",
     "rebalance_gain",
     "run_local_experts",
     "sigmoid_grouped_topk",
+    "slot_moves",
     "softmax_grouped_topk",
     "softmax_topk",
     "torch_weighted_sum",

@@ -265,9 +265,9 @@ def rank_loads(load: torch.Tensor, placement: ExpertPlacement) -> torch.Tensor:
 
     A logical expert's tokens are split evenly over its replicas. Dispatch picks replica
     (token_offset + t + k) % logcnt[e] (`choose_replicas`), a round robin over the global token
-    index, so each replica gets its share once many distinct indices have passed. Caveat: ranks
-    that all pass the same token_offset with few tokens each (decode) reuse the same few
-    indices, and low replicas then get more than this model says. Counts (token, expert) pairs,
+    index, so each replica gets its share once many distinct indices have passed (a layer's
+    running offset, `MoELayer.next_token_offset`, starts at its rank and advances by its
+    tokens, so ranks with a few decode tokens each still spread). Counts (token, expert) pairs,
     the experts' work; normal dispatch sends a token to a rank once even when it picked two
     slots there.
     """

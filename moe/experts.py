@@ -76,10 +76,33 @@ class LocalExperts(nn.Module):
         self, slot: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
     ) -> None:
         """Fill one slot from HF-layout weights: gate, up [I, D]; down [D, I]."""
-        size_i = self.intermediate_size
-        self.w13[slot, :, :size_i].copy_(gate.t())
-        self.w13[slot, :, size_i:].copy_(up.t())
-        self.w2[slot].copy_(down.t())
+        fill_expert(self.w13[slot], self.w2[slot], gate, up, down)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot's weights (w13 and w2)."""
+        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+
+    @torch.no_grad()
+    def write_slots(
+        self,
+        slots: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        copy_to: torch.Tensor,
+        copy_from: torch.Tensor,
+    ) -> None:
+        """Replace the weights of some slots in place: `slots` [M] from `w13` [M, D, 2I] and
+        `w2` [M, I, D] (input-major, as `fill_expert` writes them), then `copy_to` [C] from
+        `copy_from` [C] (local slots whose weights do not change here). Index tensors are
+        int64 on the weights' device; the parameters stay the same tensors, so whatever holds
+        them (an expert implementation, a compiled graph) sees the new weights."""
+        if slots.numel():
+            self.w13.index_copy_(0, slots, w13)
+            self.w2.index_copy_(0, slots, w2)
+        if copy_to.numel():
+            self.w13.index_copy_(0, copy_to, self.w13.index_select(0, copy_from))
+            self.w2.index_copy_(0, copy_to, self.w2.index_select(0, copy_from))
 
     def forward(
         self,
@@ -273,6 +296,18 @@ def grouped_mm_weighted_sum(
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     out.index_add_(0, rows, scaled)
     return out.to(hidden.dtype)
+
+
+@torch.no_grad()
+def fill_expert(
+    w13: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> None:
+    """Write one expert's HF-layout weights (gate, up [I, D]; down [D, I]) input-major into
+    w13 [D, 2I] (gate columns, then up) and w2 [I, D], converting to their dtype."""
+    size_i = gate.shape[0]
+    w13[:, :size_i].copy_(gate.t())
+    w13[:, size_i:].copy_(up.t())
+    w2.copy_(down.t())
 
 
 def _swiglu(gate_up: torch.Tensor, size_i: int) -> torch.Tensor:

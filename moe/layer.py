@@ -9,6 +9,8 @@ applied here, from outside the model: replica choice, dispatch, local experts, c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,6 +24,28 @@ from moe.experts import ExpertImpl, LocalExperts
 from moe.placement import ExpertPlacement, choose_replicas_from_maps
 
 
+@dataclass(frozen=True, eq=False)
+class StagedPlacement:
+    """A new placement of one MoE layer on one rank, with everything the swap needs already on
+    the layer's device, so that `MoELayer.adopt` only copies weights there and rebinds maps.
+
+    placement: the new maps (the same E, P and N as the layer's).
+    log2phy: [E, R_max] and logcnt: [E], its maps on the layer's device.
+    slots: [M] int64 local slots that take new weights from w13: [M, D, 2I] and w2: [M, I, D]
+        (input-major, `moe.experts.fill_expert`).
+    copy_to, copy_from: [C] int64 local slots filled from slots that keep their expert.
+    """
+
+    placement: ExpertPlacement
+    log2phy: torch.Tensor
+    logcnt: torch.Tensor
+    slots: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    copy_to: torch.Tensor
+    copy_from: torch.Tensor
+
+
 class MoELayer(nn.Module):
     """Routed experts of one MoE layer, sharded over an EP group by `placement`.
 
@@ -29,6 +53,10 @@ class MoELayer(nn.Module):
     (the engine passes a shared-memory one where its ranks share a host). With `group=None`
     the layer is single-process: the placement must have one rank, and the same LocalExperts
     path runs with no collectives.
+
+    The placement can change between forwards (`adopt`, EPLB); dispatch reads only
+    `slots_per_rank`, which never changes, and the replica maps, which `adopt` rebinds at
+    once, so a forward sees the old placement or the new one, never a mix.
     """
 
     def __init__(
@@ -76,6 +104,11 @@ class MoELayer(nn.Module):
         self.register_buffer("log2phy", placement.log2phy.clone(), persistent=False)
         self.register_buffer("logcnt", placement.logcnt.clone(), persistent=False)
         self.count_expert_load = count_expert_load
+        # The token_offset of a forward that passes none: this rank's running token index,
+        # started at its rank. Ranks with one decode token each then pick different replicas of
+        # an expert, and a rank cycles through them from step to step; a fixed offset would send
+        # every rank's first token to the same, lowest replica.
+        self.next_token_offset = rank
         # Statistics, not weights: not saved with the model, but they follow `.to(device)`.
         self.register_buffer(
             "expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False
@@ -114,6 +147,41 @@ class MoELayer(nn.Module):
         for each in DispatchMode if mode is None else (mode,):
             self.expert_impls[each] = impl
 
+    def count_load_into(self, counts: torch.Tensor) -> None:
+        """Count routed pairs into `counts` ([E] int64 on the layer's device, e.g. one row of a
+        [L, E] tensor that holds every layer's) from now on, so one op reads or resets every
+        layer's counts."""
+        if counts.shape != (self.num_experts,) or counts.dtype != torch.int64:
+            raise ValueError(
+                f"counts must be [E={self.num_experts}] int64, got {tuple(counts.shape)} "
+                f"{counts.dtype}"
+            )
+        self.expert_load = counts
+        self.count_expert_load = True
+
+    def adopt(self, staged: StagedPlacement) -> None:
+        """Switch to `staged.placement` between two forwards: the changed slots' weights are
+        copied in on the device, then the maps are rebound. Call it where no forward runs (the
+        engine does, at a step boundary)."""
+        new = staged.placement
+        now = self.placement
+        if (new.num_experts, new.num_physical, new.num_ranks) != (
+            now.num_experts,
+            now.num_physical,
+            now.num_ranks,
+        ):
+            raise ValueError(
+                f"the new placement has E={new.num_experts}, P={new.num_physical}, "
+                f"N={new.num_ranks}; this layer has E={now.num_experts}, P={now.num_physical}, "
+                f"N={now.num_ranks}"
+            )
+        self.experts.write_slots(
+            staged.slots, staged.w13, staged.w2, staged.copy_to, staged.copy_from
+        )
+        self.placement = new
+        self.log2phy = staged.log2phy
+        self.logcnt = staged.logcnt
+
     def take_expert_load(self) -> torch.Tensor:
         """[E] int64 (token, choice) pairs this rank routed to each logical expert since the
         last take, on the layer's device; resets the count. Queues device work only."""
@@ -127,13 +195,14 @@ class MoELayer(nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         mode: DispatchMode,
-        token_offset: int = 0,
+        token_offset: int | None = None,
     ) -> torch.Tensor:
         """hidden: [T, D]; topk_weights, topk_ids: [T, K] (logical ids) → [T, D].
 
-        token_offset: global index of this rank's first token, only used to spread tokens over
-        replicas deterministically. Every rank of the group must call this with the same mode,
-        even with T = 0.
+        token_offset: index of this rank's first token, only used to spread tokens over
+        replicas deterministically (`choose_replicas`); None: the layer's running index
+        (`next_token_offset`), which then advances by T. Every rank of the group must call
+        this with the same mode, even with T = 0.
         """
         num_tokens = hidden.shape[0]
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -156,6 +225,9 @@ class MoELayer(nn.Module):
         if self.count_expert_load:
             flat_ids = topk_ids.reshape(-1).long()
             self.expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        if token_offset is None:
+            token_offset = self.next_token_offset
+            self.next_token_offset += num_tokens
         physical_ids = choose_replicas_from_maps(topk_ids, self.log2phy, self.logcnt, token_offset)
         if self.exchange is None:
             local = ReceivedRouting(local_slots=physical_ids, weights=topk_weights.float())

@@ -10,6 +10,7 @@ named as in DeepSeek's EPLB (`phy2log`, `log2phy`, `logcnt`) so a balancer's out
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,21 @@ class ExpertPlacement:
         return cls.from_phy2log(torch.arange(num_experts), num_experts, num_ranks)
 
     @classmethod
+    def with_redundancy(
+        cls, num_experts: int, num_ranks: int, num_redundant: int
+    ) -> ExpertPlacement:
+        """E + `num_redundant` slots in contiguous blocks per rank: the experts in order, then
+        the redundant slots holding experts 0, 1, ... again (a start for EPLB, which moves
+        them where the load is). num_redundant = 0 is `even`."""
+        num_physical = num_experts + num_redundant
+        if num_experts < 1 or num_redundant < 0 or num_ranks < 1 or num_physical % num_ranks:
+            raise ValueError(
+                f"num_experts={num_experts} plus num_redundant={num_redundant} slots must be a "
+                f"positive multiple of num_ranks={num_ranks}"
+            )
+        return cls.from_phy2log(torch.arange(num_physical) % num_experts, num_experts, num_ranks)
+
+    @classmethod
     def from_phy2log(
         cls, phy2log: torch.Tensor | list[int], num_experts: int, num_ranks: int
     ) -> ExpertPlacement:
@@ -106,6 +122,93 @@ class ExpertPlacement:
     def hosted_logical(self, rank: int) -> list[int]:
         """Sorted logical expert ids whose weights `rank` must load."""
         return sorted(set(self.phy2log[self.hosted_slots(rank)].tolist()))
+
+    def local_phy2log(self, rank: int) -> list[int]:
+        """The logical expert in each of `rank`'s local slots, in local-slot order."""
+        self._check_rank(rank)
+        first = rank * self.slots_per_rank
+        return self.phy2log[first : first + self.slots_per_rank].tolist()
+
+
+def keep_hosted_slots(current: ExpertPlacement, proposed: ExpertPlacement) -> ExpertPlacement:
+    """`proposed` with each rank's slots reordered so that every expert a rank keeps stays in
+    the local slot it has now; the experts new to a rank fill the freed slots in `proposed`'s
+    order. Which rank holds what (so every rank's load) is `proposed`'s; only the order within
+    a rank changes, which dispatch does not care about. A move then writes only the slots
+    whose expert changes (`slot_moves`). Deterministic: every rank computes the same maps.
+    """
+    if (current.num_experts, current.num_physical, current.num_ranks) != (
+        proposed.num_experts,
+        proposed.num_physical,
+        proposed.num_ranks,
+    ):
+        raise ValueError(
+            f"placements differ in shape: current has E={current.num_experts}, "
+            f"P={current.num_physical}, N={current.num_ranks}; proposed has "
+            f"E={proposed.num_experts}, P={proposed.num_physical}, N={proposed.num_ranks}"
+        )
+    aligned: list[int] = []
+    for rank in range(current.num_ranks):
+        wanted = proposed.local_phy2log(rank)
+        remaining = Counter(wanted)
+        slots: list[int | None] = []
+        for expert in current.local_phy2log(rank):
+            keep = remaining[expert] > 0
+            remaining[expert] -= keep
+            slots.append(expert if keep else None)
+        newcomers = []
+        for expert in wanted:
+            if remaining[expert] > 0:
+                remaining[expert] -= 1
+                newcomers.append(expert)
+        fill = iter(newcomers)
+        aligned.extend(expert if expert is not None else next(fill) for expert in slots)
+    return ExpertPlacement.from_phy2log(aligned, proposed.num_experts, proposed.num_ranks)
+
+
+@dataclass(frozen=True)
+class SlotMoves:
+    """What one rank writes into its local slots to go from one placement to another.
+
+    load: (local slot, logical expert) pairs for experts the rank does not hold now (read from
+        the checkpoint), each expert once.
+    copy: (local slot, source local slot) pairs: another replica of an expert the rank keeps
+        (the source is a slot that does not change) or loads in this move (the source is its
+        `load` slot, so loads are written first).
+    Slots in neither keep their expert.
+    """
+
+    load: tuple[tuple[int, int], ...]
+    copy: tuple[tuple[int, int], ...]
+
+    @property
+    def num_slots(self) -> int:
+        """Slots whose weights are rewritten."""
+        return len(self.load) + len(self.copy)
+
+
+def slot_moves(current: ExpertPlacement, new: ExpertPlacement, rank: int) -> SlotMoves:
+    """The writes that turn `rank`'s slots under `current` into those under `new` (normally
+    `keep_hosted_slots(current, proposed)`, so that kept experts do not move)."""
+    before, after = current.local_phy2log(rank), new.local_phy2log(rank)
+    if len(before) != len(after):
+        raise ValueError(
+            f"slots per rank differ: {len(before)} now, {len(after)} in the new placement"
+        )
+    source = {}  # logical expert -> a local slot holding it once the loads are written
+    for slot, (old, new_expert) in enumerate(zip(before, after, strict=True)):
+        if old == new_expert:
+            source.setdefault(old, slot)
+    load, copy = [], []
+    for slot, (old, new_expert) in enumerate(zip(before, after, strict=True)):
+        if old == new_expert:
+            continue
+        if new_expert in source:
+            copy.append((slot, source[new_expert]))
+        else:
+            load.append((slot, new_expert))
+            source[new_expert] = slot
+    return SlotMoves(tuple(load), tuple(copy))
 
 
 def choose_replicas(

@@ -19,6 +19,19 @@ where it applies (num_nodes divides the 8 groups), and eplb_num_redundant_expert
 {0, 32, 64, 128, 256} where E + redundant is a multiple of N. Time: median wall time of one
 `rebalance` call for all L layers, one torch thread, on this machine's processor (printed).
 A pair's k choices are drawn independently (not forced distinct): only the counts matter here.
+
+    .venv/bin/python scripts/bench_eplb.py --live [--dp 2 4] [--out bench_results/eplb_live.json]
+
+The live part: a DP group of real ranks (spawned processes, gloo, one torch thread each) serves
+the same greedy requests twice on a skewed DeepSeek-V3-shaped checkpoint (its selection bias
+raised for a few experts, so they are chosen by most tokens): once without EPLB, once with it
+(decisions every --interval forward steps over a window of as many; one redundant slot per
+rank). It reports balancedness as the engine measures it (the first decision's window under
+the starting placement, the prediction for the new one on that window, and the last window
+measured), the slowest rank's expert CPU time per decode step before and after the first
+rebalance (`run_local_experts`, thread CPU time, so ranks sharing cores do not count each
+other's time), the rebalance's cost (time the steps paused, background staging, bytes moved),
+and whether every request's tokens are the same with and without EPLB.
 """
 
 from __future__ import annotations
@@ -27,7 +40,10 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
+import tempfile
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -58,6 +74,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_results/eplb.json")
     parser.add_argument("--plot", default="bench_results/eplb.png", help="if matplotlib is here")
+    live = parser.add_argument_group("live (--live)")
+    live.add_argument("--live", action="store_true", help="run the engine part instead")
+    live.add_argument("--dp", type=int, nargs="+", default=[2, 4])
+    live.add_argument("--requests-per-rank", type=int, default=48)
+    live.add_argument("--max-tokens", type=int, default=48)
+    live.add_argument("--interval", type=int, default=16, help="eplb_interval_steps = window")
+    live.add_argument("--live-out", default="bench_results/eplb_live.json")
     return parser.parse_args()
 
 
@@ -234,8 +257,271 @@ def plot(rows: list[dict[str, Any]], path: Path) -> str:
     return f"wrote {path}"
 
 
+# -- the live part -------------------------------------------------------------------------------
+# DeepSeek-V3's shape, small: 16 experts in 4 groups (a token reaches 2), top-4, 3 MoE layers.
+LIVE_MODEL = dict(
+    vocab_size=512,
+    hidden_size=512,
+    num_heads=4,
+    num_experts=16,
+    top_k=4,
+    moe_intermediate_size=1024,
+    intermediate_size=1024,
+    num_layers=4,
+    n_group=4,
+    topk_group=2,
+)
+# Expert -> raised selection bias: groups 0 and 1 (experts 0-7) win most tokens, and the
+# starting placement keeps those experts on the first ranks.
+HOT_BIAS = {2: 0.3, 5: 0.3, 6: 0.15}
+LIVE_TIMEOUT_S = 60.0
+
+
+def make_skewed_checkpoint(out: Path) -> Path:
+    """The live part's checkpoint: random weights, the bias of HOT_BIAS's experts raised."""
+    from safetensors.torch import load_file, save_file
+
+    from dist_engine.models.make_model import make_tiny_checkpoint
+
+    make_tiny_checkpoint("deepseek_v3", out, seed=3, **LIVE_MODEL)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+            for expert, boost in HOT_BIAS.items():
+                tensors[name][expert] += boost
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
+def _live_config(model_dir: str, world: int, args: argparse.Namespace, eplb: bool):
+    from dist_engine.engine.config import EngineConfig
+
+    settings = {
+        "enable_eplb": True,
+        "eplb_num_redundant_experts": world,
+        "eplb_window_steps": args.interval,
+        "eplb_interval_steps": args.interval,
+    }
+    return EngineConfig.from_dict(
+        {
+            "model": model_dir,
+            "dtype": "float32",
+            "expert_backend": "torch",  # the same expert path on every rank and run
+            "parallel": {"dp_size": world, "launcher": "local", "backend": "gloo"},
+            "scheduler": {
+                "max_num_seqs": args.requests_per_rank,
+                "max_num_batched_tokens": 1024,
+                "max_model_len": 256,
+                "block_size": 16,
+                "num_blocks": 512,
+            },
+            "moe": settings if eplb else {},
+        }
+    )
+
+
+class _ExpertClock:
+    """Thread CPU time inside `run_local_experts`, per step of one engine (bench only)."""
+
+    seconds = 0.0  # inside the expert compute since the step began
+    patched = False
+
+    def __init__(self, engine: Any) -> None:
+        import moe.layer
+
+        self.per_step: dict[int, float] = {}
+        if not _ExpertClock.patched:  # once per process: every engine's layers call it
+            experts = moe.layer.run_local_experts
+
+            def timed_experts(*a: Any, **k: Any) -> Any:
+                start = time.thread_time()
+                try:
+                    return experts(*a, **k)
+                finally:
+                    _ExpertClock.seconds += time.thread_time() - start
+
+            moe.layer.run_local_experts = timed_experts
+            _ExpertClock.patched = True
+        execute = engine.runner.execute
+
+        def timed_execute(outputs: Any, requests: Any) -> Any:
+            _ExpertClock.seconds = 0.0
+            result = execute(outputs, requests)
+            self.per_step[outputs.step_index] = _ExpertClock.seconds
+            return result
+
+        engine.runner.execute = timed_execute
+
+
+def _live_rank(rank: int, world: int, model_dir: str, args: argparse.Namespace) -> list[dict]:
+    """One rank: the workload without EPLB, then with it (a fresh engine and model each)."""
+    import torch.distributed as dist
+
+    from dist_engine.distributed.groups import init_distributed
+    from dist_engine.distributed.spawn import current_store
+    from dist_engine.engine.engine import DPEngine
+    from scheduler import SamplingParams
+
+    ctx = init_distributed(rank, world, current_store(), backend="gloo", timeout_s=LIVE_TIMEOUT_S)
+    rng = random.Random(rank)
+    prompts = [
+        [rng.randrange(1, LIVE_MODEL["vocab_size"]) for _ in range(rng.randint(16, 48))]
+        for _ in range(args.requests_per_rank)
+    ]
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    runs = []
+    for job, eplb in enumerate((False, True)):
+        finals: dict[str, Any] = {}
+        done = threading.Event()
+
+        def collect(output: Any, finals: dict = finals, done: threading.Event = done) -> None:
+            if output.finished:
+                finals[output.request_id] = output
+                if len(finals) == len(prompts):
+                    done.set()
+
+        engine = DPEngine(_live_config(model_dir, world, args, eplb), ctx, on_output=collect)
+        clock = _ExpertClock(engine)
+        thread = threading.Thread(target=engine.run, daemon=True)
+        thread.start()
+        for i, prompt in enumerate(prompts):
+            engine.submit(f"r{rank}-{i}", prompt, params)
+        if not done.wait(600):
+            raise TimeoutError(f"rank {rank}: requests never ended")
+        store = dist.TCPStore(ctx.store.host, ctx.store.port, is_master=False)
+        keys = [f"bench_eplb/{job}/done/{r}" for r in range(world)]
+        store.set(keys[rank], b"1")
+        if rank == 0:
+            while not store.check(keys):
+                time.sleep(0.01)
+            engine.shutdown()
+        thread.join(LIVE_TIMEOUT_S)
+        runs.append(
+            {
+                "tokens": {rid: out.output_token_ids for rid, out in finals.items()},
+                "trace": [(t.step, t.kind.value, t.num_seqs, t.eplb) for t in engine.trace],
+                "expert_s": clock.per_step,
+                "stats": engine.stats().experts,
+            }
+        )
+    return runs
+
+
+def run_live(args: argparse.Namespace, world: int, model_dir: str) -> dict[str, Any]:
+    from dist_engine.distributed.spawn import run_multirank
+
+    per_rank = run_multirank(
+        world, _live_rank, (model_dir, args), timeout_s=1800, group_timeout_s=LIVE_TIMEOUT_S,
+        num_threads=1,
+    )  # fmt: skip
+    off, on = [ranks[0] for ranks in per_rank], [ranks[1] for ranks in per_rank]
+    trace = on[0]["trace"]
+    adopted = [step for step, _, _, event in trace if event == "adopted"]
+    first = adopted[0] if adopted else None
+    decode = _full_decode_steps(on, args.requests_per_rank)
+
+    def slowest(steps: list[int], runs: list[dict]) -> float:
+        return statistics.fmean(max(r["expert_s"][s] for r in runs) for s in steps)
+
+    def mean_rank(steps: list[int], runs: list[dict]) -> float:
+        return statistics.fmean(statistics.fmean(r["expert_s"][s] for r in runs) for s in steps)
+
+    before = [s for s in decode if first is None or s < first]
+    after = [s for s in decode if first is not None and s > first]
+    off_decode = _full_decode_steps(off, args.requests_per_rank)
+    stats = [r["stats"] for r in on]
+    group = stats[0]
+    return {
+        "dp": world,
+        "num_rebalances": group.num_rebalances,
+        "num_skipped": group.num_skipped,
+        "first_adopted_step": first,
+        "balancedness_last_before": statistics.fmean(group.last_balancedness_before or [1.0]),
+        "balancedness_last_predicted": statistics.fmean(group.last_balancedness_after or [1.0]),
+        "balancedness_last_window": statistics.fmean(group.balancedness or [1.0]),
+        "slowest_expert_ms_before": 1e3 * slowest(before, on) if before else None,
+        "slowest_expert_ms_after": 1e3 * slowest(after, on) if after else None,
+        "mean_expert_ms_before": 1e3 * mean_rank(before, on) if before else None,
+        "mean_expert_ms_after": 1e3 * mean_rank(after, on) if after else None,
+        "slowest_expert_ms_without_eplb": 1e3 * slowest(off_decode, off),
+        "num_decode_steps": [len(before), len(after)],
+        "pause_ms": 1e3 * max(s.last_pause_s for s in stats),
+        "staging_ms": 1e3 * max(s.last_staging_s for s in stats),
+        "bytes_moved": sum(s.last_bytes for s in stats),
+        "tokens_unchanged": all(a["tokens"] == b["tokens"] for a, b in zip(off, on, strict=True)),
+    }
+
+
+def _full_decode_steps(runs: list[dict], batch: int) -> list[int]:
+    """Decode steps in which every rank ran its whole batch (steps agree across ranks)."""
+    seqs = [{step: n for step, _, n, _ in run["trace"]} for run in runs]
+    return [
+        step
+        for step, kind, _, _ in runs[0]["trace"]
+        if kind == "decode" and all(counts.get(step) == batch for counts in seqs)
+    ]
+
+
+def print_live(rows: list[dict[str, Any]], cpu: dict) -> None:
+    print(
+        f"EPLB live: DeepSeek-V3-shaped, {LIVE_MODEL['num_experts']} experts top-"
+        f"{LIVE_MODEL['top_k']}, 3 MoE layers, biased experts {sorted(HOT_BIAS)}; one redundant "
+        f"slot per rank; balancedness = mean / max tokens per rank (mean over layers); expert "
+        f"time = the slowest rank's CPU time in the expert compute per full decode step"
+    )
+    print(
+        "| DP | rebalances (skipped) | balancedness before → predicted | last window "
+        "| slowest rank expert ms/step: no EPLB, before → after | pause ms | staging ms "
+        "| bytes moved | tokens unchanged |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for row in rows:
+        print(
+            f"| {row['dp']} | {row['num_rebalances']} ({row['num_skipped']}) "
+            f"| {row['balancedness_last_before']:.3f} → {row['balancedness_last_predicted']:.3f} "
+            f"| {row['balancedness_last_window']:.3f} "
+            f"| {row['slowest_expert_ms_without_eplb']:.2f}: "
+            f"{_ms(row['slowest_expert_ms_before'])} → {_ms(row['slowest_expert_ms_after'])} "
+            f"| {row['pause_ms']:.1f} | {row['staging_ms']:.1f} | {row['bytes_moved']} "
+            f"| {row['tokens_unchanged']} |"
+        )
+    print(
+        f"processor: {cpu['model']}, AVX-512 {','.join(cpu['avx512']) or 'none'}; one torch "
+        f"thread per rank; load average {os.getloadavg()[0]:.2f}"
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main_live(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(make_skewed_checkpoint(Path(tmp) / "deepseek-v3-skewed"))
+        rows = [run_live(args, world, model_dir) for world in args.dp]
+    cpu = processor()
+    print_live(rows, cpu)
+    out = Path(args.live_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "machine": platform.platform(),
+        "processor": cpu,
+        "torch": torch.__version__,
+        "load_average_range": [load_before, os.getloadavg()[0]],
+        "args": vars(args),
+        "model": LIVE_MODEL,
+        "hot_bias": HOT_BIAS,
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     args = parse_args()
+    if args.live:
+        main_live(args)
+        return
     torch.set_num_threads(1)  # a rank rebalances on its own core; also keeps timings stable
     load_before = os.getloadavg()[0]
     rows = run(args)

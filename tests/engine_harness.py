@@ -9,6 +9,7 @@ outputs and its step trace; the test compares them across ranks and against a re
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -20,8 +21,9 @@ from model_fixtures import TINY_SIZES
 
 from dist_engine.distributed.groups import init_distributed
 from dist_engine.distributed.spawn import current_store
-from dist_engine.engine.config import EngineConfig, ParallelConfig
+from dist_engine.engine.config import EngineConfig, MoEConfig, ParallelConfig
 from dist_engine.engine.engine import DPEngine
+from dist_engine.engine.eplb import moe_layers
 from scheduler import SamplingParams, SchedulerConfig
 
 MODEL_SIZES = {**TINY_SIZES, "num_layers": 2}  # the shared `model_dir` fixture's model
@@ -41,7 +43,7 @@ COLLECTIVE_TIMEOUT_S = 20.0
 class Event:
     rank: int
     step: int  # played once the group reaches this step (or sleeps)
-    action: str  # add | abort | release | kill | cycle
+    action: str  # add | abort | release | kill | cycle | remove_checkpoint
     request_id: str = ""
     prompt: tuple[int, ...] = ()
     max_tokens: int = 8
@@ -59,6 +61,12 @@ class Scenario:
     rank_scheduler: dict[int, dict[str, Any]] = field(default_factory=dict)
     sync_policy: str = "vote"
     timeout_s: float = 90.0
+    # MoEConfig settings (EPLB); a scenario with any, or with a model of its own, loads its
+    # model and keeps it to itself.
+    moe: dict[str, Any] = field(default_factory=dict)
+    model_dir: str | None = None  # None: run_scenarios' model
+    # A rank's own copy of the checkpoint (what EPLB reads while serving), by rank.
+    rank_model_dir: dict[int, str] = field(default_factory=dict)
 
     def scheduler_config(self, rank: int) -> SchedulerConfig:
         settings = {**BASE_SCHEDULER, "sync_policy": self.sync_policy, **self.scheduler}
@@ -72,7 +80,11 @@ def run_scenarios(rank: int, world_size: int, model_dir: str, scenarios: list[Sc
     model = None
     results = {}
     for scenario in scenarios:
-        results[scenario.name], model = _run_one(ctx, model_dir, scenario, model)
+        if scenario.moe or scenario.model_dir:  # a model of its own; the others share one
+            own_dir = scenario.model_dir or model_dir
+            results[scenario.name], _ = _run_one(ctx, own_dir, scenario, None)
+        else:
+            results[scenario.name], model = _run_one(ctx, model_dir, scenario, model)
     return results
 
 
@@ -80,7 +92,7 @@ def _run_one(ctx, model_dir: str, scenario: Scenario, model) -> tuple[dict, Any]
     started = time.monotonic()
     rank, world = ctx.rank, ctx.world_size
     config = EngineConfig(
-        model=model_dir,
+        model=scenario.rank_model_dir.get(rank, model_dir),
         dtype="float64",
         parallel=ParallelConfig(
             dp_size=world,
@@ -89,6 +101,7 @@ def _run_one(ctx, model_dir: str, scenario: Scenario, model) -> tuple[dict, Any]
             collective_timeout_s=COLLECTIVE_TIMEOUT_S,
         ),
         scheduler=scenario.scheduler_config(rank),
+        moe=MoEConfig(**scenario.moe),
         check_lockstep=True,
     )
     outputs: dict[str, list] = defaultdict(list)
@@ -116,7 +129,7 @@ def _run_one(ctx, model_dir: str, scenario: Scenario, model) -> tuple[dict, Any]
     latencies = []
     deadline = time.monotonic() + scenario.timeout_s
     try:
-        _play_events(engine, store, scenario.name, mine, outputs, lock, added, latencies, deadline)
+        _play_events(engine, store, scenario, mine, outputs, lock, added, latencies, deadline, rank)
     except TimeoutError as error:
         failure.append(f"driver: {error}")
     try:
@@ -148,11 +161,18 @@ def _run_one(ctx, model_dir: str, scenario: Scenario, model) -> tuple[dict, Any]
         "failure": failure,
         "num_preemptions": engine.scheduler.num_preemptions,
         "wall_s": time.monotonic() - started,
+        # EPLB: what it did after each step's forward, its stats, each MoE layer's final maps.
+        "eplb": [t.eplb for t in engine.trace],
+        "expert_stats": engine.stats().experts,
+        "phy2log": [layer.placement.phy2log.tolist() for layer in moe_layers(engine.model)],
     }
     return result, engine.model
 
 
-def _play_events(engine, store, name, events, outputs, lock, added, latencies, deadline) -> None:
+def _play_events(
+    engine, store, scenario, events, outputs, lock, added, latencies, deadline, rank
+) -> None:
+    name = scenario.name
     for event in events:
         _wait_for(
             lambda ev=event: (
@@ -181,6 +201,8 @@ def _play_events(engine, store, name, events, outputs, lock, added, latencies, d
             engine.set_schedulable(event.request_id)
         elif event.action == "kill":
             os._exit(17)
+        elif event.action == "remove_checkpoint":  # the copy this rank reads while serving
+            shutil.rmtree(scenario.rank_model_dir[rank])
 
 
 def _play_cycle(engine, store, name, event, outputs, lock, deadline) -> float:

@@ -214,3 +214,22 @@ def random_prompts(
         [rng.randrange(vocab_size) for _ in range(rng.randint(min_len, max_len))]
         for _ in range(num_prompts)
     ]
+
+
+def make_hot_experts(model_dir: str | Path, boosts: dict[int, float]) -> Path:
+    """Raise the selection bias (`e_score_correction_bias`, DeepSeek-V3's router) of some
+    experts in every MoE layer of a checkpoint in place, so they are chosen for most tokens: a
+    skewed router, as a trained model's bias leaves a few experts hot. boosts: expert -> what
+    is added to its bias."""
+    from safetensors.torch import load_file, save_file
+
+    model_dir = Path(model_dir)
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors = load_file(path)
+        names = [name for name in tensors if name.endswith("e_score_correction_bias")]
+        for name in names:
+            for expert, boost in boosts.items():
+                tensors[name][expert] += boost
+        if names:
+            save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir

@@ -52,6 +52,12 @@ BACKEND_CHOICES = {
     "expert_backend": get_args(ExpertBackend),
     "norm_backend": get_args(NormBackend),
 }
+EPLB_KEYS = (
+    "enable_eplb",
+    "eplb_num_redundant_experts",
+    "eplb_window_steps",
+    "eplb_interval_steps",
+)
 # generation_config: the model's generation_config.json ("auto"), none ("vllm"), or a directory
 # holding one (vLLM's --generation-config; launcher/generation_config.py reads it).
 GENERATION_CONFIG_MODES = ("auto", "vllm")
@@ -120,10 +126,37 @@ class ParallelConfig:
 class MoEConfig:
     # Tokens each rank may send in a low-latency (decode) dispatch; None = max_num_seqs.
     ll_max_tokens_per_rank: int | None = None
+    # Expert-parallel load balancing while serving (dist_engine/engine/eplb.py): every layer
+    # counts the tokens routed to each expert; every `eplb_interval_steps` forward steps the
+    # group sums the last `eplb_window_steps` steps' counts, places the experts anew over
+    # E + `eplb_num_redundant_experts` slots (a multiple of dp_size) and moves the weights.
+    enable_eplb: bool = False
+    eplb_num_redundant_experts: int = 0
+    eplb_window_steps: int = 1000
+    eplb_interval_steps: int = 3000
 
     def __post_init__(self) -> None:
         if self.ll_max_tokens_per_rank is not None:
             _positive_int("moe.ll_max_tokens_per_rank", self.ll_max_tokens_per_rank)
+        if not isinstance(self.enable_eplb, bool):
+            raise ValueError(f"moe.enable_eplb must be true or false, got {self.enable_eplb!r}")
+        redundant = self.eplb_num_redundant_experts
+        if not isinstance(redundant, int) or isinstance(redundant, bool) or redundant < 0:
+            raise ValueError(
+                f"moe.eplb_num_redundant_experts must be an int >= 0, got {redundant!r}"
+            )
+        _positive_int("moe.eplb_window_steps", self.eplb_window_steps)
+        _positive_int("moe.eplb_interval_steps", self.eplb_interval_steps)
+        if self.eplb_num_redundant_experts and not self.enable_eplb:
+            raise ValueError(
+                f"moe.eplb_num_redundant_experts is {self.eplb_num_redundant_experts}, but "
+                f"moe.enable_eplb is false: redundant slots exist only for EPLB to fill; set "
+                f"enable_eplb: true or leave it at 0"
+            )
+
+    def eplb_settings(self) -> dict[str, object]:
+        """The EPLB keys, under their dotted names (every rank must share them)."""
+        return {f"moe.{name}": getattr(self, name) for name in EPLB_KEYS}
 
 
 @dataclass(frozen=True)
@@ -316,6 +349,7 @@ class EngineConfig:
             **{f"scheduler.{k}": v for k, v in self.scheduler.group_agreed().items()},
             "parallel.dp_size": self.parallel.dp_size,
             "moe.ll_max_tokens_per_rank": self.ll_capacity,
+            **self.moe.eplb_settings(),
             "dtype": self.dtype,
             "check_lockstep": self.check_lockstep,
             "model": model_identity,

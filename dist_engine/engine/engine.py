@@ -34,6 +34,7 @@ from dist_engine.distributed.step_sync import TorchVote, agree_settings, find_fa
 from dist_engine.distributed.wake import LocalWake, StoreWake
 from dist_engine.engine.config import EngineConfig, model_identity
 from dist_engine.engine.dtype import DtypeChoice, checkpoint_dtype, resolve_auto_dtype
+from dist_engine.engine.eplb import ExpertBalancer, count_nodes, initial_placement
 from dist_engine.engine.messages import (
     INBOX_MESSAGES,
     AbortRequest,
@@ -54,7 +55,7 @@ from dist_engine.models.config import ModelConfig, read_hf_config
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import load_model
 from dist_engine.models.registry import load_config
-from moe import DispatchMode, ExpertPlacement
+from moe import DispatchMode
 from scheduler import (
     AttemptPoint,
     GroupView,
@@ -86,6 +87,7 @@ class StepTrace:
     step_s: float
     slept_s: float
     num_decode_seqs: int = 0  # a mixed step's decode tokens (their sequences) on this rank
+    eplb: str = ""  # what EPLB did after the forward (ExpertBalancer.after_forward)
 
 
 def check_max_model_len(max_model_len: int | None, model_config: ModelConfig) -> None:
@@ -145,6 +147,7 @@ class DPEngine:
             agree_settings(dist_ctx.vote_group, config.group_agreed(model_identity(config.model)))
             self.vote = TorchVote(dist_ctx.vote_group, dist_ctx.shared_memory)
         self.model = model if model is not None else self._load_model(device, sched_config)
+        self.balancer = self._make_balancer() if config.moe.enable_eplb else None
         sched_config = self._size_kv_pool(sched_config)
         sched_config = self._resolve_max_model_len(sched_config)
         self.model.attach_kv_cache(
@@ -273,7 +276,7 @@ class DPEngine:
     def _load_model(self, device: object, sched_config) -> MoECausalLM:
         num_experts = self.model_config.num_experts
         context = ExpertParallelContext(
-            placement=ExpertPlacement.even(num_experts, self.world_size),
+            placement=initial_placement(self.config.moe, num_experts, self.world_size),
             rank=self.rank,
             group=self.dist.moe_exchange if self.dist and self.world_size > 1 else None,
             ll_max_tokens_per_rank=self.config.ll_capacity,
@@ -285,6 +288,20 @@ class DPEngine:
             ep_context=context,
             backends=self.backends,
             max_decode_tokens=sched_config.max_num_seqs,
+        )
+
+    def _make_balancer(self) -> ExpertBalancer:
+        """EPLB on this rank (engine/eplb.py); collective (the nodes the group spans)."""
+        group = self.dist.vote_group if self.dist is not None else None
+        return ExpertBalancer(
+            self.config.moe,
+            self.model,
+            self.config.model,
+            self.rank,
+            self.world_size,
+            group,
+            self.log,
+            num_nodes=count_nodes(group, self.rank, self.world_size),
         )
 
     # -- called from any thread -------------------------------------------------------------
@@ -385,10 +402,15 @@ class DPEngine:
         self._advance_grammars(outputs.scheduled_seqs)
         self._emit_stream(outputs.scheduled_seqs)
         self._emit_all(finished)
+        eplb = ""
+        if self.balancer is not None and not outputs.known_empty:
+            # After the outputs are out, so a rebalance decision never delays this step's
+            # tokens; every rank ran this forward, so every rank takes EPLB's collectives here.
+            eplb = self.balancer.after_forward(outputs.step_index, self._votes)
         slept_s = 0.0
         if view is not None and view.none_work:
             slept_s = self._maybe_sleep(view)
-        return self._record(outputs, kind, start, forward_s, slept_s)
+        return self._record(outputs, kind, start, forward_s, slept_s, eplb)
 
     def _schedule(self, plan) -> SchedulerOutputs:
         """Run the scheduler's plan for this step, answering each vote it yields with a
@@ -488,6 +510,7 @@ class DPEngine:
         start: float,
         forward_s: float,
         slept_s: float,
+        eplb: str = "",
     ) -> StepTrace:
         trace = StepTrace(
             step=outputs.step_index,
@@ -502,6 +525,7 @@ class DPEngine:
             sync_s=self.vote.take_seconds() if self.vote is not None else 0.0,
             step_s=time.perf_counter() - start - slept_s,
             slept_s=slept_s,
+            eplb=eplb,
         )
         self.trace.append(trace)
         self.step_counters.record(trace)
@@ -551,6 +575,8 @@ class DPEngine:
             self._end_with_error(request_id, reason, kind)
         self._stop_reason = reason
         self._stop_kind = kind
+        if self.balancer is not None:
+            self.balancer.close()
         self.stopped = True
         self._reject_inbox()
         self._grammars.shutdown()

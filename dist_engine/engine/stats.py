@@ -57,6 +57,88 @@ class StepCounters:
 
 
 @dataclass(frozen=True)
+class RankExpertStats:
+    """One rank's EPLB state (dist_engine/engine/eplb.py); plain values.
+
+    balancedness: per MoE layer, mean / max tokens per rank over the window measured at the
+    last decision, under the placement that served it (`moe.balancedness`); empty before the
+    first decision. The group's load is summed at each decision, so every rank reports the
+    same values, and the same counts.
+    """
+
+    balancedness: list[float] = field(default_factory=list)
+    window_steps: int = 0  # forward steps that window held
+    num_rebalances: int = 0  # placements adopted
+    num_skipped: int = 0  # decisions whose proposal would not gain enough (`worth_adopting`)
+    num_failed: int = 0  # proposals dropped because a rank's staging failed
+    # The last adopted one: the step indices of its decision and commit, balancedness per
+    # layer before and after on the window it was computed from, this rank's time staging
+    # in the background and time its steps paused for it (computing the placement, and
+    # writing the weights in at the commit; not the two small collectives, a SUM of the
+    # [L, E] counts and a one-integer MIN), the expert weights it wrote into its slots, and
+    # of those the bytes it staged (read from the checkpoint into spare buffers: the extra
+    # memory it held until the commit).
+    last_decided_step: int | None = None
+    last_adopted_step: int | None = None
+    last_balancedness_before: list[float] = field(default_factory=list)
+    last_balancedness_after: list[float] = field(default_factory=list)
+    last_staging_s: float = 0.0
+    last_pause_s: float = 0.0
+    last_bytes: int = 0
+    last_staged_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ExpertStats:
+    """The group's EPLB state (`LLM.expert_stats()`), from every rank's `RankExpertStats`.
+
+    balancedness, the counts and the last rebalance's steps and balancedness are the group's
+    (every rank has the same); its staging and pause times are the slowest rank's, its bytes
+    the sum over ranks, `staged_bytes` the most any rank staged. `enabled` is False when the
+    group runs without EPLB (then nothing is measured). The ranks' snapshots are taken
+    without stopping their loops, so one taken during a commit may straddle it.
+    """
+
+    enabled: bool
+    balancedness: list[float] = field(default_factory=list)
+    num_rebalances: int = 0
+    num_skipped: int = 0
+    num_failed: int = 0
+    last_rebalance_step: int | None = None
+    last_balancedness_before: list[float] = field(default_factory=list)
+    last_balancedness_after: list[float] = field(default_factory=list)
+    last_rebalance_staging_s: float = 0.0
+    last_rebalance_pause_s: float = 0.0
+    last_rebalance_bytes: int = 0
+    last_staged_bytes: int = 0
+    ranks: list[RankExpertStats] = field(default_factory=list)
+
+
+def group_expert_stats(stats: list[RankStats]) -> ExpertStats:
+    """The group's `ExpertStats` from its ranks' `RankStats` (ranks without EPLB stats, or a
+    group without EPLB: `enabled=False`)."""
+    ranks = [rank.experts for rank in sorted(stats, key=lambda r: r.dp_rank) if rank.experts]
+    if not ranks:
+        return ExpertStats(enabled=False)
+    first = ranks[0]
+    return ExpertStats(
+        enabled=True,
+        balancedness=list(first.balancedness),
+        num_rebalances=first.num_rebalances,
+        num_skipped=first.num_skipped,
+        num_failed=first.num_failed,
+        last_rebalance_step=first.last_adopted_step,
+        last_balancedness_before=list(first.last_balancedness_before),
+        last_balancedness_after=list(first.last_balancedness_after),
+        last_rebalance_staging_s=max(rank.last_staging_s for rank in ranks),
+        last_rebalance_pause_s=max(rank.last_pause_s for rank in ranks),
+        last_rebalance_bytes=sum(rank.last_bytes for rank in ranks),
+        last_staged_bytes=max(rank.last_staged_bytes for rank in ranks),
+        ranks=ranks,
+    )
+
+
+@dataclass(frozen=True)
 class RankStats:
     """One rank's state and counters; plain values, so it crosses Ray and pickling intact."""
 
@@ -78,6 +160,7 @@ class RankStats:
     # Set by a client when the rank did not answer in time: these are its last stats, and it
     # has not answered for this many seconds.
     silent_s: float = 0.0
+    experts: RankExpertStats | None = None  # EPLB's, when enabled
 
 
 def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:
@@ -106,4 +189,5 @@ def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:
             pool.num_prefix_hit_tokens + counters.num_prefill_tokens if caching else 0
         ),
         error=error,
+        experts=engine.balancer.snapshot() if engine.balancer is not None else None,
     )

@@ -31,7 +31,7 @@ import io
 import json
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -420,33 +420,53 @@ def _load_layer_experts(
     assert isinstance(experts, MoELayer)
     names = layout.expert_names(layer_idx)
     hosted = context.resolve_placement(config.num_experts).hosted_logical(context.rank)
-    gate_shape, up_shape, down_shape = layout.expert_shapes()
-    size, num_experts = gate_shape[0], config.num_experts
+    for expert, gate, up, down in read_experts(reader, config, layer_idx, hosted, model.dtype):
+        experts.load_expert(expert, gate, up, down)
     if reader.has(names.fused_gate_up) or reader.has(names.fused_down):
-        # Fused layout: one [E, ...] tensor per projection; read only the hosted rows.
-        reader.check_shape(names.fused_gate_up, (num_experts, 2 * size, gate_shape[1]))
-        reader.check_shape(names.fused_down, (num_experts, *down_shape))
-        for name in (names.fused_gate_up, names.fused_down):
-            is_quantized(reader, config.quantization, name)  # raises for FP8: not a release form
-        for expert in hosted:
-            gate_up = reader.read_row(names.fused_gate_up, expert)
-            down = reader.read_row(names.fused_down, expert)
-            experts.load_expert(expert, gate_up[:size], gate_up[size:], down)
         return {names.fused_gate_up, names.fused_down}
-    for expert in hosted:
-        gate_name, up_name, down_name = names.per_expert(expert)
-        experts.load_expert(
-            expert,
-            read_weight(reader, config.quantization, gate_name, gate_shape, model.dtype),
-            read_weight(reader, config.quantization, up_name, up_shape, model.dtype),
-            read_weight(reader, config.quantization, down_name, down_shape, model.dtype),
-        )
-    for expert in range(num_experts):
+    for expert in range(config.num_experts):
         for name in names.per_expert(expert):
             # Presence only (no read): a checkpoint missing any expert is broken on some rank,
             # so every rank reports it rather than just the one hosting it.
             reader.require(name)
-    return {name for e in range(num_experts) for name in names.per_expert(e)}
+    return {name for e in range(config.num_experts) for name in names.per_expert(e)}
+
+
+def read_experts(
+    reader: CheckpointReader,
+    config: ModelConfig,
+    layer_idx: int,
+    experts: Iterable[int],
+    dtype: torch.dtype,
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The weights of the given logical experts of decoder layer `layer_idx`, one expert at a
+    time: (expert, gate [I, D], up [I, D], down [D, I]) in the Hugging Face layout, checked
+    against the config's shapes. Reads only those experts' bytes (one row each of a fused
+    [E, ...] tensor, or their own tensors); block-FP8 weights come dequantized to `dtype`,
+    others as stored. Used at load and by EPLB, which reads the experts newly assigned to a
+    rank while it serves."""
+    layout = get_architecture(config.model_type).layout(config)
+    names = layout.expert_names(layer_idx)
+    gate_shape, up_shape, down_shape = layout.expert_shapes()
+    size, num_experts = gate_shape[0], config.num_experts
+    if reader.has(names.fused_gate_up) or reader.has(names.fused_down):
+        reader.check_shape(names.fused_gate_up, (num_experts, 2 * size, gate_shape[1]))
+        reader.check_shape(names.fused_down, (num_experts, *down_shape))
+        for name in (names.fused_gate_up, names.fused_down):
+            is_quantized(reader, config.quantization, name)  # raises for FP8: not a release form
+        for expert in experts:
+            gate_up = reader.read_row(names.fused_gate_up, expert)
+            down = reader.read_row(names.fused_down, expert)
+            yield expert, gate_up[:size], gate_up[size:], down
+        return
+    for expert in experts:
+        gate_name, up_name, down_name = names.per_expert(expert)
+        yield (
+            expert,
+            read_weight(reader, config.quantization, gate_name, gate_shape, dtype),
+            read_weight(reader, config.quantization, up_name, up_shape, dtype),
+            read_weight(reader, config.quantization, down_name, down_shape, dtype),
+        )
 
 
 def _check_no_extra_tensors(

@@ -15,8 +15,10 @@ Where the numbers come from:
   prompt counts once its first token is out, as vLLM counts prefill work), per-request token
   counts, `max_tokens`, `n` and the finish reason (`request_success`);
 - per rank, from the latest `RankStats` (`RankCollector`): running and waiting requests, KV
-  usage and free blocks, preemptions, prefix-cache queries and hits, and the lock-step
-  counters: steps by kind, votes by attempt point, second votes;
+  usage and free blocks, preemptions, prefix-cache queries and hits, the lock-step
+  counters: steps by kind, votes by attempt point, second votes; and with EPLB
+  (`moe.enable_eplb`; vLLM exports none) balancedness per MoE layer, rebalances by outcome,
+  and the last rebalance's bytes, staging and pause time;
 - the server's own: open requests, health, HTTP responses by path and status;
 - healing (`on_rank_failure: heal`; Lockstep's own, vLLM has none): failures of the group,
   recoveries, requests resumed, and how long each recovery took (failure seen to new group
@@ -333,6 +335,44 @@ class RankCollector(Collector):
                 votes.add_metric([*self._labels(rank), point], count)
         yield steps
         yield votes
+        yield from self._eplb()
+
+    def _eplb(self) -> Iterator[Metric]:
+        """EPLB's series, for the ranks that run it (engine/eplb.py)."""
+        ranks = [rank for rank in self.snapshot if rank.experts is not None]
+        balance = GaugeMetricFamily(
+            PREFIX + "eplb_balancedness",
+            "Mean over max tokens per rank of each MoE layer (0-based among the MoE layers) "
+            "over the window measured at the last EPLB decision (1: perfect balance)",
+            labels=[*_LABELS, "layer"],
+        )
+        outcomes = CounterMetricFamily(
+            PREFIX + "eplb_rebalances",
+            "EPLB decisions by outcome: adopted, skipped (would not gain enough), failed (a "
+            "rank's staging failed; the old placement stayed)",
+            labels=[*_LABELS, "outcome"],
+        )
+        last = {
+            name: GaugeMetricFamily(PREFIX + name, doc, labels=_LABELS)
+            for name, doc in _EPLB_LAST.items()
+        }
+        for rank in ranks:
+            labels, experts = self._labels(rank), rank.experts
+            for layer, value in enumerate(experts.balancedness):
+                balance.add_metric([*labels, str(layer)], value)
+            for outcome, count in (
+                ("adopted", experts.num_rebalances),
+                ("skipped", experts.num_skipped),
+                ("failed", experts.num_failed),
+            ):
+                outcomes.add_metric([*labels, outcome], count)
+            last["eplb_last_rebalance_bytes"].add_metric(labels, experts.last_bytes)
+            last["eplb_last_rebalance_staging_seconds"].add_metric(labels, experts.last_staging_s)
+            last["eplb_last_rebalance_pause_seconds"].add_metric(labels, experts.last_pause_s)
+        if ranks:
+            yield balance
+            yield outcomes
+            yield from last.values()
 
     def _labels(self, rank: RankStats) -> list[str]:
         return [self.model_name, str(rank.dp_rank)]
@@ -362,6 +402,16 @@ _RANK_COUNTERS = (
     ),
     ("second_votes", "Vote 2s: did any rank assemble a prefill batch", "num_second_votes"),
 )
+
+
+_EPLB_LAST = {
+    "eplb_last_rebalance_bytes": "Expert weights the rank wrote into its slots at the last "
+    "adopted rebalance",
+    "eplb_last_rebalance_staging_seconds": "The rank's background staging time of the last "
+    "adopted rebalance",
+    "eplb_last_rebalance_pause_seconds": "Time the rank's steps paused for the last adopted "
+    "rebalance (its decision and its commit)",
+}
 
 
 class StatsLog:

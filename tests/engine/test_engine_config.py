@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from dist_engine.engine.config import EngineConfig, model_identity
+from dist_engine.engine.config import EngineConfig, MoEConfig, model_identity
+from dist_engine.engine.eplb import check_slots, initial_placement
 
 
 def test_nested_sections_and_flat_overrides():
@@ -50,6 +51,23 @@ def test_nested_sections_and_flat_overrides():
             {"model": "/m", "scheduler": {"sync_policy": "unified"}},
             "sync_policy must be one of ['vote', 'every_step', 'deadline']",
         ),
+        ({"model": "/m", "moe": {"enable_eplb": 1}}, "moe.enable_eplb must be true or false"),
+        (
+            {"model": "/m", "moe": {"enable_eplb": True, "eplb_window_steps": 0}},
+            "moe.eplb_window_steps must be an int >= 1, got 0",
+        ),
+        (
+            {"model": "/m", "moe": {"enable_eplb": True, "eplb_interval_steps": 2.5}},
+            "moe.eplb_interval_steps must be an int >= 1, got 2.5",
+        ),
+        (
+            {"model": "/m", "moe": {"enable_eplb": True, "eplb_num_redundant_experts": -1}},
+            "moe.eplb_num_redundant_experts must be an int >= 0, got -1",
+        ),
+        (
+            {"model": "/m", "moe": {"eplb_num_redundant_experts": 4}},
+            "moe.eplb_num_redundant_experts is 4, but moe.enable_eplb is false",
+        ),
     ],
 )
 def test_bad_settings_name_the_key(values, message):
@@ -90,7 +108,27 @@ def test_group_agreed_settings_and_model_identity(tmp_path):
         "scheduler.sync_policy",
         "scheduler.prefill_deadline_steps",
         "moe.ll_max_tokens_per_rank",
+        "moe.enable_eplb",
+        "moe.eplb_num_redundant_experts",
+        "moe.eplb_window_steps",
+        "moe.eplb_interval_steps",
     } <= set(agreed)
+
+
+def test_eplb_slots_must_split_evenly_over_the_ranks():
+    eplb = MoEConfig(enable_eplb=True, eplb_num_redundant_experts=3)
+    with pytest.raises(ValueError) as info:
+        check_slots(eplb, num_experts=8, num_ranks=2)
+    assert str(info.value).startswith(
+        "moe.eplb_num_redundant_experts is 3: the model's 8 experts plus the redundant slots "
+        "(11) must be a multiple of parallel.dp_size=2"
+    )
+    assert "allowed: 0, 2, ..." in str(info.value)
+    with pytest.raises(ValueError, match=r"8 experts do not split evenly over .*dp_size=3"):
+        check_slots(MoEConfig(), num_experts=8, num_ranks=3)
+    check_slots(MoEConfig(enable_eplb=True, eplb_num_redundant_experts=1), 8, 3)
+    assert initial_placement(eplb, 8, 1).phy2log.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]
+    assert initial_placement(MoEConfig(), 8, 2).phy2log.tolist() == list(range(8))
 
 
 @pytest.mark.parametrize(

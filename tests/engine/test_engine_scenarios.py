@@ -16,18 +16,20 @@ so the suite covers both policies for the price of one model load per DP size.
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 from engine_harness import MODEL_SIZES, Event, Scenario, run_scenarios
-from model_fixtures import TINY_SIZES
+from model_fixtures import TINY_SIZES, make_hot_experts
 
 from dist_engine.distributed.spawn import run_multirank
 from dist_engine.engine.request import Request
 from dist_engine.engine.runner import ModelRunner
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
+from moe import ExpertPlacement
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 pytestmark = pytest.mark.multirank
@@ -194,6 +196,18 @@ def build_scenarios(world: int) -> list[Scenario]:
     )
     scenarios.append(
         Scenario(
+            "eplb",
+            tuple(
+                _add(rng.randrange(world), rng.randint(0, 20), f"eplb-{i}", rng, max_tokens=12)
+                for i in range(12)
+            ),
+            # Decisions every 3 forward steps on the last 6: rebalances mid-stream, commits
+            # at their checks, through prefill, mixed, decode and sleeping steps.
+            moe=eplb_settings(world, window_steps=6, interval_steps=3),
+        )
+    )
+    scenarios.append(
+        Scenario(
             "every_step_policy",
             tuple(
                 _add(
@@ -209,6 +223,16 @@ def build_scenarios(world: int) -> list[Scenario]:
         )
     )
     return scenarios + [deadline_twin(s) for s in scenarios]
+
+
+def eplb_settings(world: int, window_steps: int, interval_steps: int) -> dict:
+    """EPLB with one redundant slot per rank (8 experts + world slots split evenly)."""
+    return {
+        "enable_eplb": True,
+        "eplb_num_redundant_experts": world,
+        "eplb_window_steps": window_steps,
+        "eplb_interval_steps": interval_steps,
+    }
 
 
 def deadline_twin(scenario: Scenario) -> Scenario:
@@ -264,6 +288,9 @@ def check_scenario(scenario: Scenario, per_rank: list[dict], reference: Referenc
     # (b) the same step kinds, attempt points and votes on every rank
     kinds = [[(s, k, p, v, a) for s, k, p, v, a, _ in r["trace"]] for r in per_rank]
     assert all(k == kinds[0] for k in kinds), f"{name}: ranks' traces differ"
+    # ... and the same EPLB collectives and outcomes at the same steps, to the same maps
+    assert all(r["eplb"] == per_rank[0]["eplb"] for r in per_rank), f"{name}: EPLB differs"
+    assert all(r["phy2log"] == per_rank[0]["phy2log"] for r in per_rank), name
     # (c) tokens equal the single-rank reference
     ran = [
         (e, per_rank[e.rank]["outputs"][e.request_id])
@@ -314,10 +341,66 @@ def _check_deadline(name: str, deadline: int, trace: list) -> None:
             assert kind != "prefill", f"{name}: step {step} prefilled with nothing due"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_vote_deadlock_scenarios(world, model_dir, reference):
-    scenarios = build_scenarios(world)
-    results = run_multirank(world, run_scenarios, (model_dir, scenarios), timeout_s=420)
+# -- EPLB while serving ------------------------------------------------------------------------
+# Experts 6 and 7 (of group 1) get most tokens: the rank holding them does most of the expert
+# work until EPLB replicates them.
+HOT_EXPERTS = {6: 0.3, 7: 0.15}
+
+
+@pytest.fixture(scope="module")
+def hot_deepseek_dir(tmp_path_factory) -> str:
+    """DeepSeek-V3 (3 layers, 2 of them MoE) whose selection bias makes two experts hot."""
+    out = tmp_path_factory.mktemp("deepseek-v3-hot")
+    make_tiny_checkpoint("deepseek_v3", out, seed=7, num_layers=3, **TINY_SIZES)
+    return str(make_hot_experts(out, HOT_EXPERTS))
+
+
+def eplb_scenarios(world: int, model_dir: str, rank1_copy: str | None) -> list[Scenario]:
+    """On `model_dir`, the same requests without EPLB, with it (decisions every 4 forward
+    steps, while every request is decoding), and (given a copy of the checkpoint for rank 1
+    to lose) with rank 1's staging failing."""
+    rng = random.Random(300 + world)
+    events = tuple(
+        _add(r, 0, f"ep-{r}-{i}", rng, length=(4, 24), max_tokens=24)
+        for r in range(world)
+        for i in range(3)
+    ) + tuple(_add(r, 10, f"ep-late-{r}", rng, max_tokens=10) for r in range(world))
+    eplb = eplb_settings(world, window_steps=8, interval_steps=4)
+    scenarios = [
+        Scenario("eplb_off", events, model_dir=model_dir),
+        Scenario("eplb_on", events, moe=eplb, model_dir=model_dir),
+    ]
+    if rank1_copy is not None:
+        scenarios.append(
+            Scenario(
+                "eplb_staging_fails",
+                (Event(1, 1, "remove_checkpoint"), *events),
+                moe=eplb,
+                model_dir=model_dir,
+                rank_model_dir={1: rank1_copy},
+            )
+        )
+    return scenarios
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2", "4"])
+def group_runs(request, model_dir, hot_deepseek_dir, tmp_path_factory) -> dict:
+    """One DP group of each size runs the deadlock suite and the EPLB scenarios on the skewed
+    DeepSeek-V3 (process start-up is most of a group's cost): world, scenarios and each
+    rank's results."""
+    world = request.param
+    rank1_copy = None
+    if world == 2:
+        copies = tmp_path_factory.mktemp("rank1-checkpoint")
+        rank1_copy = str(shutil.copytree(hot_deepseek_dir, copies / "deepseek-v3-hot"))
+    suite = build_scenarios(world)
+    eplb = eplb_scenarios(world, hot_deepseek_dir, rank1_copy)
+    results = run_multirank(world, run_scenarios, (model_dir, suite + eplb), timeout_s=420)
+    return {"world": world, "suite": suite, "eplb": eplb, "results": results}
+
+
+def test_vote_deadlock_scenarios(group_runs, reference):
+    world, scenarios, results = group_runs["world"], group_runs["suite"], group_runs["results"]
     for scenario in scenarios:
         check_scenario(scenario, [r[scenario.name] for r in results], reference)
     walls = {s.name: results[0][s.name]["wall_s"] for s in scenarios}
@@ -343,6 +426,40 @@ def test_vote_deadlock_scenarios(world, model_dir, reference):
         assert latencies[-1] < 5.0, f"{suffix}: a wake took {latencies[-1]:.1f} s"
         slept = sum(1 for _, kind, *_ in by_name["sleep_wake"][0]["trace"] if kind == "empty")
         assert slept > 0, suffix
+        assert "decided" in by_name["eplb"][0]["eplb"], suffix
+
+
+def test_eplb_rebalances_mid_stream_with_unchanged_tokens(group_runs, hot_deepseek_dir):
+    """A skewed router at DP = 2 and 4: EPLB moves experts while every request decodes, every
+    rank adopts the same maps at the same step, balance improves, and the greedy tokens equal
+    the single-rank reference's (as without EPLB). At DP = 2, a rank whose checkpoint vanished
+    fails every staging: the group keeps its placement and serves on."""
+    world, scenarios, results = group_runs["world"], group_runs["eplb"], group_runs["results"]
+    reference = Reference(hot_deepseek_dir)
+    for scenario in scenarios:
+        check_scenario(scenario, [r[scenario.name] for r in results], reference)
+    walls = {s.name: round(results[0][s.name]["wall_s"], 1) for s in scenarios}
+    print(f"DP={world}: EPLB scenarios {walls} s")
+    initial = [ExpertPlacement.with_redundancy(8, world, world).phy2log.tolist()] * 2
+    on = results[0]["eplb_on"]
+    adopted = [i for i, event in enumerate(on["eplb"]) if event == "adopted"]
+    assert adopted, on["eplb"]
+    assert on["phy2log"] != initial
+    # Mid-stream: every rank still had requests running in the step after the first swap.
+    for r in range(world):
+        assert results[r]["eplb_on"]["trace"][adopted[0] + 1][5] > 0, r
+    stats = [r["eplb_on"]["expert_stats"] for r in results]
+    assert all(s.num_rebalances == stats[0].num_rebalances >= 1 for s in stats), stats
+    first = stats[0]
+    before, after = first.last_balancedness_before, first.last_balancedness_after
+    assert sum(after) > sum(before), first
+    assert sum(s.last_bytes for s in stats) > 0 and first.last_pause_s > 0.0
+    if world == 2:
+        failing = [r["eplb_staging_fails"] for r in results]
+        assert failing[0]["phy2log"] == initial  # nothing was ever adopted
+        assert "dropped" in failing[0]["eplb"] and "adopted" not in failing[0]["eplb"]
+        assert all(r["expert_stats"].num_failed >= 1 for r in failing)
+        assert all(r["expert_stats"].num_rebalances == 0 for r in failing)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import torch
 
 import launcher.clients as clients
 from dist_engine.engine.engine import DPEngine
+from dist_engine.engine.stats import ExpertStats
 from launcher import LLM, SamplingParams
 
 SETTINGS = dict(dtype="float64", max_num_seqs=4, max_model_len=64, num_blocks=64, block_size=4)
@@ -31,6 +32,7 @@ def test_the_engine_is_built_and_stepped_on_the_host_thread(model_dir, monkeypat
     with LLM(model=model_dir, launcher="local", dp_size=1, **SETTINGS) as llm:
         out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
         host_thread = llm.client.host.thread
+        assert llm.expert_stats() == ExpertStats(enabled=False)  # no EPLB, nothing measured
     assert len(out[0].output_token_ids) == 3
     assert seen["init"] == seen["step"] == {host_thread}
     assert host_thread is not threading.main_thread()
@@ -53,3 +55,25 @@ def test_threads_per_rank_sets_the_engine_threads(model_dir):
         assert len(out[0].output_token_ids) == 2
     finally:
         torch.set_num_threads(before)  # the setting is process-wide
+
+
+def test_expert_stats_come_from_the_ranks_eplb(model_dir):
+    """LLM.expert_stats() through the client's stats: one rank holds every slot, so its
+    balance is perfect and every decision is skipped, with nothing moved."""
+    eplb = dict(enable_eplb=True, eplb_num_redundant_experts=2, eplb_interval_steps=2)
+    with LLM(model=model_dir, launcher="local", dp_size=1, **SETTINGS, **eplb) as llm:
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8, ignore_eos=True))
+        stats = llm.expert_stats()
+    assert stats.enabled and stats.balancedness == [1.0, 1.0]  # two MoE layers
+    assert stats.num_skipped >= 3 and (stats.num_rebalances, stats.num_failed) == (0, 0)
+    assert stats.last_rebalance_step is None and stats.last_rebalance_bytes == 0
+    assert len(stats.ranks) == 1 and stats.ranks[0].window_steps >= 2
+
+
+def test_slots_that_do_not_split_over_the_ranks_are_refused_before_any_rank_starts(model_dir):
+    with pytest.raises(ValueError, match=r"experts do not split evenly over parallel.dp_size=3"):
+        LLM(model=model_dir, launcher="ray", dp_size=3, **SETTINGS)
+    with pytest.raises(
+        ValueError, match=r"moe.eplb_num_redundant_experts is 2: .*parallel.dp_size=3"
+    ):
+        LLM(model=model_dir, dp_size=3, enable_eplb=True, eplb_num_redundant_experts=2, **SETTINGS)

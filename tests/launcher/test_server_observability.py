@@ -21,7 +21,12 @@ from server_harness import ServerThread
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import StepTrace
-from dist_engine.engine.stats import RankStats, StepCounters
+from dist_engine.engine.stats import (
+    RankExpertStats,
+    RankStats,
+    StepCounters,
+    group_expert_stats,
+)
 from dist_engine.log import LOGGER_NAME
 from launcher.server.config import ServerConfig
 from launcher.server.metrics import RequestTimer, ServerMetrics, StatsLog
@@ -139,6 +144,52 @@ def test_step_counters_count_the_prompt_tokens_a_rank_computes():
 
 
 # -- the stats line, without a server -----------------------------------------------------------
+def test_eplb_series_and_the_groups_expert_stats():
+    """Each rank's EPLB state under lockstep:eplb_*, per layer and by outcome; a rank without
+    EPLB adds none. The group's view sums the bytes and takes the slowest staging."""
+    experts = [
+        RankExpertStats(
+            balancedness=[0.5, 0.75],
+            num_rebalances=2,
+            num_skipped=3,
+            num_failed=1,
+            last_adopted_step=40,
+            last_staging_s=staging,
+            last_pause_s=0.01,
+            last_bytes=num_bytes,
+        )
+        for staging, num_bytes in ((0.2, 1000), (0.3, 500))
+    ]
+    stats = [rank_stats(rank, experts=e) for rank, e in enumerate(experts)]
+    metrics = ServerMetrics("tiny", num_ranks=2, max_model_len=64)
+    text = metrics.render(stats, num_open=0, healthy=True).decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if "eplb" in sample.name
+    }
+
+    def value(name: str, engine: int, **labels: str) -> float:
+        key = {"model_name": "tiny", "engine": str(engine), **labels}
+        return samples[(f"lockstep:{name}", tuple(sorted(key.items())))]
+
+    assert value("eplb_balancedness", 1, layer="1") == 0.75
+    assert value("eplb_rebalances_total", 0, outcome="adopted") == 2
+    assert value("eplb_rebalances_total", 0, outcome="skipped") == 3
+    assert value("eplb_rebalances_total", 1, outcome="failed") == 1
+    assert value("eplb_last_rebalance_bytes", 1) == 500
+    assert value("eplb_last_rebalance_staging_seconds", 0) == 0.2
+    assert value("eplb_last_rebalance_pause_seconds", 1) == 0.01
+    plain = metrics.render([rank_stats(0)], num_open=0, healthy=True).decode()
+    assert "eplb" not in plain
+    group = group_expert_stats(stats)
+    assert group.enabled and group.balancedness == [0.5, 0.75] and group.num_rebalances == 2
+    assert (group.last_rebalance_bytes, group.last_rebalance_staging_s) == (1500, 0.3)
+    assert group.last_rebalance_step == 40 and len(group.ranks) == 2
+    assert not group_expert_stats([rank_stats(0)]).enabled
+
+
 def test_the_stats_line_reports_each_busy_interval_and_one_idle_one():
     metrics = ServerMetrics("tiny", num_ranks=2, max_model_len=64)
     log = StatsLog(metrics, interval_s=10.0, now=0.0)

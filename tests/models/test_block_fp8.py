@@ -35,6 +35,7 @@ from dist_engine.models.loader import (
     load_model,
     load_weights,
     planned_reads,
+    read_experts,
 )
 from dist_engine.models.make_model import make_tiny_checkpoint
 from dist_engine.models.registry import load_config
@@ -196,6 +197,30 @@ def test_half_precision_scales_load(tmp_path: Path, scale_dtype: str) -> None:
     ours, expected = load_model(release), load_model(reference)
     for (name, value), other in zip(ours.named_parameters(), expected.parameters(), strict=True):
         assert torch.equal(value, other), name
+
+
+def test_eplb_reads_the_experts_it_is_asked_for_dequantized(
+    release: Path, reference_dir: Path
+) -> None:
+    """What EPLB stages while serving: the named experts of one layer, dequantized as at
+    load, nothing else read."""
+    config = load_config(release)
+    layer = config.moe_layer_indices[-1]
+    with CheckpointReader(release) as reader, CheckpointReader(reference_dir) as expected:
+        ours = list(read_experts(reader, config, layer, [5, 2], torch.float32))
+        theirs = list(read_experts(expected, config, layer, [5, 2], torch.float32))
+        read = list(reader.tensors_read)
+    assert [expert for expert, *_ in ours] == [5, 2]
+    for (_, *weights), (_, *reference) in zip(ours, theirs, strict=True):
+        for weight, want in zip(weights, reference, strict=True):
+            assert weight.dtype == torch.float32 and torch.equal(weight, want)
+    prefix = f"model.layers.{layer}.mlp.experts."
+    assert read == [
+        f"{prefix}{e}.{proj}.weight{suffix}"
+        for e in (5, 2)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+        for suffix in ("", "_scale_inv")
+    ]
 
 
 # -- what a rank reads ------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Odd seeds run the experts through the compiled kernel (when it is built; it read
 rows in place, strided), even seeds through PyTorch. Every case travels both through the gloo
 group and through the shared-memory exchange (small slots, so rows go in several chunks).
 Placements are even, random with replicas, or `moe.rebalance`'s for a skewed load (both
-policies); every layer counts its routed load, checked against the case's topk_ids.
+policies); every layer counts its routed load, checked against the case's topk_ids. Last,
+decode-sized batches (one or two tokens a rank) on a hot expert with replicas, through the
+layer's own running offsets, with the placement swapped between two forwards as EPLB does.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ from moe import (
     DispatchMode,
     ExpertPlacement,
     MoELayer,
+    StagedPlacement,
     choose_replicas,
     combine,
     dense_reference_moe,
     dispatch,
+    fill_expert,
+    keep_hosted_slots,
     rebalance,
     run_local_experts,
+    slot_moves,
     softmax_topk,
 )
 
@@ -163,8 +169,70 @@ def ep_worker(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
                 "expert_load" + suffix: layer.take_expert_load(),
             }
         )
-    # One dict per case, both exchanges' results in it.
-    return [{**results[2 * i], **results[2 * i + 1]} for i in range(len(cases))]
+    # One dict per case, both exchanges' results in it; then the swap's.
+    cases_out = [{**results[2 * i], **results[2 * i + 1]} for i in range(len(cases))]
+    return {"cases": cases_out, "swap": swap_worker(rank, world_size)}
+
+
+# -- decode-sized batches, replicas and a placement swap -------------------------------------
+HOT = 3  # every token's first choice
+SWAP_STEPS, SWAP_AT = 6, 3  # decode forwards; the placement changes before forward SWAP_AT
+
+
+def swap_placements(world_size: int) -> tuple[ExpertPlacement, ExpertPlacement]:
+    """EPLB's start (one spare slot per rank) and its placement for the hot load, aligned."""
+    before = ExpertPlacement.with_redundancy(NUM_EXPERTS, world_size, world_size)
+    load = torch.ones(1, NUM_EXPERTS)
+    load[0, HOT] = 100.0
+    proposed = rebalance(load, NUM_EXPERTS + world_size, 1, 1, world_size).placement(0)
+    return before, keep_hosted_slots(before, proposed)
+
+
+def swap_tokens(rank: int, step: int):
+    """hidden [T, D], topk_weights [T, 2], topk_ids [T, 2] with T = 1 or 2, HOT first."""
+    gen = torch.Generator().manual_seed(5000 + 10 * rank + step)
+    num_tokens = 1 + (rank + step) % 2
+    hidden = torch.randn(num_tokens, HIDDEN, generator=gen)
+    other = (HOT + 1 + torch.randint(NUM_EXPERTS - 1, (num_tokens, 1), generator=gen)) % 8
+    ids = torch.cat([torch.full((num_tokens, 1), HOT), other], dim=1)
+    weights = torch.softmax(torch.randn(num_tokens, 2, generator=gen), dim=1)
+    return hidden, weights, ids
+
+
+def swap_worker(rank: int, world_size: int) -> dict:
+    """Decode forwards without a token_offset; before forward SWAP_AT every rank adopts the
+    new placement, staging the experts new to it from the (regenerated) weights."""
+    before, after = swap_placements(world_size)
+    gate, up, down = make_expert_weights(Case(DispatchMode.LOW_LATENCY, 2, True, 77))
+    layer = MoELayer(
+        NUM_EXPERTS, HIDDEN, INTERMEDIATE, before, rank, dist.group.WORLD, torch.float32, CAPACITY
+    )
+    for logical in before.hosted_logical(rank):
+        layer.load_expert(logical, gate[logical], up[logical], down[logical])
+    outputs, offsets = [], []
+    for step in range(SWAP_STEPS):
+        if step == SWAP_AT:
+            moves = slot_moves(before, after, rank)
+            w13 = torch.empty(len(moves.load), HIDDEN, 2 * INTERMEDIATE)
+            w2 = torch.empty(len(moves.load), INTERMEDIATE, HIDDEN)
+            for row, (_, e) in enumerate(moves.load):
+                fill_expert(w13[row], w2[row], gate[e], up[e], down[e])
+            index = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+            layer.adopt(
+                StagedPlacement(
+                    after,
+                    after.log2phy.clone(),
+                    after.logcnt.clone(),
+                    index([slot for slot, _ in moves.load]),
+                    w13,
+                    w2,
+                    index([slot for slot, _ in moves.copy]),
+                    index([source for _, source in moves.copy]),
+                )
+            )
+        offsets.append(layer.next_token_offset)
+        outputs.append(layer(*swap_tokens(rank, step), DispatchMode.LOW_LATENCY))
+    return {"outputs": outputs, "offsets": offsets, "phy2log": layer.placement.phy2log}
 
 
 def num_token_rank_pairs(case: Case, world_size: int) -> int:
@@ -182,7 +250,9 @@ def num_token_rank_pairs(case: Case, world_size: int) -> int:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ep_matches_dense_reference(world_size: int) -> None:
     cases = build_cases()
-    per_rank = run_multirank(world_size, ep_worker, (cases,), timeout_s=90)
+    returned = run_multirank(world_size, ep_worker, (cases,), timeout_s=90)
+    per_rank = [result["cases"] for result in returned]
+    check_swap(world_size, [result["swap"] for result in returned])
     for index, case in enumerate(cases):
         gate, up, down = make_expert_weights(case)
         results = [per_rank[rank][index] for rank in range(world_size)]
@@ -209,3 +279,29 @@ def test_ep_matches_dense_reference(world_size: int) -> None:
             assert received == num_token_rank_pairs(case, world_size), case
         else:
             assert received == world_size * world_size * CAPACITY, case
+
+
+def check_swap(world_size: int, per_rank: list[dict]) -> None:
+    """Every decode forward equals the dense reference, across the swap; the layer's own
+    offsets start at the rank and advance by its tokens; and those offsets send the hot
+    expert's tokens to each of its replicas, on several ranks."""
+    before, after = swap_placements(world_size)
+    assert after.logcnt[HOT] >= 2 and len(set(after.log2phy[HOT].tolist()) - {-1}) >= 2
+    gate, up, down = make_expert_weights(Case(DispatchMode.LOW_LATENCY, 2, True, 77))
+    used = set()
+    for rank, result in enumerate(per_rank):
+        assert result["phy2log"].tolist() == after.phy2log.tolist()
+        offset = rank
+        for step in range(SWAP_STEPS):
+            hidden, weights, ids = swap_tokens(rank, step)
+            expected = dense_reference_moe(hidden, weights, ids, gate, up, down)
+            torch.testing.assert_close(
+                result["outputs"][step], expected, rtol=1e-5, atol=1e-5, msg=(rank, step)
+            )
+            assert result["offsets"][step] == offset
+            placement = after if step >= SWAP_AT else before
+            if step >= SWAP_AT:
+                used |= set(choose_replicas(ids, placement, offset)[:, 0].tolist())
+            offset += hidden.shape[0]
+    hot_slots = set(after.log2phy[HOT].tolist()) - {-1}
+    assert used == hot_slots, (used, hot_slots)

@@ -11,7 +11,17 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe import DispatchMode, ExpertPlacement, MoELayer, dense_reference_moe, softmax_topk
+from moe import (
+    DispatchMode,
+    ExpertPlacement,
+    MoELayer,
+    StagedPlacement,
+    dense_reference_moe,
+    fill_expert,
+    keep_hosted_slots,
+    slot_moves,
+    softmax_topk,
+)
 
 NUM_EXPERTS, HIDDEN, INTERMEDIATE = 8, 16, 24
 
@@ -142,6 +152,85 @@ def test_load_counting_changes_nothing_and_counts_routed_pairs(mode: DispatchMod
     assert not plain.expert_load.any()  # off by default: nothing counted
     assert torch.equal(counting.take_expert_load(), expected)
     assert not counting.take_expert_load().any()  # taking resets
+
+
+def staged_for(layer: MoELayer, proposed: ExpertPlacement, seed: int) -> StagedPlacement:
+    """What the engine's staging builds for `layer` (rank 0) to move to `proposed`."""
+    new = keep_hosted_slots(layer.placement, proposed)
+    moves = slot_moves(layer.placement, new, rank=0)
+    gate, up, down = expert_weights(seed)
+    w13 = torch.empty(len(moves.load), HIDDEN, 2 * INTERMEDIATE)
+    w2 = torch.empty(len(moves.load), INTERMEDIATE, HIDDEN)
+    for row, (_, expert) in enumerate(moves.load):
+        fill_expert(w13[row], w2[row], gate[expert], up[expert], down[expert])
+    return StagedPlacement(
+        placement=new,
+        log2phy=new.log2phy.clone(),
+        logcnt=new.logcnt.clone(),
+        slots=torch.tensor([slot for slot, _ in moves.load], dtype=torch.int64),
+        w13=w13,
+        w2=w2,
+        copy_to=torch.tensor([slot for slot, _ in moves.copy], dtype=torch.int64),
+        copy_from=torch.tensor([source for _, source in moves.copy], dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize("mode", list(DispatchMode))
+def test_adopting_a_placement_between_forwards_keeps_the_results(mode: DispatchMode) -> None:
+    """EPLB's swap: only changed slots are written, the parameters stay the same tensors, and
+    forwards before and after it equal the dense reference."""
+    before = ExpertPlacement.from_phy2log([0, 1, 2, 3, 4, 5, 6, 7, 0, 1], NUM_EXPERTS, 1)
+    after = ExpertPlacement.from_phy2log([6, 6, 2, 3, 4, 5, 6, 7, 0, 1], NUM_EXPERTS, 1)
+    layer = loaded_layer(before, seed=2, ll_max_tokens_per_rank=64)
+    w13 = layer.experts.w13
+    gen = torch.Generator().manual_seed(7)
+    for placement in (before, after):
+        if placement is after:
+            staged = staged_for(layer, after, seed=2)
+            assert staged.slots.tolist() == [] and staged.copy_to.numel() == 2  # 6, from slot 6
+            layer.adopt(staged)
+        hidden = torch.randn(9, HIDDEN, generator=gen)
+        routing = softmax_topk(torch.randn(9, NUM_EXPERTS, generator=gen), 2, True)
+        out = layer(hidden, routing.topk_weights, routing.topk_ids, mode)
+        expected = dense_reference_moe(
+            hidden, routing.topk_weights, routing.topk_ids, *expert_weights(seed=2)
+        )
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert layer.experts.w13 is w13
+    assert sorted(layer.placement.phy2log.tolist()) == sorted(after.phy2log.tolist())
+    assert torch.equal(layer.logcnt, after.logcnt)
+    # Weights can also come from staged buffers (what a rank reads for experts new to it).
+    layer = loaded_layer(before, seed=2)
+    gate, up, down = expert_weights(2)
+    w13, w2 = torch.empty(2, HIDDEN, 2 * INTERMEDIATE), torch.empty(2, INTERMEDIATE, HIDDEN)
+    for row in range(2):
+        fill_expert(w13[row], w2[row], gate[6], up[6], down[6])
+    target = ExpertPlacement.from_phy2log([0, 1, 2, 3, 4, 5, 6, 7, 6, 6], NUM_EXPERTS, 1)
+    slots, none = torch.tensor([8, 9]), torch.empty(0, dtype=torch.int64)
+    layer.adopt(StagedPlacement(target, target.log2phy, target.logcnt, slots, w13, w2, none, none))
+    for slot, logical in enumerate(target.phy2log.tolist()):
+        assert torch.equal(layer.experts.w13[slot], torch.cat([gate[logical], up[logical]]).t())
+        assert torch.equal(layer.experts.w2[slot], down[logical].t())
+
+
+def test_adopt_refuses_another_shape_and_counts_go_where_asked() -> None:
+    layer = loaded_layer(ExpertPlacement.even(NUM_EXPERTS, 1), seed=0)
+    wider = ExpertPlacement.from_phy2log([*range(NUM_EXPERTS), 0], NUM_EXPERTS, 1)
+    empty = torch.empty(0, dtype=torch.int64)
+    staged = StagedPlacement(wider, wider.log2phy, wider.logcnt, empty, empty, empty, empty, empty)
+    with pytest.raises(ValueError, match=r"new placement has E=8, P=9, N=1; this layer has E=8"):
+        layer.adopt(staged)
+    counts = torch.zeros(2, NUM_EXPERTS, dtype=torch.int64)
+    layer.count_load_into(counts[1])
+    ids = torch.tensor([[3, 5], [3, 0]])
+    assert layer.next_token_offset == 0
+    layer(torch.randn(2, HIDDEN), torch.ones(2, 2), ids, DispatchMode.NORMAL)
+    assert counts[1].tolist() == [1, 0, 0, 2, 0, 1, 0, 0] and not counts[0].any()
+    assert layer.next_token_offset == 2  # a forward without an offset advances the layer's
+    layer(torch.randn(3, HIDDEN), torch.ones(3, 2), ids[:1].repeat(3, 1), DispatchMode.NORMAL, 9)
+    assert layer.next_token_offset == 2
+    with pytest.raises(ValueError, match=r"counts must be \[E=8\] int64, got \(2, 8\)"):
+        layer.count_load_into(counts)
 
 
 @pytest.mark.multirank

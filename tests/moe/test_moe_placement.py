@@ -1,13 +1,16 @@
-"""ExpertPlacement maps and validation; deterministic, spread-out replica choice."""
+"""ExpertPlacement maps and validation; deterministic, spread-out replica choice; moving from
+one placement to another (EPLB) with the fewest slot writes."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe import ExpertPlacement, choose_replicas
+from moe import ExpertPlacement, choose_replicas, keep_hosted_slots, slot_moves
 
 
 def test_even_placement_is_contiguous_blocks() -> None:
@@ -87,3 +90,82 @@ def test_choose_replicas_is_a_function_of_global_token_index(
 def test_choose_replicas_rejects_1d_ids() -> None:
     with pytest.raises(ValueError, match=r"topk_ids must be \[T, K\], got shape \(3,\)"):
         choose_replicas(torch.tensor([0, 1, 2]), ExpertPlacement.even(4, 1), 0)
+
+
+def test_redundant_slots_start_as_replicas_of_the_first_experts() -> None:
+    placement = ExpertPlacement.with_redundancy(8, num_ranks=4, num_redundant=4)
+    assert placement.phy2log.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    assert placement.slots_per_rank == 3 and placement.logcnt.tolist() == [2] * 4 + [1] * 4
+    assert ExpertPlacement.with_redundancy(8, 2, 0).phy2log.tolist() == list(range(8))
+    with pytest.raises(ValueError, match=r"num_experts=8 plus num_redundant=1 .* num_ranks=2"):
+        ExpertPlacement.with_redundancy(8, 2, 1)
+
+
+def test_decode_sized_batches_spread_over_replicas_with_per_rank_offsets() -> None:
+    """One token per rank per step for the same expert: offsets that start at the rank and
+    advance with the tokens (MoELayer's default) use every replica alike; a fixed offset
+    sends every rank's token to the first replica (the issue EPLB's engine side fixed)."""
+    placement = ExpertPlacement.from_phy2log([0, 1, 0, 2, 0, 2], num_experts=3, num_ranks=2)
+    ids = torch.zeros(1, 1, dtype=torch.int64)
+    num_ranks, num_steps = 2, 6
+    spread = Counter(
+        int(choose_replicas(ids, placement, rank + step)) for rank in range(2) for step in range(6)
+    )
+    assert spread == {0: 4, 2: 4, 4: 4}, spread
+    fixed = Counter(int(choose_replicas(ids, placement, 0)) for _ in range(num_ranks * num_steps))
+    assert fixed == {0: num_ranks * num_steps}
+
+
+def _random_placement(gen: torch.Generator, num_experts: int, num_slots: int, num_ranks: int):
+    extra = torch.randint(num_experts, (num_slots - num_experts,), generator=gen)
+    phy2log = torch.cat([torch.arange(num_experts), extra])
+    return ExpertPlacement.from_phy2log(
+        phy2log[torch.randperm(num_slots, generator=gen)], num_experts, num_ranks
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), num_ranks=st.sampled_from([1, 2, 3, 4]), spare=st.integers(0, 3))
+def test_keeping_hosted_slots_changes_only_the_order_within_a_rank(
+    seed: int, num_ranks: int, spare: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_experts = 6
+    num_slots = num_ranks * (-(-num_experts // num_ranks) + spare)
+    current = _random_placement(gen, num_experts, num_slots, num_ranks)
+    proposed = _random_placement(gen, num_experts, num_slots, num_ranks)
+    aligned = keep_hosted_slots(current, proposed)
+    assert torch.equal(aligned.phy2log, keep_hosted_slots(current, proposed).phy2log)
+    for rank in range(num_ranks):
+        before, wanted = current.local_phy2log(rank), proposed.local_phy2log(rank)
+        after = aligned.local_phy2log(rank)
+        assert Counter(after) == Counter(wanted)  # what the rank holds: the proposal's
+        # As many slots as possible keep their expert: every expert the rank keeps, as often.
+        kept = sum((Counter(before) & Counter(wanted)).values())
+        assert sum(b == a for b, a in zip(before, after, strict=True)) == kept
+        # Replaying the moves on the old slots gives the new ones; new experts are read once.
+        moves = slot_moves(current, aligned, rank)
+        slots = list(before)
+        for slot, expert in moves.load:
+            assert expert not in before
+            slots[slot] = expert
+        for slot, source in moves.copy:
+            slots[slot] = slots[source]
+        assert slots == after
+        loaded = [expert for _, expert in moves.load]
+        assert len(loaded) == len(set(loaded))
+        assert moves.num_slots == sum(b != a for b, a in zip(before, after, strict=True))
+
+
+def test_moves_between_placements_hand_worked() -> None:
+    # Rank 0 holds [0, 1, 2] and is to hold {2, 3, 3}; rank 1 holds [3, 0, 1] → {0, 1, 1}.
+    current = ExpertPlacement.from_phy2log([0, 1, 2, 3, 0, 1], num_experts=4, num_ranks=2)
+    proposed = ExpertPlacement.from_phy2log([3, 2, 3, 1, 0, 1], num_experts=4, num_ranks=2)
+    aligned = keep_hosted_slots(current, proposed)
+    assert aligned.phy2log.tolist() == [3, 3, 2, 1, 0, 1]
+    assert slot_moves(current, aligned, 0).load == ((0, 3),)
+    assert slot_moves(current, aligned, 0).copy == ((1, 0),)  # the second 3 from the first
+    assert slot_moves(current, aligned, 1).load == ()
+    assert slot_moves(current, aligned, 1).copy == ((0, 2),)  # 1 again, from its kept slot
+    with pytest.raises(ValueError, match=r"placements differ in shape"):
+        keep_hosted_slots(current, ExpertPlacement.even(4, 2))

@@ -1,0 +1,420 @@
+"""EPLB while serving: expert load measured in the forward, placements the group agrees on,
+weights staged in the background and swapped at one agreed step.
+
+Shape legend: L = MoE layers, E = logical experts, P = physical slots (E + redundant),
+N = ranks, S = P / N slots per rank, M = experts new to a rank in one layer, D = hidden,
+I = expert intermediate size.
+
+Time is counted in *forward steps* F: steps that ran a forward (placeholders included), i.e.
+every step but the known-empty ones and the shutdown step. The last vote decides both, so F is
+the same on every rank, and so is everything below that is scheduled by it.
+
+- Every forward step each MoE layer has counted the (token, choice) pairs it routed to each
+  logical expert into one [L, E] tensor on the device (`MoELayer.count_load_into`); the
+  balancer copies it into the `ExpertLoadWindow` and zeroes it: two device ops, no host sync.
+- **Decision**, at F % eplb_interval_steps == 0 with no proposal pending: one SUM all-reduce
+  of the window's [L, E] counts on the vote group (every rank then holds the group's load),
+  `rebalance` over P slots (hierarchical when the ranks span several nodes), each layer's
+  proposal reordered within each rank so that kept experts keep their slots
+  (`keep_hosted_slots`), and `worth_adopting` — or the proposal is skipped. All of it is a
+  function of the summed load and the current maps, so every rank decides alike.
+- **Staging**, on a thread of its own: this rank reads the experts new to it from the
+  checkpoint (models/loader.py `read_experts`, block-FP8 dequantized there) into spare buffers
+  [M, D, 2I] and [M, I, D] per layer, and puts the new maps on the device. It runs no
+  collective and writes nothing a step reads. Extra memory: the staged experts, M <= S per
+  layer, so at most one more copy of this rank's expert weights (usually far less), held from
+  the decision to the commit.
+- **Commit check**, at F = decision + 1, then after gaps of 2, 4, 8, ... forward steps (at
+  most `_MAX_CHECK_GAP`): one MIN all-reduce of each rank's staging state. All ready: every
+  layer adopts at this step boundary (`MoELayer.adopt`: the changed slots' weights copied in
+  on the device, the maps rebound), so no forward ever sees half a placement. Any rank
+  failed: the proposal is dropped everywhere, the old placement stays, and the failure is
+  logged; nothing crashes. Otherwise the group looks again later.
+
+Results do not change: the routing is untouched and every replica holds the same weights;
+only which rank computes a (token, choice) pair moves, so a token's partial sums may group
+differently, as between DP sizes (the multi-rank tests compare greedy tokens, across
+rebalances, with a single-process reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dist_engine.distributed.plain_data import all_gather_json
+from dist_engine.engine.config import MoEConfig
+from dist_engine.engine.stats import RankExpertStats
+from dist_engine.layers.moe import MoEBlock
+from dist_engine.models.decoder import MoECausalLM
+from dist_engine.models.loader import CheckpointReader, read_experts
+from moe import (
+    ExpertLoadWindow,
+    ExpertPlacement,
+    MoELayer,
+    StagedPlacement,
+    balancedness,
+    fill_expert,
+    keep_hosted_slots,
+    rebalance,
+    rebalance_gain,
+    slot_moves,
+    worth_adopting,
+)
+from scheduler import Vote
+
+# A rank's staging state in the commit check's MIN all-reduce.
+_FAILED, _STAGING, _READY = -1, 0, 1
+# Commit checks back off (gaps of 1, 2, 4, ... forward steps) up to this gap: a fast staging
+# commits at once, a slow one costs one small collective per gap.
+_MAX_CHECK_GAP = 64
+
+
+def initial_placement(settings: MoEConfig, num_experts: int, num_ranks: int) -> ExpertPlacement:
+    """The placement a group starts with: the even one, or with EPLB's redundant slots
+    (`ExpertPlacement.with_redundancy`). Raises ValueError naming the key when the slots
+    cannot be split evenly over the ranks."""
+    check_slots(settings, num_experts, num_ranks)
+    redundant = settings.eplb_num_redundant_experts if settings.enable_eplb else 0
+    return ExpertPlacement.with_redundancy(num_experts, num_ranks, redundant)
+
+
+def check_slots(settings: MoEConfig, num_experts: int, num_ranks: int) -> None:
+    """Every rank must hold as many slots: E + eplb_num_redundant_experts a multiple of N."""
+    redundant = settings.eplb_num_redundant_experts if settings.enable_eplb else 0
+    if (num_experts + redundant) % num_ranks == 0:
+        return
+    step = num_ranks
+    fits = [r for r in range(0, 2 * step) if (num_experts + r) % num_ranks == 0][:2]
+    if not settings.enable_eplb:
+        raise ValueError(
+            f"the model's {num_experts} experts do not split evenly over parallel.dp_size="
+            f"{num_ranks} ranks; enable moe.enable_eplb with moe.eplb_num_redundant_experts "
+            f"in {fits}, ... (every rank then holds as many slots), or change dp_size"
+        )
+    raise ValueError(
+        f"moe.eplb_num_redundant_experts is {redundant}: the model's {num_experts} experts plus "
+        f"the redundant slots ({num_experts + redundant}) must be a multiple of "
+        f"parallel.dp_size={num_ranks}, so that every rank holds as many slots; allowed: "
+        f"{fits[0]}, {fits[1]}, ... (steps of {step})"
+    )
+
+
+def moe_layers(model: MoECausalLM) -> list[MoELayer]:
+    """The routed-expert layers of `model`, in layer order."""
+    return [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, MoEBlock)]
+
+
+def count_nodes(group: dist.ProcessGroup | None, rank: int, num_ranks: int) -> int:
+    """How many nodes the group spans, for the hierarchical policy, which needs each node's
+    ranks contiguous and equally many; 1 (the global policy) otherwise. Collective."""
+    if group is None:
+        return 1
+    hosts = all_gather_json(socket.gethostname(), group)
+    blocks = [hosts[0]]
+    for host in hosts[1:]:
+        if host != blocks[-1]:
+            blocks.append(host)
+    if len(set(blocks)) != len(blocks) or num_ranks % len(blocks):
+        return 1  # a node's ranks are not contiguous: only the global policy is right
+    per_node = num_ranks // len(blocks)
+    if any(hosts[i] != hosts[i - i % per_node] for i in range(num_ranks)):
+        return 1
+    return len(blocks)
+
+
+@dataclass
+class _Proposal:
+    """A placement being staged: decided at forward step `decided_at`, the same on every rank.
+    The thread writes `staged`, `staging_s` and `error`, then `state` last."""
+
+    decided_at: int
+    step_index: int
+    current: list[ExpertPlacement]
+    proposed: list[ExpertPlacement]
+    balancedness_before: list[float]
+    balancedness_after: list[float]
+    group_slots: int  # slots rewritten over the whole group
+    decide_s: float
+    next_check: int
+    check_gap: int = 1
+    cancel: threading.Event = field(default_factory=threading.Event)
+    state: int = _STAGING
+    staged: list[StagedPlacement] = field(default_factory=list)
+    staging_s: float = 0.0
+    num_bytes: int = 0  # expert weights this rank writes into its slots
+    staged_bytes: int = 0  # of which read from the checkpoint into spare buffers
+    error: str = ""
+
+
+class ExpertBalancer:
+    """EPLB for one rank's model. `after_forward` is called by the engine once per forward
+    step, on every rank, after the step's outputs are out; it takes the group's collectives
+    at the agreed steps (decision: a SUM all-reduce; commit check: a MIN vote)."""
+
+    def __init__(
+        self,
+        settings: MoEConfig,
+        model: MoECausalLM,
+        model_dir: str,
+        rank: int,
+        num_ranks: int,
+        group: dist.ProcessGroup | None,
+        log: logging.Logger,
+        num_nodes: int = 1,
+    ) -> None:
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise ValueError("moe.enable_eplb is true but the model has no MoE layers")
+        self.config = model.config
+        self.layer_indices = [
+            i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, MoEBlock)
+        ]
+        num_experts = self.config.num_experts
+        self.num_physical = num_experts + settings.eplb_num_redundant_experts
+        for layer in self.layers:
+            placement = layer.placement
+            if (placement.num_physical, placement.num_ranks) != (self.num_physical, num_ranks):
+                raise ValueError(
+                    f"the model's MoE layers have {placement.num_physical} slots over "
+                    f"{placement.num_ranks} rank(s); moe.eplb_num_redundant_experts="
+                    f"{settings.eplb_num_redundant_experts} needs {self.num_physical} over "
+                    f"{num_ranks} (build the model with `initial_placement`)"
+                )
+        self.settings = settings
+        self.model_dir = model_dir
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.group = group
+        self.log = log
+        self.num_nodes = num_nodes
+        self.num_groups = self.config.routing.num_groups
+        self.device = self.layers[0].log2phy.device
+        self.dtype = self.layers[0].experts.w13.dtype
+        # Every layer counts into its row: one copy and one zero per step read them all.
+        self.step_counts = torch.zeros(
+            len(self.layers), num_experts, dtype=torch.int64, device=self.device
+        )
+        for row, layer in zip(self.step_counts, self.layers, strict=True):
+            layer.count_load_into(row)
+        self.window = ExpertLoadWindow(
+            len(self.layers), num_experts, settings.eplb_window_steps, self.device
+        )
+        self.num_forward_steps = 0
+        self.pending: _Proposal | None = None
+        self.stats = RankExpertStats()
+        self._stats_lock = threading.Lock()
+
+    # -- the step -----------------------------------------------------------------------------
+    def after_forward(self, step_index: int, votes: Vote) -> str:
+        """Record this forward step's counts; at the agreed steps decide or check the commit.
+        Returns what happened, for the step trace: "" (nothing), "decided", "skipped",
+        "waiting", "adopted" or "dropped"."""
+        self.window.record(self.step_counts)
+        self.step_counts.zero_()
+        self.num_forward_steps += 1
+        forward_step = self.num_forward_steps
+        pending = self.pending
+        if pending is not None:
+            if forward_step < pending.next_check:
+                return ""
+            return self._check_commit(pending, step_index, votes)
+        if forward_step % self.settings.eplb_interval_steps == 0:
+            return self._decide(forward_step, step_index)
+        return ""
+
+    def _decide(self, forward_step: int, step_index: int) -> str:
+        load = self.window.window_sum().cpu()  # the one host sync, at a decision step only
+        if self.group is not None:
+            dist.all_reduce(load, op=dist.ReduceOp.SUM, group=self.group)
+        # The pause counts EPLB's own work, not the collectives' wait for the slowest rank.
+        start = time.perf_counter()
+        current = [layer.placement for layer in self.layers]
+        result = rebalance(load, self.num_physical, self.num_groups, self.num_nodes, self.num_ranks)
+        proposed = [keep_hosted_slots(current[i], result.placement(i)) for i in range(len(current))]
+        before = [balancedness(load[i], p) for i, p in enumerate(current)]
+        after = [balancedness(load[i], p) for i, p in enumerate(proposed)]
+        skip = not worth_adopting(load, current, proposed)
+        self._update_stats(
+            balancedness=before,
+            window_steps=self.window.num_steps,
+            num_skipped=self.stats.num_skipped + skip,
+        )
+        if skip:
+            if self.rank == 0:
+                self.log.info(
+                    "EPLB at step %d: kept the placement (balancedness %.3f; the proposal "
+                    "would reach %.3f, removing %.1f%% of the busiest ranks' tokens)",
+                    step_index,
+                    statistics.fmean(before),
+                    statistics.fmean(after),
+                    100 * rebalance_gain(load, current, proposed),
+                )
+            return "skipped"
+        changed = sum(
+            int((p.phy2log != c.phy2log).sum()) for p, c in zip(proposed, current, strict=True)
+        )
+        proposal = _Proposal(
+            decided_at=forward_step,
+            step_index=step_index,
+            current=current,
+            proposed=proposed,
+            balancedness_before=before,
+            balancedness_after=after,
+            group_slots=changed,
+            decide_s=time.perf_counter() - start,
+            next_check=forward_step + 1,
+        )
+        self.pending = proposal
+        threading.Thread(
+            target=self._stage, args=(proposal,), name="lockstep-eplb-staging", daemon=True
+        ).start()
+        return "decided"
+
+    def _check_commit(self, proposal: _Proposal, step_index: int, votes: Vote) -> str:
+        agreed = votes.allreduce_min([proposal.state])[0]
+        start = time.perf_counter()
+        if agreed == _STAGING:
+            proposal.check_gap = min(2 * proposal.check_gap, _MAX_CHECK_GAP)
+            proposal.next_check = self.num_forward_steps + proposal.check_gap
+            return "waiting"
+        self.pending = None
+        if agreed == _FAILED:
+            proposal.cancel.set()
+            self._update_stats(num_failed=self.stats.num_failed + 1)
+            self.log.warning(
+                "EPLB: the placement decided at step %d was dropped (%s); the old one stays",
+                proposal.step_index,
+                f"staging failed here: {proposal.error}"
+                if proposal.error
+                else "another rank's staging failed",
+            )
+            return "dropped"
+        for layer, staged in zip(self.layers, proposal.staged, strict=True):
+            layer.adopt(staged)
+            if self.device.type == "cuda":
+                # Staged on the thread's stream, read on the step's: the allocator must not
+                # hand this memory out again before the step's stream is done with it.
+                stream = torch.cuda.current_stream(self.device)
+                for tensor in (staged.w13, staged.w2, staged.log2phy, staged.logcnt):
+                    tensor.record_stream(stream)
+        proposal.staged = []  # the spare buffers go
+        commit_s = time.perf_counter() - start
+        self._update_stats(
+            num_rebalances=self.stats.num_rebalances + 1,
+            last_decided_step=proposal.step_index,
+            last_adopted_step=step_index,
+            last_balancedness_before=proposal.balancedness_before,
+            last_balancedness_after=proposal.balancedness_after,
+            last_staging_s=proposal.staging_s,
+            last_pause_s=proposal.decide_s + commit_s,
+            last_bytes=proposal.num_bytes,
+            last_staged_bytes=proposal.staged_bytes,
+        )
+        if self.rank == 0:
+            bytes_per_slot = self.layers[0].experts.bytes_per_slot
+            self.log.info(
+                "EPLB rebalance %d (decided at step %d): balancedness %.3f -> %.3f on its "
+                "window (mean of %d MoE layers; worst layer %.3f -> %.3f); %d expert slots "
+                "rewritten over the group (%.1f MiB); staging %.0f ms here, steps paused "
+                "%.1f ms",
+                self.stats.num_rebalances,
+                proposal.step_index,
+                statistics.fmean(proposal.balancedness_before),
+                statistics.fmean(proposal.balancedness_after),
+                len(self.layers),
+                min(proposal.balancedness_before),
+                min(proposal.balancedness_after),
+                proposal.group_slots,
+                proposal.group_slots * bytes_per_slot / 2**20,
+                1e3 * proposal.staging_s,
+                1e3 * (proposal.decide_s + commit_s),
+            )
+        return "adopted"
+
+    # -- the staging thread ---------------------------------------------------------------------
+    def _stage(self, proposal: _Proposal) -> None:
+        """Build every layer's `StagedPlacement` for this rank; sets `proposal.state` last."""
+        # One torch thread, so this one does not compete with the step's OpenMP pool. torch
+        # also keeps the count process-wide for threads that start later: put it back after.
+        process_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                staged = self._stage_layers(proposal)
+            if stream is not None:
+                stream.synchronize()  # the commit reads the buffers on the step's stream
+        except Exception as error:  # any failure keeps the old placement; never a crash
+            proposal.error = f"{type(error).__name__}: {error}"
+            if not proposal.cancel.is_set():
+                self.log.warning("EPLB staging failed: %s", proposal.error)
+            proposal.state = _FAILED
+            return
+        finally:
+            torch.set_num_threads(process_threads)
+        proposal.staged = staged
+        proposal.staging_s = time.perf_counter() - start
+        proposal.state = _READY
+
+    def _stage_layers(self, proposal: _Proposal) -> list[StagedPlacement]:
+        staged = []
+        with CheckpointReader(self.model_dir) as reader:
+            for index, layer in enumerate(self.layers):
+                current, proposed = proposal.current[index], proposal.proposed[index]
+                moves = slot_moves(current, proposed, self.rank)
+                experts = layer.experts
+                shape13, shape2 = experts.w13.shape[1:], experts.w2.shape[1:]
+                w13 = torch.empty(len(moves.load), *shape13, dtype=self.dtype, device=self.device)
+                w2 = torch.empty(len(moves.load), *shape2, dtype=self.dtype, device=self.device)
+                wanted = [expert for _, expert in moves.load]
+                read = read_experts(
+                    reader, self.config, self.layer_indices[index], wanted, self.dtype
+                )
+                for row, (_, gate, up, down) in enumerate(read):
+                    if proposal.cancel.is_set():
+                        raise RuntimeError("cancelled")
+                    fill_expert(w13[row], w2[row], gate, up, down)
+                staged.append(
+                    StagedPlacement(
+                        placement=proposed,
+                        log2phy=proposed.log2phy.to(self.device),
+                        logcnt=proposed.logcnt.to(self.device),
+                        slots=self._index([slot for slot, _ in moves.load]),
+                        w13=w13,
+                        w2=w2,
+                        copy_to=self._index([slot for slot, _ in moves.copy]),
+                        copy_from=self._index([source for _, source in moves.copy]),
+                    )
+                )
+                proposal.num_bytes += moves.num_slots * experts.bytes_per_slot
+                proposal.staged_bytes += len(moves.load) * experts.bytes_per_slot
+        return staged
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    # -- outside the loop -------------------------------------------------------------------------
+    def _update_stats(self, **changes: object) -> None:
+        with self._stats_lock:
+            self.stats = dataclasses.replace(self.stats, **changes)
+
+    def snapshot(self) -> RankExpertStats:
+        """This rank's EPLB stats (an immutable snapshot), safe from any thread."""
+        with self._stats_lock:
+            return self.stats
+
+    def close(self) -> None:
+        """The engine stops: a staging thread still running gives up at its next expert."""
+        if self.pending is not None:
+            self.pending.cancel.set()
