@@ -47,6 +47,13 @@ class SamplingParams:
     besides the sampled token's (0: that one only; -1: the whole vocabulary);
     ``prompt_logprobs`` the same per prompt token.
 
+    Front-end fields (vLLM's), applied by the `LLM` and the server before a rank sees the
+    request: ``n`` samples of the prompt, each sent to a rank as its own request (n=1, a seed
+    of its own derived from ``seed``, launcher/samples.py); ``stop`` strings (a string or a
+    list of them), matched on the decoded text: the sample ends with finish reason "stop",
+    its text cut before the stop string (after it with ``include_stop_str_in_output``). A rank
+    refuses a request that still has n != 1 or stop strings (they would be ignored there).
+
     Everything a tensor op could later reject is checked here, at the door: a request must never
     fail inside a step, where it would cost every other request of the group.
     """
@@ -73,6 +80,11 @@ class SamplingParams:
     # structured` builds from a JSON schema, a regex, a choice list or a Lark grammar); every
     # token is drawn from what the grammar allows next.
     grammar: str | None = None
+    # Front-end fields: the `LLM` (launcher/llm.py) and the server apply them, never a rank
+    # (which refuses a request that still carries them, engine/request.py).
+    n: int = 1
+    stop: str | list[str] | tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):
@@ -119,6 +131,12 @@ class SamplingParams:
                 )
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError(f"grammar must be a non-empty string or None, got {self.grammar!r}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1 (samples per prompt), got {self.n!r}")
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            value = self.include_stop_str_in_output
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -142,6 +160,16 @@ def _token_ids(ids: object) -> frozenset[int]:
     if bad:
         raise ValueError(f"stop_token_ids must be ints >= 0, got {sorted(map(repr, bad))}")
     return result
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    strings = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(
+            f"stop must be a non-empty string or a list of them (token ids go in "
+            f"stop_token_ids), got {stop!r}"
+        )
+    return tuple(strings)
 
 
 def _logit_bias(bias: object) -> dict[int, float]:

@@ -68,8 +68,17 @@ class Request:
 
         A resumed sequence (`resume_sequence`) counts its committed outputs as reported: only
         the tokens after them are new, and its prompt logprobs, which went out with its first
-        token, are not sent again."""
+        token, are not sent again.
+
+        Raises ValueError for the front-end fields (`SamplingParams.n`, `stop`): a rank cannot
+        apply them, and a request must not have them silently ignored."""
         params = seq.sampling_params
+        if params.n != 1 or params.stop:
+            raise ValueError(
+                f"n={params.n} and stop={list(params.stop)!r} are applied by the front end (the "
+                "LLM, the server), which sends each sample to a rank as a request of its own "
+                "with n=1 and no stop strings; a rank cannot apply them"
+            )
         if params.seed is not None:
             seed = params.seed
         elif seed is None:

@@ -27,6 +27,15 @@ def test_any_penalty_means_the_token_history_is_needed(field):
     assert SamplingParams(**{field: 1.5}).uses_penalties
 
 
+def test_front_end_fields_default_to_one_sample_and_no_stop_strings():
+    params = SamplingParams()
+    assert (params.n, params.stop, params.include_stop_str_in_output) == (1, (), False)
+    # A string or a list becomes a tuple, so params stay hashable and compare by value.
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "bc"]) == SamplingParams(stop=("a", "bc"))
+    assert hash(SamplingParams(stop=["a"])) == hash(SamplingParams(stop="a"))
+
+
 def test_stop_ids_become_a_frozenset():
     assert SamplingParams(stop_token_ids=[3, 3, 5]).stop_token_ids == frozenset({3, 5})
 
@@ -107,6 +116,14 @@ def test_edge_values_are_accepted(kwargs):
         ({"logprobs": 1.0}, "logprobs must be None, an int >= 0 or -1"),
         ({"logprobs": True}, "logprobs must be None, an int >= 0 or -1"),
         ({"prompt_logprobs": -3}, "prompt_logprobs must be None, an int >= 0 or -1"),
+        ({"n": 0}, "n must be an int >= 1 (samples per prompt), got 0"),
+        ({"n": 2.0}, "n must be an int >= 1 (samples per prompt), got 2.0"),
+        ({"n": True}, "n must be an int >= 1"),
+        ({"stop": ""}, "stop must be a non-empty string or a list of them"),
+        ({"stop": ["ok", ""]}, "stop must be a non-empty string or a list of them"),
+        ({"stop": [7]}, "(token ids go in stop_token_ids), got [7]"),
+        ({"stop": {"a"}}, "stop must be a non-empty string or a list of them"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool, got 1"),
     ],
 )
 def test_bad_values_name_the_field_and_value(kwargs, message):
