@@ -2,9 +2,10 @@
 logprobs, and the whole reply or its stream of chunks.
 
 A request asks for `prompts x best_of` samples, each a request of its own on a rank
-(`GenerationRequest.sample_params`); `best_of > n` keeps the `n` samples of each prompt with
-the best cumulative logprob. Streaming interleaves the choices' chunks as their tokens come,
-each chunk carrying its choice's index.
+(`GenerationRequest.sample_params`), its text and kept tokens followed by `SampleText`
+(launcher/samples.py, as the offline `LLM` follows them); `best_of > n` keeps the `n`
+samples of each prompt with the best cumulative logprob. Streaming interleaves the choices'
+chunks as their tokens come, each chunk carrying its choice's index.
 """
 
 from __future__ import annotations
@@ -12,30 +13,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
+from launcher.samples import Piece, SampleText
 from launcher.server.frontend import RequestStream
 from launcher.server.metrics import RequestTimer
 from launcher.server.protocol import GenerationRequest, RequestError
 from launcher.server.responses import ResponseShape, Usage, sse
-from launcher.server.tokenization import IncrementalDetokenizer, ModelTokenizer
-
-
-@dataclass(frozen=True)
-class Piece:
-    """What one output adds to a choice: its text, its token ids, their logprobs."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None
-
-    @property
-    def empty(self) -> bool:
-        return not self.text and not self.token_ids
+from launcher.server.tokenization import ModelTokenizer
 
 
 class Choice:
@@ -53,17 +41,15 @@ class Choice:
         self.sample = sample
         self.generation = generation
         self.prompt_token_ids = generation.prompts[sample // generation.best_of]
-        self.detokenizer = IncrementalDetokenizer(
+        self.sample_text = SampleText(
             tokenizer,
             generation.stop,
             include_stop=generation.include_stop_str_in_output,
             skip_special_tokens=generation.skip_special_tokens,
+            stop_token_ids=generation.params.stop_token_ids,
         )
-        self.stop_token_ids = generation.params.stop_token_ids
         self.stream = stream
         self.timer = timer
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
         self.error: RequestError | None = None
@@ -74,7 +60,15 @@ class Choice:
 
     @property
     def text(self) -> str:
-        return self.detokenizer.text
+        return self.sample_text.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.sample_text.token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.sample_text.logprobs
 
     @property
     def cumulative_logprob(self) -> float:
@@ -84,23 +78,13 @@ class Choice:
         """Account one output; returns what to send for it."""
         if output.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = list(output.prompt_logprobs)
-        tokens = list(output.new_token_ids)
-        text_tokens = tokens
-        if output.finish_reason == "stop" and tokens and tokens[-1] in self.stop_token_ids:
-            text_tokens = tokens[:-1]  # an EOS or stop token ends the text; it is not part of it
-        before = len(self.detokenizer.token_ids)
-        delta = self.detokenizer.add(text_tokens, finished=output.finished)
-        kept = tokens[: len(self.detokenizer.token_ids) - before] if delta.stopped else tokens
-        logprobs = list(output.new_logprobs[: len(kept)]) if output.new_logprobs else None
-        self.timer.tokens(len(kept), time.monotonic())
-        self.token_ids += kept
-        if logprobs:
-            self.logprobs += logprobs
-        if delta.stopped:
+        piece = self.sample_text.take(output)
+        self.timer.tokens(len(piece.token_ids), time.monotonic())
+        if self.sample_text.stopped:
             self.finish_reason = "stop"
         elif output.finished:
             self._end(output)
-        return Piece(delta.text, kept, logprobs)
+        return piece
 
     def _end(self, output: RequestOutput) -> None:
         reason = output.finish_reason or "error: no finish reason"

@@ -22,12 +22,12 @@ the served names.
 
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.generation_config import GenerationDefaults
+from launcher.samples import rank_params
 from launcher.server.tokenization import ModelTokenizer
 from scheduler import SamplingParams
 
@@ -94,8 +94,9 @@ class ModelLimits:
 class GenerationRequest:
     """One request of either endpoint: every choice it asks for, and how to answer it.
 
-    Choice ``c`` samples prompt ``c // n``; its settings are `choice_params(c)` (with
-    `best_of` > n, `num_samples` choices are drawn and the `n` most likely kept)."""
+    Sample ``s`` samples prompt ``s // best_of``; its settings are `sample_params(s)` (with
+    `best_of` > n, `num_samples` samples are drawn and the `n` most likely of each prompt's
+    kept)."""
 
     endpoint: str  # "completion" or "chat"
     prompts: list[list[int]]  # one prompt for chat; a batch for completions
@@ -128,12 +129,8 @@ class GenerationRequest:
     def sample_params(self, sample: int) -> SamplingParams:
         """The settings of sample ``sample`` (prompt ``sample // best_of``): each sample of a
         prompt draws its own random stream, derived from the request's seed when it has one
-        (so a seeded request with n > 1 is reproducible, and its samples differ)."""
-        index = sample % self.best_of
-        if index == 0 or self.params.seed is None:
-            return self.params
-        digest = hashlib.blake2b(f"{self.params.seed}:{index}".encode(), digest_size=8)
-        return replace(self.params, seed=int.from_bytes(digest.digest(), "little"))
+        (`launcher.samples.rank_params`, as the offline `LLM` derives them)."""
+        return rank_params(self.params, sample % self.best_of)
 
 
 # Fields honoured by both endpoints.

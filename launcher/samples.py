@@ -1,0 +1,114 @@
+"""A request's samples as the front ends (the `LLM`, the server) handle them: vLLM's `n` and
+stop strings, which no rank applies.
+
+    SamplingParams(n=3, stop=["\\n"]) -> rank_params(params, j), j = 0..n-1: one rank request
+        each, with n=1, no stop strings and sample j's own seed
+    each output of sample j -> SampleText.take -> the text to show (stop strings cut), the
+        token ids kept, their logprobs; `stopped` once a stop string matched, and the front
+        end then aborts the rank request
+
+Both front ends go through these, so a request gives the same samples, text and token ids
+offline and over HTTP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from dist_engine.engine.outputs import RequestOutput, TokenLogprob
+from launcher.server.tokenization import IncrementalDetokenizer, ModelTokenizer
+from scheduler import SamplingParams
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``: the seed itself for
+    sample 0, a 64-bit hash of both for the others, so a seeded request with n > 1 is
+    reproducible and its samples differ."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def rank_params(params: SamplingParams, index: int = 0) -> SamplingParams:
+    """What a rank is sent for sample ``index`` of a request: n=1 and no stop strings (the
+    front end applies them), seeded with `sample_seed` when the request has a seed. A sample
+    of an unseeded request is left unseeded here: its front end fixes one per sample
+    (`DriverSeeds`), as for any request."""
+    seed = None if params.seed is None else sample_seed(params.seed, index)
+    front_end = (params.n, params.stop, params.include_stop_str_in_output)
+    if front_end == (1, (), False) and seed == params.seed:
+        return params
+    return replace(params, n=1, stop=(), include_stop_str_in_output=False, seed=seed)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one output adds to a sample: its text, its token ids, their logprobs."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+
+    @property
+    def empty(self) -> bool:
+        return not self.text and not self.token_ids
+
+
+class SampleText:
+    """One sample's outputs as its caller sees them: the text (`IncrementalDetokenizer`,
+    stop strings cut; an EOS or stop token that ended the sample is not part of it), the
+    token ids kept (through the one that completed a stop string, as vLLM keeps them) and
+    their logprobs. Without a tokenizer the text stays empty and no stop string can match."""
+
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer | None,
+        stop: Sequence[str] = (),
+        *,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        stop_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, stop, include_stop=include_stop, skip_special_tokens=skip_special_tokens
+        )
+        self.stop_token_ids = stop_token_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    @classmethod
+    def of(cls, params: SamplingParams, tokenizer: ModelTokenizer | None) -> SampleText:
+        """The sample text of a request with ``params`` (its stop strings and stop ids)."""
+        return cls(
+            tokenizer,
+            params.stop,
+            include_stop=params.include_stop_str_in_output,
+            stop_token_ids=params.stop_token_ids,
+        )
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched: the sample is over, whatever its rank is still doing."""
+        return self.detokenizer.stopped
+
+    def take(self, output: RequestOutput) -> Piece:
+        """Account one output of the sample; returns what it adds."""
+        tokens = list(output.new_token_ids)
+        text_tokens = tokens
+        if output.finish_reason == "stop" and tokens and tokens[-1] in self.stop_token_ids:
+            text_tokens = tokens[:-1]  # an EOS or stop token ends the text; it is not part of it
+        before = len(self.detokenizer.token_ids)
+        delta = self.detokenizer.add(text_tokens, finished=output.finished)
+        kept = tokens[: len(self.detokenizer.token_ids) - before] if delta.stopped else tokens
+        logprobs = list(output.new_logprobs[: len(kept)]) if output.new_logprobs else None
+        self.token_ids += kept
+        if logprobs:
+            self.logprobs += logprobs
+        return Piece(delta.text, kept, logprobs)
