@@ -10,9 +10,17 @@ like vLLM's.
 ``revision=``), resolved through the hub's cache before any rank starts. Prompts are token-id
 lists, or strings when the tokenizer directory (the model's, or the `tokenizer` setting) has
 a tokenizer (the server's kind, launcher/server/tokenization.py). Each output carries vLLM's
-``request_id``, ``prompt``, ``prompt_token_ids``, ``outputs`` (one `CompletionOutput`) and
-``finished``, and Lockstep's own ``output_token_ids``, ``text``, ``finish_reason``,
-``dp_rank``, ``detail`` and timings. ``generate(prompts)`` with no sampling params samples
+``request_id``, ``prompt``, ``prompt_token_ids``, ``outputs`` (one `CompletionOutput` per
+sample, ``SamplingParams.n`` of them, index order) and ``finished``, and Lockstep's own
+``output_token_ids``, ``text``, ``finish_reason``, ``dp_rank``, ``detail`` and timings, which
+describe the first sample. The front end applies ``n`` and ``stop`` strings as the server
+does (launcher/samples.py): each sample is a rank request of its own (with a seed derived
+from the request's, or the job's `DriverSeeds` draw), and a sample whose text reaches a stop
+string is aborted on its rank and ends with finish reason "stop", its text cut before the
+stop string (after it with ``include_stop_str_in_output``) and its token ids through the
+token that completed it, so text and tokens are the server's for the same request. A sample
+ended by a stop string carries no ``finish_time`` or ``token_times`` (its rank never
+finished it). ``generate(prompts)`` with no sampling params samples
 with the model's defaults (launcher/generation_config.py), as vLLM does; a given
 ``SamplingParams`` is used as it is (``SamplingParams()`` is greedy), except that every
 request stops at the model's EOS ids (config.json's, generation_config.json's and the
@@ -33,7 +41,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -43,7 +51,13 @@ from tqdm import tqdm
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import check_max_model_len
 from dist_engine.engine.eplb import check_slots
-from dist_engine.engine.outputs import CompletionOutput, ErrorKind, RequestOutput
+from dist_engine.engine.outputs import (
+    CompletionOutput,
+    ErrorKind,
+    Logprob,
+    RequestOutput,
+    TokenLogprob,
+)
 from dist_engine.engine.stats import ExpertStats, group_expert_stats
 from dist_engine.errors import GroupFailedError, LockstepError
 from dist_engine.log import get_logger
@@ -59,6 +73,7 @@ from launcher.healing import (
     is_group_failure,
 )
 from launcher.routing import Router
+from launcher.samples import Piece, SampleText, rank_params
 from launcher.server.tokenization import ModelTokenizer, check_tokenizer_dir
 from scheduler import SamplingParams
 
@@ -68,12 +83,22 @@ _POLL_S = 0.02
 
 @dataclass(frozen=True)
 class Completion(RequestOutput):
-    """A rank's ``RequestOutput`` plus the output decoded to text (when there is a tokenizer),
-    and vLLM's view of it: ``prompt`` and ``outputs``."""
+    """One prompt's result: vLLM's view of it (``prompt``, and ``outputs``: one
+    `CompletionOutput` per sample, index 0 to n - 1), and, in the `RequestOutput` fields and
+    ``text``, Lockstep's view of its first sample (``request_id`` is the prompt's)."""
 
     text: str | None = None
     prompt: str | None = None  # the prompt as given, when it was text (vLLM's `prompt`)
-    outputs: list[CompletionOutput] = field(default_factory=list)  # vLLM's: one completion
+    outputs: list[CompletionOutput] = field(default_factory=list)  # vLLM's: one per sample
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """One of a prompt's `n` samples: a request of its own on a rank."""
+
+    request_id: str  # the prompt's for n = 1, else "<prompt's>-<index>"
+    params: SamplingParams  # as a rank takes them (`rank_params`): n = 1, no stop strings
+    seed: int | None  # fixed here when the params give none (`DriverSeeds`)
 
 
 @dataclass(frozen=True)
@@ -82,10 +107,15 @@ class _Prompt:
 
     request_id: str
     token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # as given (with the EOS ids): its n, stop strings, logprobs
     dp_rank: int | None  # pinned by the caller, or None
     text: str | None  # the prompt as given, when it was text
-    seed: int | None = None  # fixed here when the params give none (`DriverSeeds`)
+    samples: tuple[_Sample, ...]
+
+
+# A sample as `_run` ends it: its terminal output as the front end keeps it (tokens through a
+# stop string, finish reason "stop" once one matched), and its text.
+_Ended = tuple[RequestOutput, SampleText]
 
 
 class _GroupFailure(Exception):
@@ -218,7 +248,8 @@ class LLM:
         dp_rank: int | Sequence[int | None] | None = None,
         use_tqdm: bool = False,
     ) -> Iterator[tuple[int, Completion]]:
-        """Yield `(prompt index, result)` for every prompt as it finishes (each exactly once).
+        """Yield `(prompt index, result)` for every prompt as it finishes (each exactly once;
+        a prompt with n > 1 once all its samples have).
 
         A rank that fails is healed over as `generate` says. Where it is not, the requests it
         held are yielded failed (reason naming the rank), the other ranks' requests still end
@@ -229,6 +260,7 @@ class LLM:
         """
         requests = self._prepare(prompts, sampling_params, dp_rank)
         finals: dict[int, Completion] = {}
+        ended: dict[int, dict[int, _Ended]] = {}  # prompt index -> sample index -> its end
         total = len(requests)
         if self._torchrun:  # each process serves its share; only rank 0 shows progress
             use_tqdm = use_tqdm and self.client.rank == 0
@@ -236,8 +268,12 @@ class LLM:
         failure: _GroupFailure | None = None
         with tqdm(total=total, disable=not use_tqdm, desc="generate") as progress:
             try:
-                for index, output in self._run(requests, stream=False):
-                    finals[index] = self._completion(output, requests[index])
+                for index, sample, output, text in self._run(requests, stream=False):
+                    samples = ended.setdefault(index, {})
+                    samples[sample] = (_whole(output, text), text)
+                    if len(samples) < len(requests[index].samples):
+                        continue
+                    finals[index] = self._completion(requests[index], sorted(samples.items()))
                     progress.update(1)
                     yield index, finals[index]
             except _GroupFailure as raised:
@@ -245,18 +281,23 @@ class LLM:
         if self._torchrun:
             mine = set(finals)
             try:
-                merged = self.client.exchange({i: finals[i] for i in mine})
+                merged = self.client.exchange(_exchanged(requests, ended))
             except LockstepError as error:
                 failure = failure or _GroupFailure({-1: str(error)})
                 merged = {}
-            for index in range(len(requests)):
+            position = 0  # of the prompt's first sample among all prompts' samples, in order
+            for index, prompt in enumerate(requests):
+                first, position = position, position + len(prompt.samples)
                 if index in mine:
                     continue
-                output = merged.get(index)
-                if output is None:  # a rank that never delivered its share
-                    reason = failure.reason if failure else "no result"
-                    output = self._failed_output(requests[index], reason)
-                finals[index] = self._completion(output, requests[index])
+                samples = {}
+                for sample, named in enumerate(prompt.samples):
+                    output = merged.get(first + sample)
+                    if output is None:  # a rank that never delivered its share
+                        reason = failure.reason if failure else "no result"
+                        output = self._failed_output(prompt, named.request_id, reason)
+                    samples[sample] = self._replayed(prompt, output)
+                finals[index] = self._completion(prompt, sorted(samples.items()))
                 yield index, finals[index]
         if failure is not None:
             self.shutdown()
@@ -272,7 +313,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         dp_rank: int | Sequence[int | None] | None = None,
     ) -> Iterator[Completion]:
-        """Yield each request's new tokens as they come; its last item has ``finished``.
+        """Yield each sample's new tokens as they come; its last item has ``finished``. An
+        item is one sample's state: its ``outputs`` hold that one `CompletionOutput`, with
+        the sample's ``index`` (0 for n = 1), its token ids so far (through the stop string
+        that ended it), and its text once it finished; the top-level fields describe that
+        sample too, under the prompt's ``request_id``.
         A rank failure is healed over as `generate` says (a stream goes on with no token missing
         or repeated); where it is not, it ends its requests with a failed last item, then
         raises LockstepError."""
@@ -280,8 +325,8 @@ class LLM:
             raise ValueError("generate_stream is not available under torchrun; use generate")
         requests = self._prepare(prompts, sampling_params, dp_rank)
         try:
-            for index, output in self._run(requests, stream=True):
-                yield self._completion(output, requests[index])
+            for index, sample, output, text in self._run(requests, stream=True):
+                yield self._completion(requests[index], [(sample, (output, text))])
         except _GroupFailure as failure:
             self.shutdown()
             raise GroupFailedError(
@@ -341,19 +386,38 @@ class LLM:
                 or not 0 <= pin < self.client.num_ranks
             ):
                 raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
-        # Every prompt's seed, in order, whichever rank serves it (under torchrun every process
+        for param in params:
+            if param.stop and self.tokenizer is None:
+                raise ValueError(
+                    f"stop={list(param.stop)!r}: stop strings are matched on the decoded text "
+                    f"and need a tokenizer, but {self.config.tokenizer or self.config.model} "
+                    "has no tokenizer.json (set `tokenizer`, or give token ids in stop_token_ids)"
+                )
+        # Every sample's seed, in order, whichever rank serves it (under torchrun every process
         # draws them all alike).
         return [
-            _Prompt(
-                f"{self._id_prefix}-{next(self._ids)}",
-                self._tokens(prompt),
-                param,
-                pin,
-                prompt if isinstance(prompt, str) else None,
-                self._driver_seeds.seed_for(param),
-            )
+            self._named(self._tokens(prompt), param, pin, prompt)
             for prompt, param, pin in zip(prompts, params, pins, strict=True)
         ]
+
+    def _named(
+        self, token_ids: list[int], params: SamplingParams, pin: int | None, given: Any
+    ) -> _Prompt:
+        """A prompt with its name and its `n` samples: each a rank request of its own, with its
+        own seed (`rank_params`; `DriverSeeds` for an unseeded one)."""
+        request_id = f"{self._id_prefix}-{next(self._ids)}"
+        samples = []
+        for index in range(params.n):
+            sample_params = rank_params(params, index)
+            samples.append(
+                _Sample(
+                    request_id if params.n == 1 else f"{request_id}-{index}",
+                    sample_params,
+                    self._driver_seeds.seed_for(sample_params),
+                )
+            )
+        text = given if isinstance(given, str) else None
+        return _Prompt(request_id, token_ids, params, pin, text, tuple(samples))
 
     @cached_property
     def _driver_seeds(self) -> DriverSeeds:
@@ -363,8 +427,19 @@ class LLM:
     def _recoveries(self) -> RecoveryBudget:
         return RecoveryBudget(self.config.parallel.max_recoveries_per_hour)
 
-    def _run(self, requests, *, stream: bool) -> Iterator[tuple[int, RequestOutput]]:
-        """Submit, then yield (index, output) until every request has its terminal output.
+    def _run(
+        self, requests: list[_Prompt], *, stream: bool
+    ) -> Iterator[tuple[int, int, RequestOutput, SampleText]]:
+        """Submit every prompt's samples, then yield (prompt index, sample index, output, its
+        text) until every sample has its terminal output: only those (as the front end keeps
+        them, `_kept`), or, with ``stream``, every output.
+
+        A sample with stop strings is streamed from its rank whatever the caller asked: its
+        text is followed token by token (`SampleText`, as the server follows it), and once a
+        stop string matched, its rank request is aborted (its blocks are freed at the rank's
+        next step) and the sample ends here with finish reason "stop", its tokens through the
+        one that completed the stop string. The abort's own terminal output is dropped like
+        any output of a request no longer pending, and a heal does not resubmit it.
 
         A failed group is healed while it may be (`_may_heal`): the client re-forms it and
         every unfinished request is resubmitted (`_recover`), so the caller sees each request
@@ -372,7 +447,8 @@ class LLM:
         yielded failed at once; the others get the collective timeout plus a margin to end on
         their own, and _GroupFailure is raised at the end."""
         ledger = ResumeLedger(self.config.parallel.poison_failure_threshold)
-        index_of: dict[str, int] = {}
+        where: dict[str, tuple[int, int]] = {}  # sample request id -> (prompt, sample) index
+        texts: dict[str, SampleText] = {}
         submissions: list[Submission] = []
         for index, prompt in enumerate(requests):
             pin = prompt.dp_rank
@@ -381,13 +457,16 @@ class LLM:
                     continue
                 pin = self.client.rank
             cost = len(prompt.token_ids) + prompt.params.max_tokens
-            rank = self.router.assign(prompt.request_id, cost, pin)
-            index_of[prompt.request_id] = index
-            submissions.append(
-                ledger.add(prompt.request_id, prompt.token_ids, prompt.params, prompt.seed,
-                           stream, rank)
-            )  # fmt: skip
-        pending = set(index_of)
+            streamed = stream or bool(prompt.params.stop)
+            for number, sample in enumerate(prompt.samples):
+                rank = self.router.assign(sample.request_id, cost, pin)
+                where[sample.request_id] = (index, number)
+                texts[sample.request_id] = SampleText.of(prompt.params, self.tokenizer)
+                submissions.append(
+                    ledger.add(sample.request_id, prompt.token_ids, sample.params, sample.seed,
+                               streamed, rank)
+                )  # fmt: skip
+        pending = set(where)
         failed: dict[int, str] = {}  # rank -> why (-1: the group as a whole)
         deadline = None  # once a rank failed: when the others' requests are failed too
         fault = self._submit(submissions)
@@ -395,24 +474,25 @@ class LLM:
             if fault is not None:
                 ended, fault = self._recover(fault, ledger, failed)
                 for output in ended:  # poison requests, ended alone
-                    pending.discard(output.request_id)
-                    self.router.finished(output.request_id)
-                    yield index_of[output.request_id], output
+                    request_id = output.request_id
+                    pending.discard(request_id)
+                    self.router.finished(request_id)
+                    text = texts[request_id]
+                    yield *where[request_id], _kept(output, text, text.take(output)), text
                 if -1 in failed:  # no group is left to end the others
                     deadline = time.monotonic()
                 continue
             doomed = [r for r in pending if self.router.rank_of(r) in failed]
             if deadline is not None and time.monotonic() >= deadline:
                 doomed = list(pending)  # the healthy ranks did not end them in time either
-            for request_id in sorted(doomed, key=index_of.__getitem__):
+            for request_id in sorted(doomed, key=where.__getitem__):
                 rank = self.router.rank_of(request_id)
                 reason = failed.get(rank) or _describe(failed)
                 pending.discard(request_id)
                 self.router.finished(request_id)
-                yield (
-                    index_of[request_id],
-                    self._failed_output(requests[index_of[request_id]], reason, rank),
-                )
+                prompt = requests[where[request_id][0]]
+                output = self._failed_output(prompt, request_id, reason, rank)
+                yield *where[request_id], output, SampleText.of(prompt.params, self.tokenizer)
             if not pending:
                 break
             if failed and deadline is None:
@@ -425,20 +505,38 @@ class LLM:
                     fault = GroupFault(str(failure), failure.rank)
                 continue
             for output in outputs:
-                if output.request_id not in pending:
+                request_id = output.request_id
+                if request_id not in pending:
                     continue
                 if is_group_failure(output) and self._may_heal():
                     # Its rank gave it up with the group: it is resubmitted, not ended.
                     fault = fault or GroupFault(f"DP rank {output.dp_rank}: {output.finish_reason}")
                     continue
                 shown = ledger.take(output)
-                if output.finished:
-                    pending.discard(output.request_id)
-                    self.router.finished(output.request_id)
-                if shown is not None and (output.finished or stream):
-                    yield index_of[output.request_id], shown
+                if shown is None:  # a resubmitted request's delta, kept for its terminal output
+                    continue
+                text = texts[request_id]
+                kept = _kept(shown, text, text.take(shown))
+                if text.stopped and not output.finished:
+                    ledger.forget(request_id)
+                    fault = fault or self._abort(request_id, generation)
+                if kept.finished:
+                    pending.discard(request_id)
+                    self.router.finished(request_id)
+                if kept.finished or stream:
+                    yield *where[request_id], kept, text
         if failed:
             raise _GroupFailure(failed)
+
+    def _abort(self, request_id: str, generation: int) -> GroupFault | None:
+        """Abort a request on its rank (a sample a stop string ended); the group's failure if
+        the rank is gone."""
+        try:
+            self.client.abort(self.router.rank_of(request_id), request_id, generation=generation)
+        except RankFailure as failure:
+            if failure.generation == self.client.generation:
+                return GroupFault(str(failure), failure.rank)
+        return None
 
     def _submit(self, submissions: list[Submission]) -> GroupFault | None:
         """Hand each submission to its rank (the router's) in the current group; the group's
@@ -513,11 +611,13 @@ class LLM:
         return self.config.parallel.collective_timeout_s + 10.0
 
     @staticmethod
-    def _failed_output(prompt: _Prompt, reason: str, rank: int | None = None) -> RequestOutput:
-        """A request the failed group never answered."""
+    def _failed_output(
+        prompt: _Prompt, request_id: str, reason: str, rank: int | None = None
+    ) -> RequestOutput:
+        """A sample the failed group never answered."""
         dp_rank = rank if rank is not None else (prompt.dp_rank or 0)
         return RequestOutput.failed(
-            prompt.request_id,
+            request_id,
             list(prompt.token_ids),
             reason,
             dp_rank,
@@ -534,20 +634,60 @@ class LLM:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def _completion(self, output: RequestOutput, prompt: _Prompt) -> Completion:
-        text = None
-        if self.tokenizer is not None and output.finished:
+    def _replayed(self, prompt: _Prompt, output: RequestOutput) -> _Ended:
+        """A sample another torchrun rank ended (its kept tokens, `_exchanged`), with its
+        text: following the same tokens again gives the text the serving rank had (a stop
+        string matches at the same token)."""
+        text = SampleText.of(prompt.params, self.tokenizer)
+        text.take(output)
+        return output, text
+
+    def _completion(self, prompt: _Prompt, samples: list[tuple[int, _Ended]]) -> Completion:
+        """The prompt's result: one `CompletionOutput` per sample, and the first sample's
+        `RequestOutput` fields under the prompt's request id."""
+        completions = [
+            self._completion_output(index, output, text, prompt.params)
+            for index, (output, text) in samples
+        ]
+        first, _ = samples[0][1]
+        values = {f.name: getattr(first, f.name) for f in fields(RequestOutput)}
+        values["request_id"] = prompt.request_id
+        return Completion(
+            **values, text=completions[0].text, prompt=prompt.text, outputs=completions
+        )
+
+    def _completion_output(
+        self, index: int, output: RequestOutput, text: SampleText, params: SamplingParams
+    ) -> CompletionOutput:
+        logprobs = cumulative = None
+        if params.logprobs is not None and len(text.logprobs) == len(output.output_token_ids):
+            logprobs = [self._vllm_logprobs(entry) for entry in text.logprobs]
+            cumulative = sum(entry.logprob for entry in text.logprobs)
+        return CompletionOutput(
+            index=index,
             # Bytes of a character that never completed at the end are left out, as the
             # server's text (and vLLM's) leaves them out.
-            text = self.tokenizer.decode(output.output_token_ids).rstrip("\ufffd")
-        values = {f.name: getattr(output, f.name) for f in fields(RequestOutput)}
-        completion = CompletionOutput(
-            index=0,
-            text=text,
+            text=text.text if self.tokenizer is not None and output.finished else None,
             token_ids=list(output.output_token_ids),
             finish_reason=output.finish_reason,
+            cumulative_logprob=cumulative,
+            logprobs=logprobs,
         )
-        return Completion(**values, text=text, prompt=prompt.text, outputs=[completion])
+
+    def _vllm_logprobs(self, entry: TokenLogprob) -> dict[int, Logprob]:
+        """One position's logprobs in vLLM's shape: the sampled token first, then the most
+        likely ones (as many as asked), each with its rank and its text."""
+
+        def decoded(token_id: int) -> str | None:
+            if self.tokenizer is None:
+                return None
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+        position = {entry.token_id: Logprob(entry.logprob, entry.rank, decoded(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            if token_id not in position:
+                position[token_id] = Logprob(logprob, rank, decoded(token_id))
+        return position
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -563,6 +703,47 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _kept(output: RequestOutput, text: SampleText, piece: Piece) -> RequestOutput:
+    """A sample's output as the front end keeps it (``piece``: what it added to ``text``):
+    the tokens through the one that completed a stop string, and, once one matched,
+    finished with finish reason "stop" (its rank request is being aborted)."""
+    changes: dict[str, Any] = {}
+    if len(text.token_ids) != len(output.output_token_ids):
+        changes.update(output_token_ids=list(text.token_ids), new_token_ids=piece.token_ids)
+        if output.new_logprobs is not None:
+            changes["new_logprobs"] = piece.logprobs or []
+    if text.stopped:
+        changes.update(finished=True, finish_reason="stop", detail=None, error_kind=None)
+    return replace(output, **changes) if changes else output
+
+
+def _whole(output: RequestOutput, text: SampleText) -> RequestOutput:
+    """A sample's terminal output for a caller that did not stream: every token new (a
+    sample with stop strings was streamed from its rank, so its last output has the last
+    tokens only), with all their logprobs."""
+    if output.new_token_ids == output.output_token_ids:
+        return output
+    whole: dict[str, Any] = {"new_token_ids": list(output.output_token_ids)}
+    if output.new_logprobs is not None:
+        whole["new_logprobs"] = list(text.logprobs)
+    return replace(output, **whole)
+
+
+def _exchanged(
+    requests: list[_Prompt], ended: dict[int, dict[int, _Ended]]
+) -> dict[int, RequestOutput]:
+    """What this torchrun rank hands the others: each sample it ended (`_whole`, so that
+    `LLM._replayed` follows the same tokens), keyed by its position among all prompts'
+    samples in order."""
+    mine: dict[int, RequestOutput] = {}
+    position = 0
+    for index, prompt in enumerate(requests):
+        for sample, (output, _) in ended.get(index, {}).items():
+            mine[position + sample] = output
+        position += len(prompt.samples)
+    return mine
 
 
 def started_by_torchrun() -> bool:

@@ -111,13 +111,26 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
-class CompletionOutput:
-    """One completion of a request, shaped like vLLM's (`output.outputs[0].text`).
+class Logprob:
+    """vLLM's `Logprob`: a token's log-probability at one position, its rank in the vocabulary
+    there (1: the most likely) and its text (None without a tokenizer)."""
 
-    ``finish_reason``: "stop" (an EOS or stop token), "length" (max_tokens or the model's
-    length), or Lockstep's other reasons as they are ("abort", "prompt_length_exceeded",
-    "insufficient_system_resource", "error: ..."); None while the request runs. The sampler
-    returns no log-probabilities, so ``cumulative_logprob`` and ``logprobs`` are None.
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion (sample) of a request, shaped like vLLM's (`output.outputs[i].text`).
+
+    ``index``: the sample's, 0 to n - 1. ``finish_reason``: "stop" (an EOS or stop token, or
+    a stop string), "length" (max_tokens or the model's length), or Lockstep's other reasons
+    as they are ("abort", "prompt_length_exceeded", "insufficient_system_resource",
+    "error: ..."); None while the request runs. With `SamplingParams.logprobs`, ``logprobs``
+    holds one dict per token of ``token_ids`` (the sampled token's `Logprob`, then the most
+    likely tokens', as vLLM's) and ``cumulative_logprob`` the sampled tokens' sum; both are
+    None when the request asked for none.
     """
 
     index: int
@@ -125,7 +138,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
