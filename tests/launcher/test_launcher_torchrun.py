@@ -143,14 +143,33 @@ def test_each_launcher_shards_by_its_documented_rule(outputs):
     assert [r["dp_rank"] for r in outputs["ray"]] == [0, 1, 0, 1, 0, 1, 0, 0, 1]
 
 
+# Run by every rank of the torchrun job below, and by the test on a single local rank:
+# two prompts (one per rank) with n = 2, sampled, then again with a stop string taken from
+# the first run's text.
+N_AND_STOP = """
+def n_and_stop(llm):
+    sampled = dict(max_tokens=12, temperature=1.0, seed=4, n=2, ignore_eos=True)
+    prompts = ["hello experts", [4, 5, 6]]
+    free = llm.generate(prompts, SamplingParams(**sampled), use_tqdm=False)
+    text = free[1].outputs[1].text
+    whole = [i for i in range(len(text) // 2, len(text) - 1) if "\\ufffd" not in text[i : i + 2]]
+    start = whole[0]
+    cut = llm.generate(prompts, SamplingParams(stop=text[start : start + 2], **sampled),
+                       use_tqdm=False)
+    samples = [[c.index, c.token_ids, c.text, c.finish_reason] for o in cut for c in o.outputs]
+    return {"free": [c.token_ids for o in free for c in o.outputs], "cut": samples}
+"""
+
+
 @pytest.fixture(scope="module")
 def api_job(job) -> dict[int, list[str]]:
     """`LLM(launcher="torchrun")` in a script under torchrun (2 ranks); each rank's report lines."""
     script = job["root"] / "api.py"
     # Each rank writes its own file: two processes printing to one pipe can interleave bytes.
     script.write_text(
-        "import os\n"
+        "import json, os\n"
         "from launcher import LLM, SamplingParams\n"
+        f"{N_AND_STOP}"
         "lines = []\n"
         f"with LLM(config={str(job['config'])!r}) as llm:\n"
         "    lines.append(f'CORES {llm.client.cpu_cores} {sorted(os.sched_getaffinity(0))}')\n"
@@ -163,6 +182,7 @@ def api_job(job) -> dict[int, list[str]]:
         "    ranks = [o.dp_rank for o in outs]\n"
         "    lengths = [len(o.output_token_ids) for o in outs]\n"
         "    lines.append(f'SERVED {ranks} {lengths}')\n"
+        "    lines.append('NSTOP ' + json.dumps(n_and_stop(llm)))\n"
         "with open(f\"api_rank{os.environ['RANK']}.txt\", 'w') as out:\n"
         "    out.write('\\n'.join(lines))\n"
     )
@@ -181,7 +201,21 @@ def test_an_out_of_range_pin_raises_on_every_rank(api_job):
     # failed with a KeyError when collecting results. It must be a clear ValueError, after
     # which the group still serves.
     for lines in api_job.values():
-        assert lines[1:] == ["RAISED dp_rank must be in [0, 2), got 5", "SERVED [0, 1] [3, 3]"]
+        assert lines[1:3] == ["RAISED dp_rank must be in [0, 2), got 5", "SERVED [0, 1] [3, 3]"]
+
+
+def test_n_samples_and_stop_strings_reach_every_rank_as_one_rank_serves_them(api_job, job):
+    """Prompt i's samples all run on rank i mod 2; every rank returns every prompt's samples
+    (text rebuilt from the exchanged tokens) as a single local rank gives them."""
+    namespace: dict = {"SamplingParams": SamplingParams}
+    exec(N_AND_STOP, namespace)
+    with LLM(config=job["config"], launcher="local", dp_size=1) as llm:
+        expected = namespace["n_and_stop"](llm)
+    assert any(reason == "stop" for _, _, _, reason in expected["cut"])
+    assert [index for index, *_ in expected["cut"]] == [0, 1, 0, 1]
+    for lines in api_job.values():
+        (line,) = [line for line in lines if line.startswith("NSTOP ")]
+        assert json.loads(line.removeprefix("NSTOP ")) == expected
 
 
 def test_torchrun_ranks_are_pinned_to_disjoint_cores(api_job):
