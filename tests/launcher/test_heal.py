@@ -11,6 +11,7 @@ before any fault is the reference. The tests run in file order.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 
 import openai
 import psutil
@@ -135,10 +137,22 @@ def test_a_stream_heals_a_kill_then_a_stop(llm, reference):
     _serves_at_full_size(llm, reference, {killed["killed"], killed["stopped"]})
 
 
+def _second_sample_seed(seed: int) -> int:
+    """The seed of sample 1 of a request seeded with ``seed`` (n > 1), as the design states."""
+    digest = hashlib.blake2b(f"{seed}:1".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 def test_generate_heals_a_killed_rank(llm, reference):
+    """The second copy of the prompts asks n = 2: each sample is a request of its own, still
+    running when the rank dies, resumed like any other."""
+    second = llm.generate(
+        PROMPTS, [replace(p, seed=_second_sample_seed(p.seed)) for p in PARAMS], use_tqdm=False
+    )  # sample 1's fault-free tokens
     seen: dict[int, object] = {}
     killed = None
-    for index, completion in llm.generate_as_completed(PROMPTS * 2, PARAMS * 2):
+    paired = [replace(p, n=2) for p in PARAMS]
+    for index, completion in llm.generate_as_completed(PROMPTS * 2, PARAMS + paired):
         assert index not in seen, f"prompt {index} reported twice"
         seen[index] = completion
         if killed is None and len(seen) == 3:
@@ -146,7 +160,10 @@ def test_generate_heals_a_killed_rank(llm, reference):
             os.kill(killed, signal.SIGKILL)
     assert sorted(seen) == list(range(2 * len(PROMPTS)))
     assert [seen[i].output_token_ids for i in sorted(seen)] == reference * 2
-    assert all(seen[i].finish_reason == "length" for i in seen)
+    assert [[c.token_ids for c in seen[len(PROMPTS) + i].outputs] for i in range(len(PROMPTS))] == [
+        [first, other.output_token_ids] for first, other in zip(reference, second, strict=True)
+    ]
+    assert all(c.finish_reason == "length" for i in seen for c in seen[i].outputs)
     _serves_at_full_size(llm, reference, {killed})
 
 
