@@ -22,7 +22,7 @@ from dist_engine.distributed.cpu_binding import bind_process
 from dist_engine.distributed.groups import describe_exchange, init_distributed, resolve_backend
 from dist_engine.distributed.plain_data import all_gather_json
 from dist_engine.engine.config import EngineConfig
-from dist_engine.engine.outputs import ErrorKind, RequestOutput
+from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
 from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
 from dist_engine.kernels import compute
@@ -46,10 +46,28 @@ _OUTPUT_FIELDS = [f.name for f in fields(RequestOutput)]
 
 
 def _plain(output: RequestOutput) -> dict:
+    """An output as JSON values (the results exchange carries JSON, never pickles)."""
     plain = {name: getattr(output, name) for name in _OUTPUT_FIELDS}
     if output.error_kind is not None:
         plain["error_kind"] = output.error_kind.value
+    for name in ("new_logprobs", "prompt_logprobs"):
+        if plain[name] is not None:
+            plain[name] = [None if e is None else _plain_logprob(e) for e in plain[name]]
     return plain
+
+
+def _plain_logprob(entry: TokenLogprob) -> list:
+    return [entry.token_id, entry.logprob, entry.rank, [list(pair) for pair in entry.top]]
+
+
+def _logprob(plain: list) -> TokenLogprob:
+    try:
+        token_id, logprob, rank, top = plain
+        return TokenLogprob(
+            int(token_id), float(logprob), int(rank), tuple((int(t), float(v)) for t, v in top)
+        )
+    except (TypeError, ValueError):
+        raise LockstepError(f"a rank sent a malformed logprob entry {str(plain)[:80]}") from None
 
 
 def _output(plain: dict) -> RequestOutput:
@@ -64,6 +82,10 @@ def _output(plain: dict) -> RequestOutput:
             raise LockstepError(
                 f"a rank sent results with an unknown error_kind {kind!r}"
             ) from None
+    for name in ("new_logprobs", "prompt_logprobs"):
+        if plain.get(name) is not None:
+            entries = [None if e is None else _logprob(e) for e in plain[name]]
+            plain = {**plain, name: entries}
     return RequestOutput(**plain)
 
 

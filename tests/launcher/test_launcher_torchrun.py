@@ -148,7 +148,7 @@ def test_each_launcher_shards_by_its_documented_rule(outputs):
 # the first run's text.
 N_AND_STOP = """
 def n_and_stop(llm):
-    sampled = dict(max_tokens=12, temperature=1.0, seed=4, n=2, ignore_eos=True)
+    sampled = dict(max_tokens=12, temperature=1.0, seed=4, n=2, ignore_eos=True, logprobs=2)
     prompts = ["hello experts", [4, 5, 6]]
     free = llm.generate(prompts, SamplingParams(**sampled), use_tqdm=False)
     text = free[1].outputs[1].text
@@ -157,7 +157,11 @@ def n_and_stop(llm):
     cut = llm.generate(prompts, SamplingParams(stop=text[start : start + 2], **sampled),
                        use_tqdm=False)
     samples = [[c.index, c.token_ids, c.text, c.finish_reason] for o in cut for c in o.outputs]
-    return {"free": [c.token_ids for o in free for c in o.outputs], "cut": samples}
+    # Logprobs cross the results exchange too (rounded: the two groups batch differently).
+    logprobs = [[[sorted(entry) for entry in c.logprobs], round(c.cumulative_logprob, 3)]
+                for o in free for c in o.outputs]
+    return {"free": [c.token_ids for o in free for c in o.outputs], "cut": samples,
+            "logprobs": logprobs}
 """
 
 
