@@ -88,6 +88,15 @@ def current_store() -> dist.Store:
     return _STORE
 
 
+def _context() -> Any:
+    """Children fork from a server that imported torch once for this process (torch's import
+    is most of a child's start-up, seconds on a small host); the server itself initialises
+    nothing (no threads, no device), so a fork of it is as clean as a spawned interpreter."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "dist_engine.distributed.spawn"])
+    return ctx
+
+
 def run_multirank(
     world_size: int,
     fn: Callable[..., Any],
@@ -98,7 +107,8 @@ def run_multirank(
     may_exit: frozenset[int] = frozenset(),
     cpu_binding: bool = False,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return results by rank.
+    """Run `fn(rank, world_size, *args)` on `world_size` child processes (forked from a server
+    that imported torch; see `_context`); return results by rank.
 
     timeout_s: hard limit for the whole run (start-up included); children are killed after it.
     group_timeout_s: the process group's collective timeout.
@@ -114,7 +124,7 @@ def run_multirank(
     # The parent owns the store so the port is free by construction (port 0 = pick one);
     # wait_for_workers=False, or the constructor would block until the children connect.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     settings = (results, group_timeout_s, num_threads, cpu_binding)
     procs = [
