@@ -241,19 +241,37 @@ def compare_lm_eval(reference: dict, other: dict) -> dict[str, Any]:
 
 
 def guidellm(url: str, model: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One synchronous guidellm run (its `run` command, guidellm >= 0.6): request counts by
+    outcome, TTFT and ITL medians."""
     bin_dir = ensure_venv("guidellm")
-    command = [str(bin_dir / "guidellm"), "benchmark", "--target", url, "--model", "tiny",
-               "--processor", model, "--profile", "synchronous", "--max-requests", "16",
-               "--data", f"prompt_tokens={args.input_len},output_tokens={args.output_len}",
-               "--output-path", str(out / "guidellm.json")]  # fmt: skip
+    report_path = out / "guidellm.json"
+    command = [
+        str(bin_dir / "guidellm"), "run",
+        "--backend", f"kind=openai_http,target={url},model=tiny",
+        "--profile", "kind=synchronous",
+        "--constraint", "kind=max_requests,count=16",
+        "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},"
+                  f"output_tokens={args.output_len}",
+        "--tokenizer", f"kind=huggingface_auto,model={model}",
+        "--output", f"kind=json,path={report_path}",
+    ]  # fmt: skip
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
-    if done.returncode != 0:
+    if done.returncode != 0 or not report_path.is_file():
         return {"error": (done.stdout + done.stderr)[-2000:]}
-    report = json.loads((out / "guidellm.json").read_text())
-    benchmark = report["benchmarks"][0]
-    totals = benchmark["metrics"]["request_totals"] if "metrics" in benchmark else {}
-    return {"successful": totals.get("successful"), "errored": totals.get("errored")}
+    metrics = json.loads(report_path.read_text())["benchmarks"][0]["metrics"]
+    totals = metrics["request_totals"]
+
+    def median(name: str) -> float | None:
+        return (metrics.get(name) or {}).get("successful", {}).get("median")
+
+    return {
+        "successful": totals.get("successful"),
+        "errored": totals.get("errored"),
+        "incomplete": totals.get("incomplete"),
+        "median_ttft_ms": median("time_to_first_token_ms"),
+        "median_itl_ms": median("inter_token_latency_ms"),
+    }
 
 
 # -- the run --------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ torchaudio and torchcodec removed (their registry builds link to CUDA and break 
 
 Model: a random-weight Qwen3-MoE written by transformers (vocab 2048, hidden 256, 4 layers,
 8 heads / 4 KV heads of 32, 16 experts top-4, moe_intermediate 128), float32. Workloads, fixed
-by seeds, random token ids, greedy, EOS ignored (every request produces exactly its tokens):
+by seeds, random token ids, greedy (`--temperature T`: every request samples at T, unseeded,
+and tokens are not compared), EOS ignored (every request produces exactly its tokens):
   mixed         48 prompts of 16-128 tokens, outputs of 16-96 tokens;
   decode_heavy  64 prompts of 16-32 tokens, outputs of 128-192 tokens.
 
@@ -83,7 +84,7 @@ def serve(engine: Any, generate) -> None:
         print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
 
 
-def vllm_worker(model: str) -> None:
+def vllm_worker(model: str, temperature: float) -> None:
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -104,7 +105,8 @@ def vllm_worker(model: str) -> None:
 
     def generate(engine, prompts, max_tokens):
         params = [
-            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens
+            SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
+            for n in max_tokens
         ]
         inputs = [{"prompt_token_ids": p} for p in prompts]
         outs = engine.generate(inputs, params, use_tqdm=False)
@@ -113,7 +115,9 @@ def vllm_worker(model: str) -> None:
     serve(llm, generate)
 
 
-def lockstep_worker(model: str, dp_size: int, settings: dict[str, Any] | None = None) -> None:
+def lockstep_worker(
+    model: str, dp_size: int, temperature: float, settings: dict[str, Any] | None = None
+) -> None:
     from launcher import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -136,7 +140,10 @@ def lockstep_worker(model: str, dp_size: int, settings: dict[str, Any] | None = 
     print(json.dumps({"ready": time.perf_counter() - start, "settings": settings}), flush=True)
 
     def generate(engine, prompts, max_tokens):
-        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+        params = [
+            SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True)
+            for n in max_tokens
+        ]
         return [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
 
     try:
@@ -285,6 +292,12 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2, help="turns per contender")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--contenders", nargs="+", default=["vllm", "lockstep dp1", "lockstep dp2"])
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature for every request (unseeded; above 0 tokens are not compared)",
+    )
     parser.add_argument("--out", default="bench_results/vs_vllm.json")
     args = parser.parse_args()
 
@@ -294,11 +307,14 @@ def main() -> None:
     workloads = {name: make_workload(name) for name in args.workloads}
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "2"}
     me = str(Path(__file__).resolve())
+    sampling = ["--temperature", str(args.temperature)]
     argv = {
-        "vllm": [str(ensure_vllm_venv()), me, "--worker", "vllm", "--model", model],
-        "lockstep dp1": [sys.executable, me, "--worker", "lockstep", "--dp", "1", "--model", model],
-        "lockstep dp2": [sys.executable, me, "--worker", "lockstep", "--dp", "2", "--model", model],
-    }
+        "vllm": [str(ensure_vllm_venv()), me, "--worker", "vllm", "--model", model, *sampling],
+        "lockstep dp1": [sys.executable, me, "--worker", "lockstep", "--dp", "1", "--model", model,
+                         *sampling],
+        "lockstep dp2": [sys.executable, me, "--worker", "lockstep", "--dp", "2", "--model", model,
+                         *sampling],
+    }  # fmt: skip
     runs: list[dict[str, Any]] = []
     workers: dict[str, Worker] = {}
     per_pass = -(-args.rounds // args.passes)
@@ -337,7 +353,7 @@ def report(args, runs, workers, workloads) -> None:
             if name == "vllm":
                 vllm_median = median
             same = None
-            if reference is not None:
+            if reference is not None and args.temperature == 0.0:
                 same = sum(
                     a == b for r in mine for a, b in zip(r["tokens"], reference, strict=True)
                 ) / (len(mine) * len(reference))
@@ -378,6 +394,7 @@ def report(args, runs, workers, workloads) -> None:
         "processor": cpu,
         "load_average_range": [min(loads), max(loads)],
         "rounds": args.rounds,
+        "temperature": args.temperature,
         "workloads": {k: WORKLOADS[k] for k in workloads},
         "model": MODEL,
         "rows": rows,
@@ -395,10 +412,13 @@ if __name__ == "__main__":
         worker_args.add_argument("--model", required=True)
         worker_args.add_argument("--dp", type=int, default=1)
         worker_args.add_argument("--settings", default="{}", help="JSON: LLM keyword settings")
+        worker_args.add_argument("--temperature", type=float, default=0.0)
         parsed = worker_args.parse_args()
         if parsed.worker == "vllm":
-            vllm_worker(parsed.model)
+            vllm_worker(parsed.model, parsed.temperature)
         else:
-            lockstep_worker(parsed.model, parsed.dp, json.loads(parsed.settings))
+            lockstep_worker(
+                parsed.model, parsed.dp, parsed.temperature, json.loads(parsed.settings)
+            )
     else:
         main()
