@@ -84,7 +84,7 @@ def serve(engine: Any, generate) -> None:
         print(json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
 
 
-def vllm_worker(model: str, temperature: float) -> None:
+def vllm_worker(model: str, temperature: float, dtype: str) -> None:
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -92,7 +92,7 @@ def vllm_worker(model: str, temperature: float) -> None:
         model=model,
         skip_tokenizer_init=True,
         enable_prefix_caching=False,
-        dtype="float32",
+        dtype=dtype,
         max_model_len=MAX_MODEL_LEN,
         seed=0,
     )
@@ -116,7 +116,11 @@ def vllm_worker(model: str, temperature: float) -> None:
 
 
 def lockstep_worker(
-    model: str, dp_size: int, temperature: float, settings: dict[str, Any] | None = None
+    model: str,
+    dp_size: int,
+    temperature: float,
+    dtype: str,
+    settings: dict[str, Any] | None = None,
 ) -> None:
     from launcher import LLM, SamplingParams
 
@@ -127,6 +131,7 @@ def lockstep_worker(
         dp_size=dp_size,
         launcher=launcher,
         max_model_len=MAX_MODEL_LEN,
+        dtype=dtype,
         **(settings or {}),
     )
     scheduler = llm.config.scheduler
@@ -298,6 +303,11 @@ def main() -> None:
         default=0.0,
         help="sampling temperature for every request (unseeded; above 0 tokens are not compared)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="both engines' compute dtype (bfloat16: vLLM CPU's usual)",
+    )
     parser.add_argument("--out", default="bench_results/vs_vllm.json")
     args = parser.parse_args()
 
@@ -307,7 +317,7 @@ def main() -> None:
     workloads = {name: make_workload(name) for name in args.workloads}
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "2"}
     me = str(Path(__file__).resolve())
-    sampling = ["--temperature", str(args.temperature)]
+    sampling = ["--temperature", str(args.temperature), "--dtype", args.dtype]
     argv = {
         "vllm": [str(ensure_vllm_venv()), me, "--worker", "vllm", "--model", model, *sampling],
         "lockstep dp1": [sys.executable, me, "--worker", "lockstep", "--dp", "1", "--model", model,
@@ -395,6 +405,7 @@ def report(args, runs, workers, workloads) -> None:
         "load_average_range": [min(loads), max(loads)],
         "rounds": args.rounds,
         "temperature": args.temperature,
+        "dtype": args.dtype,
         "workloads": {k: WORKLOADS[k] for k in workloads},
         "model": MODEL,
         "rows": rows,
@@ -413,12 +424,17 @@ if __name__ == "__main__":
         worker_args.add_argument("--dp", type=int, default=1)
         worker_args.add_argument("--settings", default="{}", help="JSON: LLM keyword settings")
         worker_args.add_argument("--temperature", type=float, default=0.0)
+        worker_args.add_argument("--dtype", default="float32")
         parsed = worker_args.parse_args()
         if parsed.worker == "vllm":
-            vllm_worker(parsed.model, parsed.temperature)
+            vllm_worker(parsed.model, parsed.temperature, parsed.dtype)
         else:
             lockstep_worker(
-                parsed.model, parsed.dp, parsed.temperature, json.loads(parsed.settings)
+                parsed.model,
+                parsed.dp,
+                parsed.temperature,
+                parsed.dtype,
+                json.loads(parsed.settings),
             )
     else:
         main()
