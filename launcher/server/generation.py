@@ -205,13 +205,16 @@ async def answer_stream(
     async def send(chunk: dict[str, Any]) -> None:
         await response.write(sse(_with_usage(generation, choices, chunk)))
 
+    # Each chat choice opens with the assistant's role, sent with its first output as vLLM
+    # sends it: clients time the first token by the first chunk that has a choice.
+    opened: set[int] = set() if generation.endpoint == "chat" else {c.sample for c in choices}
     try:
-        if generation.endpoint == "chat":
-            for choice in choices:  # each chat choice opens with the assistant's role
-                await send(shape.chunk(choice.sample, "", [], first=True))
         remaining = len(choices)
         while remaining:
             choice, piece = await events.get()
+            if choice.sample not in opened:
+                opened.add(choice.sample)
+                await send(shape.chunk(choice.sample, "", [], first=True))
             if generation.echo and choice.sample not in echoed:
                 opening = _echo_text(generation, choice, shape)
                 echoed[choice.sample] = len(opening)

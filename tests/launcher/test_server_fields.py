@@ -244,6 +244,23 @@ def test_streaming_carries_choice_indices_and_continuous_usage(client):
     assert usage.completion_tokens == 20 and usage.prompt_tokens == 4
 
 
+def test_a_chat_choice_opens_with_its_first_token_as_vllms_does(client):
+    """The role chunk goes out with the choice's first output, not at admission: `vllm bench
+    serve` times the first token by the first chunk with a choice (an early role chunk made
+    TTFT look 10x shorter and put the real wait into the first inter-token gap)."""
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        n=2, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    opened = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.delta.role is not None:
+                opened[choice.index] = chunk.usage.completion_tokens
+    assert sorted(opened) == [0, 1] and all(tokens >= 1 for tokens in opened.values()), opened
+
+
 def test_stop_strings_can_stay_in_the_output(client, server):
     tokenizer = server.server.limits.tokenizer
     full = client.completions.create(
