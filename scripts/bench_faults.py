@@ -23,7 +23,15 @@ as it reaches the driver, with the group generation it came from. Reported:
                     to the kill, from the kill to the new group's first token, and from then
                     to the end (which includes re-prefilling the resumed requests);
   resumed, same   — requests resubmitted, and whether every request's tokens equal the
-                    fault-free run's.
+                    fault-free run's; the JSON's `differing` lists each request that does not,
+                    with the first position that differs, how many of its tokens came from the
+                    old group, and both token lists.
+A difference is not by itself a healing fault: fp32 GEMMs give a row bits that depend on the
+batch's row count (on the AVX2 host, M < 4 and M >= 4 differ by ~6e-5), so any change of
+schedule (a resumed prefill, another arrival order) can flip an MoE router's top-k where two
+experts' scores are within ~1e-5, and the tokens after it then differ by model, not by noise.
+Check a differing request against an independent run (the single-process engine,
+transformers) before blaming the heal; docs/benchmarks.md records the case found this way.
 Figures are this host's under whatever else runs on it, not properties of the code.
 """
 
@@ -75,24 +83,28 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 def stream(llm: LLM, prompts: list[list[int]], params: SamplingParams, kill_at_tokens: int | None):
     """Stream the prompts; returns (token arrivals [(time, generation)], tokens per prompt,
-    the kill's time or None, the requests unfinished then). Kills rank 1 once
+    the kill's time or None, the requests unfinished then, the tokens each prompt had then).
+    Kills rank 1 once
     ``kill_at_tokens`` tokens have arrived."""
     index_of = {tuple(p): i for i, p in enumerate(prompts)}
     arrivals: list[tuple[float, int]] = []
     tokens: list[list[int]] = [[] for _ in prompts]
+    generations: list[list[int]] = [[] for _ in prompts]  # the group each token came from
     finished: set[int] = set()
-    killed_at, unfinished = None, 0
+    killed_at, unfinished, at_kill = None, 0, None
     for completion in llm.generate_stream(prompts, params):
         now, generation = time.monotonic(), llm.client.generation
         index = index_of[tuple(completion.prompt_token_ids)]
         arrivals += [(now, generation)] * len(completion.new_token_ids)
         tokens[index] += completion.new_token_ids
+        generations[index] += [generation] * len(completion.new_token_ids)
         if completion.finished:
             finished.add(index)
         if killed_at is None and kill_at_tokens is not None and len(arrivals) >= kill_at_tokens:
             os.kill(llm.client.pids[1], signal.SIGKILL)
             killed_at, unfinished = time.monotonic(), len(prompts) - len(finished)
-    return arrivals, tokens, killed_at, unfinished
+            at_kill = [len(t) for t in tokens]
+    return arrivals, tokens, killed_at, unfinished, at_kill, generations
 
 
 def rate(arrivals: list[tuple[float, int]], start: float, end: float) -> float:
@@ -111,11 +123,13 @@ def measure(name: str, dp_size: int, args: argparse.Namespace) -> dict[str, Any]
     start = time.monotonic()
     with LLM(model=str(directory), launcher="ray", dp_size=dp_size, **settings) as llm:
         startup_s = time.monotonic() - start
-        _, reference, _, _ = stream(llm, prompts, params, None)
+        _, reference, _, _, _, _ = stream(llm, prompts, params, None)
         generation = llm.client.generation
         total = args.requests * args.max_tokens
-        arrivals, tokens, killed_at, unfinished = stream(llm, prompts, params, total // 3)
+        faulted = stream(llm, prompts, params, total // 3)
+    arrivals, tokens, killed_at, unfinished, at_kill, generations = faulted
     assert killed_at is not None, "the workload ended before the kill"
+    old = [g.count(generation) for g in generations]
     first = arrivals[0][0]
     healed_at = next(at for at, gen in arrivals if gen > generation)
     return {
@@ -128,8 +142,24 @@ def measure(name: str, dp_size: int, args: argparse.Namespace) -> dict[str, Any]
         "tok_s_after": rate(arrivals, healed_at, arrivals[-1][0]),
         "resumed": unfinished,
         "same_tokens": tokens == reference,
+        "differing": differing(reference, tokens, at_kill, old),
         "tokens": len(arrivals),
     }
+
+
+def differing(reference, tokens, at_kill: list[int], from_old_group: list[int]):
+    """Each request whose tokens differ from the fault-free run's: its index, the first
+    position that differs, how many tokens it had when the rank was killed, and how many
+    came from the old group (those after it came from the re-formed one)."""
+    rows = []
+    for index, (want, got) in enumerate(zip(reference, tokens, strict=True)):
+        if want != got:
+            pairs = enumerate(zip(want, got, strict=False))
+            first = next((k for k, (a, b) in pairs if a != b), min(len(want), len(got)))
+            rows.append({"request": index, "first_difference": first, "at_kill": at_kill[index],
+                         "from_old_group": from_old_group[index],
+                         "want": want, "got": got})  # fmt: skip
+    return rows
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
