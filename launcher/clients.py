@@ -30,7 +30,9 @@ class Submission:
     seed: the seed the driver fixed for a request whose params give none (so that a
     resubmission draws the same stream); None: the rank draws one. resumed_token_ids: the
     output tokens a resubmitted request had already committed; it continues after them
-    (`DPEngine.submit`)."""
+    (`DPEngine.submit`). sample_group: the key the samples of one `n` request share (its
+    request id), so the rank computes their prompt once (scheduler/samples.py); they are
+    routed to one rank."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -38,6 +40,7 @@ class Submission:
     stream: bool  # report new tokens as they come, not only the terminal result
     seed: int | None = None
     resumed_token_ids: tuple[int, ...] = ()
+    sample_group: str | None = None
 
 
 class Client(Protocol):
@@ -176,6 +179,7 @@ class EngineHost:
                 stream=item.stream,
                 seed=item.seed,
                 resumed_token_ids=item.resumed_token_ids,
+                sample_group=item.sample_group,
             )
 
     def abort(self, request_id: str) -> None:

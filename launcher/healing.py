@@ -149,10 +149,13 @@ class ResumeLedger:
         seed: int | None,
         stream: bool,
         rank: int,
+        sample_group: str | None = None,
     ) -> Submission:
-        """Track a new request routed to ``rank``; returns its first submission. ``seed``:
-        `DriverSeeds`'."""
-        submission = Submission(request_id, prompt_token_ids, params, stream, seed=seed)
+        """Track a new request routed to ``rank``; returns its first submission (resubmissions
+        keep its seed and ``sample_group``). ``seed``: `DriverSeeds`'."""
+        submission = Submission(
+            request_id, prompt_token_ids, params, stream, seed=seed, sample_group=sample_group
+        )
         self._open[request_id] = _Tracked(submission, rank, caller_streams=stream)
         return submission
 

@@ -15,12 +15,13 @@ sample, ``SamplingParams.n`` of them, index order) and ``finished``, and Lockste
 ``output_token_ids``, ``text``, ``finish_reason``, ``dp_rank``, ``detail`` and timings, which
 describe the first sample. The front end applies ``n`` and ``stop`` strings as the server
 does (launcher/samples.py): each sample is a rank request of its own (with a seed derived
-from the request's, or the job's `DriverSeeds` draw), and a sample whose text reaches a stop
-string is aborted on its rank and ends with finish reason "stop", its text cut before the
-stop string (after it with ``include_stop_str_in_output``) and its token ids through the
-token that completed it, so text and tokens are the server's for the same request. A sample
-ended by a stop string carries no ``finish_time`` or ``token_times`` (its rank never
-finished it). ``generate(prompts)`` with no sampling params samples
+from the request's, or the job's `DriverSeeds` draw), all on one rank, which computes their
+prompt once and shares its KV blocks among them (scheduler/samples.py), and a sample whose
+text reaches a stop string is aborted on its rank and ends with finish reason "stop", its
+text cut before the stop string (after it with ``include_stop_str_in_output``) and its token
+ids through the token that completed it, so text and tokens are the server's for the same
+request. A sample ended by a stop string carries no ``finish_time`` or ``token_times`` (its
+rank never finished it). ``generate(prompts)`` with no sampling params samples
 with the model's defaults (launcher/generation_config.py), as vLLM does; a given
 ``SamplingParams`` is used as it is (``SamplingParams()`` is greedy), except that every
 request stops at the model's EOS ids (config.json's, generation_config.json's and the
@@ -458,13 +459,17 @@ class LLM:
                 pin = self.client.rank
             cost = len(prompt.token_ids) + prompt.params.max_tokens
             streamed = stream or bool(prompt.params.stop)
+            # A prompt's samples go to one rank, under one group key, so that it computes the
+            # prompt once and they share its KV blocks (scheduler/samples.py).
+            group = prompt.request_id if len(prompt.samples) > 1 else None
             for number, sample in enumerate(prompt.samples):
                 rank = self.router.assign(sample.request_id, cost, pin)
+                pin = rank
                 where[sample.request_id] = (index, number)
                 texts[sample.request_id] = SampleText.of(prompt.params, self.tokenizer)
                 submissions.append(
                     ledger.add(sample.request_id, prompt.token_ids, sample.params, sample.seed,
-                               streamed, rank)
+                               streamed, rank, group)
                 )  # fmt: skip
         pending = set(where)
         failed: dict[int, str] = {}  # rank -> why (-1: the group as a whole)

@@ -121,7 +121,7 @@ def assemble_prefill(
         if not seq.block_table:
             if max_kv_usage is not None and kv.usage() > max_kv_usage:
                 break
-            plan = kv.plan_admission(seq, reserve_blocks(seq) if reserve_blocks else 0)
+            plan = kv.plan_admission(seq, reserve_blocks(seq) if reserve_blocks else 0, seqs)
             if plan.status is AllocStatus.NEVER:
                 waiting.popleft()
                 seq.error_message = larger_than_pool(seq, kv)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from scheduler.block_pool import BlockPool
 from scheduler.sequence import Sequence
 
-_ROOT_HASH = 0
+ROOT_HASH = 0
 
 
 class PrefixCache:
@@ -29,8 +29,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._block_by_key)
 
-    def match(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Longest cached chain of full blocks for ``token_ids``.
+    def match(self, token_ids: list[int], root: int = ROOT_HASH) -> tuple[list[int], list[int]]:
+        """Longest cached chain of full blocks for ``token_ids``, starting from ``root`` (a
+        chain of its own: scheduler/samples.py roots each sample group's).
 
         At least one token is always left to compute, since the step must produce the logits of
         the last prompt token. Returns ``(blocks, hashes)``; nothing is pinned yet.
@@ -39,7 +40,7 @@ class PrefixCache:
         max_blocks = (len(token_ids) - 1) // size
         blocks: list[int] = []
         hashes: list[int] = []
-        parent = _ROOT_HASH
+        parent = root
         for index in range(max_blocks):
             key = (parent, tuple(token_ids[index * size : (index + 1) * size]))
             block = self._block_by_key.get(key)
@@ -54,12 +55,13 @@ class PrefixCache:
         """How many of ``blocks`` would leave the free count when pinned."""
         return sum(1 for block in blocks if self.pool.is_evictable(block))
 
-    def register_full_blocks(self, seq: Sequence) -> None:
-        """Index every block of ``seq`` whose KV is now complete and not yet indexed."""
+    def register_full_blocks(self, seq: Sequence, root: int = ROOT_HASH) -> None:
+        """Index every block of ``seq`` whose KV is now complete and not yet indexed, on the
+        chain from ``root``."""
         size = self.block_size
         num_full = min(seq.num_tokens, len(seq.token_ids)) // size
         hashes = seq.block_hashes
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root
         for index in range(len(hashes), num_full):
             key = (parent, tuple(seq.token_ids[index * size : (index + 1) * size]))
             block = seq.block_table[index]

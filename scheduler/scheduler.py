@@ -44,6 +44,9 @@ class PoolUsage:
     num_usable_blocks: int  # the pool less the reserved block 0
     usage: float  # fraction of usable blocks held by sequences
     num_prefix_hit_tokens: int  # prompt tokens found in the prefix cache so far
+    # Without prefix caching: prompt tokens a sample found computed by a sibling (samples.py);
+    # with it, those count as prefix-cache hits.
+    num_shared_prompt_tokens: int
 
 
 # A step's schedule: yields vote vectors, receives the group's MIN of each, returns outputs.
@@ -177,6 +180,7 @@ class Scheduler:
             num_usable_blocks=blocks.num_usable,
             usage=blocks.usage(),
             num_prefix_hit_tokens=cache.num_hit_tokens if cache is not None else 0,
+            num_shared_prompt_tokens=self.kv.num_shared_tokens,
         )
 
     # -- the step ---------------------------------------------------------------------------

@@ -4,7 +4,8 @@
 - KV ledger: ``num_tokens`` (tokens whose KV exists or is being written by the step in flight),
   ``previous_num_tokens``, ``block_table``, ``state_slot``, ``block_hashes``;
 - schedule ledger: ``status``, ``schedulable``, ``chunked_rest_len``, ``chunk_checkpoints``,
-  ``unsplittable_spans``;
+  ``unsplittable_spans``, ``sample_group`` (the samples of one ``n`` request share it, and
+  with it their prompt's KV blocks: scheduler/samples.py);
 - timing: ``arrival_time``, ``first_token_time``, ``token_times``, ``finish_time``.
 
 The KV ledger advances optimistically by ``seqlen_q`` when a step is scheduled and is committed to
@@ -72,6 +73,7 @@ class Sequence:
         "previous_num_tokens",
         "queued_step",
         "request_id",
+        "sample_group",
         "sampling_params",
         "schedulable",
         "state_slot",
@@ -93,6 +95,7 @@ class Sequence:
         chunk_checkpoints: Iterable[int] = (),
         unsplittable_spans: Iterable[tuple[int, int]] = (),
         arrival_time: float | None = None,
+        sample_group: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params or SamplingParams()
@@ -121,6 +124,7 @@ class Sequence:
         self.chunk_checkpoints: deque[int] = deque(sorted(set(chunk_checkpoints)))
         self.unsplittable_spans = _check_spans(unsplittable_spans, self.num_prompt_tokens)
         self.in_flight = False
+        self.sample_group = sample_group
         self.arrival_index = -1  # set by the scheduler; orders FCFS preemption
         self.queued_step = -1  # step index at which it (re)joined waiting; set by the scheduler
         self.error_message = ""

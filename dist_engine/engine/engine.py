@@ -315,6 +315,7 @@ class DPEngine:
         schedulable: bool = True,
         seed: int | None = None,
         resumed_token_ids: list[int] | tuple[int, ...] = (),
+        sample_group: str | None = None,
     ) -> None:
         """Queue a request. ``schedulable=False`` holds it (and, since nobody overtakes the
         head of the queue, those behind it) until ``set_schedulable``: a request whose inputs
@@ -323,13 +324,18 @@ class DPEngine:
         Resuming a request another group had started (launcher/healing.py): ``seed`` is the
         seed it drew with when its params give none, and ``resumed_token_ids`` the output
         tokens it had committed; it continues after them as a fault-free run would
-        (`resume_sequence`), reporting only the tokens after them as new."""
+        (`resume_sequence`), reporting only the tokens after them as new.
+
+        ``sample_group``: the key shared by the samples of one `n` request, which the front
+        end sends as requests of their own; the rank computes their prompt once and they
+        share its KV blocks (scheduler/samples.py)."""
         seq = Sequence(
             request_id,
             prompt_token_ids,
             sampling_params,
             eos_token_id=self.model_config.eos_token_ids,
             schedulable=schedulable,
+            sample_group=sample_group,
         )
         if resumed_token_ids:
             resume_sequence(seq, resumed_token_ids)

@@ -156,6 +156,10 @@ class RankStats:
     # Prompt tokens looked up in the prefix cache: those found there plus those computed
     # (0 without prefix caching, as vLLM counts).
     num_prefix_cache_query_tokens: int = 0
+    num_prefill_tokens: int = 0  # prompt tokens computed (not those found cached or shared)
+    # Without prefix caching: prompt tokens a sample of an `n` request took from a sibling,
+    # computed once for all of them (scheduler/samples.py); with it, they are cache hits.
+    num_shared_prompt_tokens: int = 0
     error: str | None = None  # why the rank's loop stopped, if it failed
     # Set by a client when the rank did not answer in time: these are its last stats, and it
     # has not answered for this many seconds.
@@ -188,6 +192,8 @@ def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:
         num_prefix_cache_query_tokens=(
             pool.num_prefix_hit_tokens + counters.num_prefill_tokens if caching else 0
         ),
+        num_prefill_tokens=counters.num_prefill_tokens,
+        num_shared_prompt_tokens=pool.num_shared_prompt_tokens,
         error=error,
         experts=engine.balancer.snapshot() if engine.balancer is not None else None,
     )

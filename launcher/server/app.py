@@ -320,15 +320,21 @@ class LockstepServer:
                 choice.record_end()
 
     def _open_samples(self, request_id: str, generation: GenerationRequest) -> list[RequestStream]:
-        """One request on a rank per sample; if one cannot open, the others are aborted."""
+        """One request on a rank per sample; if one cannot open, the others are aborted. The
+        samples of one prompt go to one rank under one group key, so that it computes the
+        prompt once and they share its KV blocks (scheduler/samples.py)."""
         streams: list[RequestStream] = []
+        best_of = generation.best_of
         try:
             for sample in range(generation.num_samples):
-                prompt = generation.prompts[sample // generation.best_of]
+                prompt_index, index = divmod(sample, best_of)
+                prompt = generation.prompts[prompt_index]
                 name = request_id if generation.num_samples == 1 else f"{request_id}-{sample}"
+                group = f"{request_id}/{prompt_index}" if best_of > 1 else None
+                pin = streams[sample - index].rank if index else generation.dp_rank
                 streams.append(
                     self.frontend.open_request(
-                        name, prompt, generation.sample_params(sample), generation.dp_rank
+                        name, prompt, generation.sample_params(sample), pin, group
                     )
                 )
         except BaseException:

@@ -280,8 +280,11 @@ class EngineFrontend:
         prompt_token_ids: list[int],
         params: SamplingParams,
         dp_rank: int | None,
+        sample_group: str | None = None,
     ) -> RequestStream:
-        """Open an admitted request (see `admission`) on a rank."""
+        """Open an admitted request (see `admission`) on a rank. ``sample_group``: the key the
+        samples of one prompt share (they must be opened on one rank, pinned by ``dp_rank``),
+        so the rank computes the prompt once (scheduler/samples.py)."""
         self._check_available()  # the group may have failed while the request was prepared
         rank = self.router.assign(request_id, len(prompt_token_ids) + params.max_tokens, dp_rank)
         entry = _Open(rank, prompt_token_ids, asyncio.Queue())
@@ -289,7 +292,9 @@ class EngineFrontend:
         self._idle.clear()
         # Streaming on, whatever the HTTP client asked: the server sees every token as it comes.
         seed = self._seeds.seed_for(params)
-        submission = self._ledger.add(request_id, prompt_token_ids, params, seed, True, rank)
+        submission = self._ledger.add(
+            request_id, prompt_token_ids, params, seed, True, rank, sample_group
+        )
         self._commands[rank].put(_Submit(submission, self._generation))
         return RequestStream(self, request_id, entry)
 

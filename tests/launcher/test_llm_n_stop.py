@@ -21,6 +21,7 @@ from dist_engine.engine.outputs import ErrorKind, Logprob, RequestOutput
 from launcher import LLM, SamplingParams
 from launcher.clients import Submission
 from launcher.llm import _kept
+from launcher.routing import Router
 from launcher.samples import SampleText
 from launcher.server.config import ServerConfig
 
@@ -128,6 +129,78 @@ def test_n_greedy_samples_are_identical(llm):
                            use_tqdm=False)  # fmt: skip
     assert [c.token_ids for c in many.outputs] == [single.output_token_ids] * 3
     assert [c.index for c in many.outputs] == [0, 1, 2]
+
+
+LONG_PROMPT = [(7 * i + 3) % 100 for i in range(40)]  # 5 blocks of 8
+
+
+def prefilled(llm, prompts, params):
+    """`generate`'s outputs, and the prompt tokens the rank computed and those samples took
+    from a sibling meanwhile (its stats)."""
+    (before,) = llm.client.stats()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    (after,) = llm.client.stats()
+    return outputs, (
+        after.num_prefill_tokens - before.num_prefill_tokens,
+        after.num_shared_prompt_tokens - before.num_shared_prompt_tokens,
+    )
+
+
+@pytest.mark.parametrize("seed", [None, 1234], ids=["greedy", "seeded"])
+def test_n_samples_compute_their_prompt_once_with_the_separate_requests_tokens(llm, seed):
+    """n=4 shares the prompt's 4 full blocks before its last token (32 tokens): the rank
+    computes 40 + 3 * 8 prompt tokens instead of 4 * 40, and each sample has the tokens of a
+    request of its own with that sample's seed (which nothing shares)."""
+    temperature = 0.0 if seed is None else 1.0
+    sampled = dict(max_tokens=8, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(n=4, seed=seed, **sampled)
+    (many,), (computed, shared) = prefilled(llm, [LONG_PROMPT], params)
+    assert (computed, shared) == (40 + 3 * 8, 3 * 32)
+    seeds = [None] * 4 if seed is None else [derived_seed(seed, i) for i in range(4)]
+    separate = [SamplingParams(seed=s, **sampled) for s in seeds]
+    singles, (computed, shared) = prefilled(llm, [LONG_PROMPT] * 4, separate)
+    assert (computed, shared) == (4 * 40, 0)
+    assert [c.token_ids for c in many.outputs] == [o.output_token_ids for o in singles]
+    assert all(len(c.token_ids) == 8 for c in many.outputs)
+    if seed is not None:
+        assert len({tuple(c.token_ids) for c in many.outputs}) == 4  # the samples differ
+    (stats,) = llm.client.stats()
+    assert stats.num_free_blocks == stats.num_usable_blocks  # nothing is left held
+
+
+class TwoRanks:
+    """The module's one local rank posing as a group of two: records the rank each
+    submission is sent to, and serves it on the real rank."""
+
+    num_ranks = 2
+
+    def __init__(self, client) -> None:
+        self.inner = client
+        self.sent: list[tuple[int, str, str | None]] = []
+
+    def submit(self, rank, batch, generation=None):
+        self.sent += [(rank, item.request_id, item.sample_group) for item in batch]
+        self.inner.submit(0, batch, generation=generation)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_prompts_samples_are_routed_to_one_rank_under_one_key(llm):
+    client, router = llm.client, llm.router
+    llm.client, llm.router = TwoRanks(client), Router(2, "round_robin")
+    try:
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=2, n=3), use_tqdm=False)
+        sent = llm.client.sent
+    finally:
+        llm.client, llm.router = client, router
+    ids = [o.request_id for o in outputs]
+    assert sent == [
+        (rank, f"{request_id}-{j}", request_id) for rank, request_id in enumerate(ids)
+        for j in range(3)
+    ]  # fmt: skip
+    (alone,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert alone.outputs[0].token_ids == outputs[0].outputs[0].token_ids
 
 
 def test_unseeded_samples_draw_the_jobs_seeds_in_order(model_dir):

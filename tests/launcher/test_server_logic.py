@@ -355,3 +355,44 @@ def test_serve_refuses_bad_settings_before_starting_anything(model_dir, tmp_path
     assert "unknown setting(s) ['server.colour']" in capsys.readouterr().err
     assert main(["serve", "--config", str(path)]) == 2
     assert "parallel.launcher ray or local, got 'torchrun'" in capsys.readouterr().err
+
+
+# -- samples --------------------------------------------------------------------------------
+class _RecordingFrontend:
+    """Stands in for `EngineFrontend.open_request`: records each sample and round-robins the
+    ranks it picks itself, as a router spreading requests would."""
+
+    def __init__(self) -> None:
+        self.opened: list[tuple[str, int | None, str | None, int]] = []
+
+    def open_request(self, request_id, prompt, params, dp_rank, sample_group=None):
+        rank = dp_rank if dp_rank is not None else len(self.opened) % 2
+        self.opened.append((request_id, dp_rank, sample_group, rank))
+        return dataclasses.make_dataclass("Stream", ["rank"])(rank)
+
+
+def test_a_prompts_samples_open_on_one_rank_under_one_group_key():
+    """Each prompt's samples share a key and the rank of its first sample, so the rank
+    computes the prompt once (scheduler/samples.py); a single sample has no key."""
+    from launcher.server.app import LockstepServer
+    from launcher.server.protocol import GenerationRequest
+    from scheduler import SamplingParams
+
+    def generation(best_of: int, prompts: list[list[int]]) -> GenerationRequest:
+        return GenerationRequest(
+            "completion", prompts, best_of, best_of, SamplingParams(max_tokens=4), (), False,
+            True, False, False, False, None, False, False, None, None,
+        )  # fmt: skip
+
+    server = LockstepServer.__new__(LockstepServer)
+    server.frontend = _RecordingFrontend()
+    streams = server._open_samples("cmpl-1", generation(3, [[1, 2], [3, 4]]))
+    assert server.frontend.opened == [
+        ("cmpl-1-0", None, "cmpl-1/0", 0), ("cmpl-1-1", 0, "cmpl-1/0", 0),
+        ("cmpl-1-2", 0, "cmpl-1/0", 0), ("cmpl-1-3", None, "cmpl-1/1", 1),
+        ("cmpl-1-4", 1, "cmpl-1/1", 1), ("cmpl-1-5", 1, "cmpl-1/1", 1),
+    ]  # fmt: skip
+    assert [stream.rank for stream in streams] == [0, 0, 0, 1, 1, 1]
+    server.frontend = _RecordingFrontend()
+    server._open_samples("cmpl-2", generation(1, [[1, 2]]))
+    assert server.frontend.opened == [("cmpl-2", None, None, 0)]
