@@ -11,4 +11,17 @@ bash scripts/setup_env.sh test
 .venv/bin/python -c "from dist_engine.kernels.compute import prepare
 from dist_engine.distributed.shm_exchange import transport_library
 prepare(); transport_library()"
-.venv/bin/python -m pytest -q --timeout=300 "$@"
+if [ "$#" -gt 0 ]; then  # a selection of tests: run it as given
+  exec .venv/bin/python -m pytest -q --timeout=300 "$@"
+fi
+# Two phases. The tests that start no process and assert no latency are single-threaded Python
+# and torch work for the most part: two xdist workers, one torch thread each, keep both cores
+# busy (`-n auto`: one per core). Then the tests that start processes (rank groups, Ray, torchrun, the CLI; they size
+# their own threads) or assert a latency bound run one at a time, with the machine to
+# themselves, as they always have.
+# Both phases run whatever the first gives, and the script fails if either did.
+status=0
+OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --timeout=300 -n auto \
+  -m "not multirank and not timing" || status=$?
+.venv/bin/python -m pytest -q --timeout=300 -m "multirank or timing" || status=$?
+exit "$status"

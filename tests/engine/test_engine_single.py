@@ -57,6 +57,7 @@ def running(model_dir):
     engine.close()
 
 
+@pytest.mark.timing
 def test_an_idle_engine_sleeps_and_wakes_promptly(running):
     running.engine.submit("warm", [1, 2, 3], PARAMS)
     running.final("warm")

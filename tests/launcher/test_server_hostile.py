@@ -111,6 +111,7 @@ def completion(prompt, **fields) -> bytes:
 
 
 # -- item 3: tokenizing off the event loop ------------------------------------------------------
+@pytest.mark.timing
 def test_a_flood_of_huge_text_prompts_stalls_no_open_stream(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     arrivals: list[float] = []
