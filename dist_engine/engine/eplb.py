@@ -42,6 +42,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import socket
 import statistics
 import threading
@@ -72,6 +74,10 @@ from moe import (
 )
 from scheduler import Vote
 
+# A fault-injection point for tests (tests/launcher/test_heal.py): the first rank whose staging
+# finds the file this names removes it and stops its own process (SIGSTOP) after reading its
+# first layer's experts, so that a test can kill it half-way through a weight transfer.
+STOP_IN_STAGING_ENV = "LOCKSTEP_STOP_IN_EPLB_STAGING"
 # A rank's staging state in the commit check's MIN all-reduce.
 _FAILED, _STAGING, _READY = -1, 0, 1
 # Commit checks back off (gaps of 1, 2, 4, ... forward steps) up to this gap: a fast staging
@@ -385,6 +391,8 @@ class ExpertBalancer:
                     if proposal.cancel.is_set():
                         raise RuntimeError("cancelled")
                     fill_expert(w13[row], w2[row], gate, up, down)
+                if index == 0 and wanted:
+                    _stop_here_if_asked()
                 staged.append(
                     StagedPlacement(
                         placement=proposed,
@@ -418,3 +426,16 @@ class ExpertBalancer:
         """The engine stops: a staging thread still running gives up at its next expert."""
         if self.pending is not None:
             self.pending.cancel.set()
+
+
+def _stop_here_if_asked() -> None:
+    """`STOP_IN_STAGING_ENV`: stop this process if its file is there (taking it, so one rank
+    of one group stops, once)."""
+    path = os.environ.get(STOP_IN_STAGING_ENV)
+    if not path:
+        return
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return
+    os.kill(os.getpid(), signal.SIGSTOP)

@@ -5,27 +5,32 @@ tokens of the fault-free run (greedy and seeded sampling at temperature 1.0), st
 token missing or repeated, and the group serves at full size afterwards.
 
 One group serves the module (the server last, over the same client); the fault-free run on it
-before any fault is the reference. The tests run in file order.
+before any fault is the reference. The tests run in file order. The last one starts a group of
+its own, with EPLB on, to kill a rank half-way through an expert transfer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
 import signal
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import openai
 import psutil
 import pytest
 import ray
 
+from dist_engine.engine.eplb import STOP_IN_STAGING_ENV
 from launcher import LLM, SamplingParams
 from launcher.server.app import LockstepServer
 from launcher.server.config import ServerConfig
@@ -44,6 +49,10 @@ PARAMS = [
     for i in range(len(PROMPTS))
 ]
 PROMPT_INDEX = {tuple(prompt): index for index, prompt in enumerate(PROMPTS)}
+# Ray's workers inherit the environment the driver had at `ray.init`: name the fault-injection
+# file now; it exists only while the EPLB test arms it.
+STOP_FILE = Path(tempfile.mkdtemp(prefix="lockstep-heal-")) / "stop-in-staging"
+os.environ[STOP_IN_STAGING_ENV] = str(STOP_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +249,60 @@ def test_serve_heals_concurrent_streams(llm, reference):
         asyncio.run_coroutine_threadsafe(server.stop(5.0), loop).result(120)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
+
+
+# -- a rank killed during an EPLB weight transfer -------------------------------------------
+def _wait_for_a_stopped_rank(llm, limit_s: float) -> int:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        for pid in llm.client.pids.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                    return pid
+        time.sleep(0.05)
+    pytest.fail(f"no rank stopped in its EPLB staging within {limit_s} s")
+
+
+def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path):
+    """DP=2 with EPLB on a skewed DeepSeek-V3: a rank stops itself half-way through staging
+    the experts a rebalance gave it (`STOP_IN_STAGING_ENV`) and is SIGKILLed there. The group
+    heals as from any rank failure: every request ends once with the fault-free tokens, and
+    the new group serves at full size and rebalances again."""
+    from model_fixtures import TINY_SIZES, make_hot_experts
+
+    from dist_engine.models.make_model import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(
+        "deepseek_v3", tmp_path / "hot", seed=7, num_layers=3, **TINY_SIZES
+    )
+    make_hot_experts(model, {6: 0.3, 7: 0.15})
+    eplb = dict(enable_eplb=True, eplb_num_redundant_experts=2, eplb_window_steps=8,
+                eplb_interval_steps=4)  # fmt: skip
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS[:8]
+    with LLM(model=str(model), dp_size=2, launcher="ray", **SETTINGS, **eplb) as llm:
+        reference = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.expert_stats().num_rebalances >= 1  # the workload does move experts
+        generation = llm.client.generation
+        STOP_FILE.touch()
+        results: list = []
+        worker = threading.Thread(
+            target=lambda: results.append(llm.generate(prompts, params, use_tqdm=False))
+        )
+        worker.start()
+        try:
+            stopped = _wait_for_a_stopped_rank(llm, 60)
+            os.kill(stopped, signal.SIGKILL)
+        finally:
+            STOP_FILE.unlink(missing_ok=True)
+            worker.join(120)
+        assert not worker.is_alive(), "generate did not return after the heal"
+        assert not STOP_FILE.exists()  # a rank's staging took it
+        assert llm.client.generation == generation + 1
+        (outputs,) = results
+        assert [o.finish_reason for o in outputs] == ["length"] * len(prompts)
+        assert [o.output_token_ids for o in outputs] == reference
+        again = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.output_token_ids for o in again] == reference
+        assert {o.dp_rank for o in again} == {0, 1}
+        assert llm.expert_stats().num_rebalances >= 1  # the new group's balancer works
