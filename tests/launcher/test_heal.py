@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import signal
@@ -174,6 +175,67 @@ def test_generate_heals_a_killed_rank(llm, reference):
     ]
     assert all(c.finish_reason == "length" for i in seen for c in seen[i].outputs)
     _serves_at_full_size(llm, reference, {killed})
+
+
+def _kill_a_new_rank_as_it_starts(known: set[int], killed: dict, limit_s: float) -> None:
+    """Find a rank actor's process that is not one of ``known`` (a rank of the group being
+    started) and SIGKILL it at once; record its pid in ``killed``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            title = (process.info["cmdline"] or [""])[0]
+            if title.startswith("ray::RankActor") and process.info["pid"] not in known:
+                killed["during_start"] = process.info["pid"]
+                killed["title"] = title
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.info["pid"], signal.SIGKILL)
+                return
+        time.sleep(0.01)
+
+
+def test_a_rank_killed_while_the_group_re_forms(llm, reference):
+    """SIGKILL rank 1 mid-run, then a rank of the replacement group while that group is
+    still starting: the re-form fails, is tried again, and every request still ends once
+    with the fault-free tokens, no token missing or repeated."""
+    generation = llm.client.generation
+    # Every rank process there is now (the new group's ranks come later; an idle Ray worker
+    # taking a new rank's actor is retitled then, so it is not excluded here).
+    known = {
+        process.pid
+        for process in psutil.process_iter(["cmdline"])
+        if (process.info["cmdline"] or [""])[0].startswith("ray::RankActor")
+    }
+    killed: dict = {}
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("lockstep")
+    logger.addHandler(handler)
+    watcher = threading.Thread(target=_kill_a_new_rank_as_it_starts, args=(known, killed, 60))
+
+    def on_output(index, completion, ends) -> None:
+        if "first" not in killed and len(completion.output_token_ids) >= 6:
+            watcher.start()
+            killed["first"] = llm.client.pids[1]
+            os.kill(killed["first"], signal.SIGKILL)
+
+    try:
+        streamed, ends = _stream(llm, on_output)
+    finally:
+        logger.removeHandler(handler)
+        if watcher.ident is not None:
+            watcher.join(60)
+    assert "during_start" in killed, "no rank of the new group was seen starting"
+    assert killed["during_start"] not in llm.client.pids.values()
+    assert any("re-forming the DP group failed" in line and "trying again" in line
+               for line in lines), lines  # fmt: skip
+    assert llm.client.generation == generation + 1  # one group came up, after the failed one
+    for index, expected in enumerate(reference):
+        (final,) = ends[index]
+        assert final.finish_reason == "length", final.finish_reason
+        assert final.output_token_ids == expected, index
+    assert streamed == reference
+    _serves_at_full_size(llm, reference, {killed["first"], killed["during_start"]})
 
 
 # -- the server ------------------------------------------------------------------------------
