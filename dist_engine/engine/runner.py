@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata, StepMetadata
+from dist_engine.attention.metadata import (
+    AttentionMetadata,
+    MixedMetadata,
+    StepMetadata,
+    bucketed_columns,
+)
 from dist_engine.engine.outputs import TokenLogprob
 from dist_engine.engine.sampler import Logprobs, Sampler, SamplingRow, check_row, prompt_logprobs
 from dist_engine.engine.structured import allowed_tokens
@@ -47,11 +52,15 @@ class ModelRunner:
         model: MoECausalLM,
         block_size: int,
         device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
     ) -> None:
+        """max_model_len: the longest context, which caps a decode step's block-table width
+        (None: uncapped)."""
         if model.kv_cache is None:
             raise ValueError("attach a KVCache to the model before building its runner")
         self.model = model
         self.block_size = block_size
+        self.max_columns = None if max_model_len is None else -(-max_model_len // block_size)
         self.device = torch.device(device)
         self.sampler = Sampler()
 
@@ -108,18 +117,27 @@ class ModelRunner:
         has no prompt chunk in it."""
         tables = [seq.block_table for seq in seqs]
         split = len(seqs) - outputs.num_decode_seqs
-        if outputs.num_decode_seqs == 0 or split == 0:
-            is_prefill = outputs.is_prefill and outputs.num_decode_seqs == 0
-            return AttentionMetadata.build(
-                tables, cached, new, self.block_size, is_prefill, self.device
-            )
+        if outputs.is_prefill and outputs.num_decode_seqs == 0:
+            return AttentionMetadata.build(tables, cached, new, self.block_size, True, self.device)
+        if not outputs.is_prefill or split == 0:
+            return self._decode_metadata(tables, cached, new)
         return MixedMetadata.join(
             AttentionMetadata.build(
                 tables[:split], cached[:split], new[:split], self.block_size, True, self.device
             ),
-            AttentionMetadata.build(
-                tables[split:], cached[split:], new[split:], self.block_size, False, self.device
-            ),
+            self._decode_metadata(tables[split:], cached[split:], new[split:]),
+        )
+
+    def _decode_metadata(
+        self, tables: list[list[int]], cached: list[int], new: list[int]
+    ) -> AttentionMetadata:
+        """One token per sequence, attended in the decode regime, block tables as wide as
+        their bucket (`bucketed_columns`)."""
+        contexts = (c + n for c, n in zip(cached, new, strict=True))
+        needed = max((-(-length // self.block_size) for length in contexts), default=0)
+        width = bucketed_columns(needed, self.max_columns)
+        return AttentionMetadata.build(
+            tables, cached, new, self.block_size, False, self.device, width
         )
 
     def _sample(
