@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dist_engine.attention.decode_inputs import DecodeInputs
 from dist_engine.attention.metadata import (
     AttentionMetadata,
     MixedMetadata,
@@ -53,9 +54,13 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str = "cpu",
         max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        decode_batch_sizes: tuple[int, ...] | None = None,
     ) -> None:
         """max_model_len: the longest context, which caps a decode step's block-table width
-        (None: uncapped)."""
+        (None: uncapped). With it and max_num_seqs, decode steps take their inputs from
+        persistent buffers (`DecodeInputs`), padded up to the next of `decode_batch_sizes`
+        when given (the sizes a compiled or captured decode step exists for)."""
         if model.kv_cache is None:
             raise ValueError("attach a KVCache to the model before building its runner")
         self.model = model
@@ -63,6 +68,16 @@ class ModelRunner:
         self.max_columns = None if max_model_len is None else -(-max_model_len // block_size)
         self.device = torch.device(device)
         self.sampler = Sampler()
+        self.decode_inputs: DecodeInputs | None = None
+        if decode_batch_sizes and (max_num_seqs is None or self.max_columns is None):
+            raise ValueError("decode_batch_sizes needs max_model_len and max_num_seqs")
+        if decode_batch_sizes and _counts_expert_load(model):
+            # Pad rows go through the router like any row: they would count as routed load.
+            raise ValueError("decode_batch_sizes: cannot pad a model that counts EPLB load")
+        if max_num_seqs is not None and self.max_columns is not None:
+            self.decode_inputs = DecodeInputs(
+                max_num_seqs, self.max_columns, block_size, self.device, decode_batch_sizes
+            )
 
     @torch.no_grad()
     def execute(
@@ -88,6 +103,11 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, start, count in zip(seqs, cached, new, strict=True):
             input_ids.extend(seq.token_ids[start : start + count])
+        if not outputs.is_prefill and seqs and self.decode_inputs is not None:
+            tables = [seq.block_table for seq in seqs]
+            ids, decode_attn = self.decode_inputs.fill(input_ids, tables, cached)
+            logits = self.decode_logits(ids, decode_attn)[: len(seqs)]
+            return self._sample_all(logits, seqs, requests)
         attn = self._metadata(seqs, cached, new, outputs)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, attn.positions, attn, mode)
@@ -107,6 +127,23 @@ class ModelRunner:
             picked = [seqs[b] for b in rows]
             for b, token in self._sample(logits, picked, requests, failures):
                 tokens[rows[b]] = token
+        return tokens, failures
+
+    def decode_logits(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """A whole decode step's forward: input_ids [Bp], one token per row of `attn` (from
+        `DecodeInputs.fill`) → logits [Bp, V]. It has fixed shapes for a given (Bp, MB) and
+        no host sync, so it is what a compiled or captured decode step runs."""
+        hidden = self.model(input_ids, attn.positions, attn, DispatchMode.LOW_LATENCY)
+        return self.model.compute_logits(hidden)
+
+    def _sample_all(
+        self, logits: torch.Tensor, seqs: list[Sequence], requests: Mapping[str, Request]
+    ) -> tuple[list[int], list[tuple[Sequence, str]]]:
+        """logits [B, V], one row per scheduled sequence → `execute`'s answer."""
+        tokens = [NO_TOKEN] * len(seqs)
+        failures: list[tuple[Sequence, str]] = []
+        for row, token in self._sample(logits, seqs, requests, failures):
+            tokens[row] = token
         return tokens, failures
 
     def _metadata(
@@ -302,3 +339,7 @@ def _entries(scored: Logprobs, token_ids: list[int]) -> list[TokenLogprob]:
         )
         for index in range(len(values))
     ]
+
+
+def _counts_expert_load(model: MoECausalLM) -> bool:
+    return any(getattr(module, "count_expert_load", False) for module in model.modules())
