@@ -274,7 +274,8 @@ def grouped_mm_weighted_sum(
 
     The (row, choice) pairs are sorted by slot (choices served elsewhere, -1, go last and are
     masked out), so no padding is computed and nothing syncs with the host: the group sizes
-    stay on the device as the `offs` of the grouped GEMMs.
+    are counted on the device (`count_per_slot`) and stay there as the `offs` of the grouped
+    GEMMs, so a decode step through this path can be compiled whole or captured.
     hidden: [N, D]; local_slots, weights: [N, K] → [N, D] in hidden's dtype.
     """
     top_k = local_slots.shape[1]
@@ -283,8 +284,7 @@ def grouped_mm_weighted_sum(
     served = flat >= 0
     keyed = torch.where(served, flat, num_slots)  # not served: after every slot
     order = torch.argsort(keyed, stable=True)
-    counts = torch.bincount(keyed, minlength=num_slots + 1)[:num_slots]
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    offs = torch.cumsum(count_per_slot(keyed, num_slots + 1)[:num_slots], 0).to(torch.int32)
     rows = torch.div(order, top_k, rounding_mode="floor")
     sorted_hidden = hidden.index_select(0, rows)
     gate_up = F.grouped_mm(sorted_hidden, experts.w13, offs=offs)  # [P, 2I]
@@ -296,6 +296,17 @@ def grouped_mm_weighted_sum(
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     out.index_add_(0, rows, scaled)
     return out.to(hidden.dtype)
+
+
+def count_per_slot(slot_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """slot_ids: [P] int64 in [0, num_slots) → [num_slots] int64 rows per slot, on the device.
+
+    `torch.bincount` gives the same counts but sizes its output from the largest id, which
+    the host must read first: a device sync on a GPU, and an op a captured or compiled graph
+    cannot hold. A scatter into a tensor of known size needs neither.
+    """
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=slot_ids.device)
+    return counts.scatter_add_(0, slot_ids, torch.ones_like(slot_ids))
 
 
 @torch.no_grad()

@@ -107,12 +107,20 @@ class MoELayer(nn.Module):
         # The token_offset of a forward that passes none: this rank's running token index,
         # started at its rank. Ranks with one decode token each then pick different replicas of
         # an expert, and a rank cycles through them from step to step; a fixed offset would send
-        # every rank's first token to the same, lowest replica.
-        self.next_token_offset = rank
+        # every rank's first token to the same, lowest replica. On the device, advanced there:
+        # a Python int would be a constant of a compiled or captured step, wrong at the next.
+        self.register_buffer(
+            "running_token_offset", torch.tensor(rank, dtype=torch.int64), persistent=False
+        )
         # Statistics, not weights: not saved with the model, but they follow `.to(device)`.
         self.register_buffer(
             "expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False
         )
+
+    @property
+    def next_token_offset(self) -> int:
+        """The token_offset the next forward without one uses (reads the device)."""
+        return int(self.running_token_offset)
 
     def load_expert(
         self, logical_id: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
@@ -225,10 +233,10 @@ class MoELayer(nn.Module):
         if self.count_expert_load:
             flat_ids = topk_ids.reshape(-1).long()
             self.expert_load.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        offset = self.running_token_offset if token_offset is None else token_offset
+        physical_ids = choose_replicas_from_maps(topk_ids, self.log2phy, self.logcnt, offset)
         if token_offset is None:
-            token_offset = self.next_token_offset
-            self.next_token_offset += num_tokens
-        physical_ids = choose_replicas_from_maps(topk_ids, self.log2phy, self.logcnt, token_offset)
+            self.running_token_offset.add_(num_tokens)
         if self.exchange is None:
             local = ReceivedRouting(local_slots=physical_ids, weights=topk_weights.float())
             return run_local_experts(self.experts, hidden, local, self.expert_impls[mode])

@@ -228,11 +228,15 @@ def choose_replicas(
 
 
 def choose_replicas_from_maps(
-    topk_ids: torch.Tensor, log2phy: torch.Tensor, logcnt: torch.Tensor, token_offset: int
+    topk_ids: torch.Tensor,
+    log2phy: torch.Tensor,
+    logcnt: torch.Tensor,
+    token_offset: int | torch.Tensor,
 ) -> torch.Tensor:
     """`choose_replicas` on maps already on topk_ids' device (no host copy per call).
 
-    topk_ids: [T, K]; log2phy: [E, R_max]; logcnt: [E]. Returns [T, K] physical slot ids.
+    topk_ids: [T, K]; log2phy: [E, R_max]; logcnt: [E]; token_offset: an int or a 0-dim int64
+    tensor on the same device. Returns [T, K] physical slot ids.
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")

@@ -1,11 +1,15 @@
 """Per-step attention metadata: where each new token's K/V goes and what each query may see.
 
 Shape legend: T = tokens in the flat batch (sequences concatenated, no padding), B = sequences,
-MB = block-table columns (enough for the longest context), BS = block size, Lq = longest query
-in the step, S = MB * BS key slots gathered per sequence.
+MB = block-table columns (enough for the longest context; a decode step's runner rounds it up
+to a bucket, so the width does not change every time a context crosses a block), BS = block
+size, Lq = longest query in the step, S = MB * BS key slots gathered per sequence.
 
 Built once per step on the host from the scheduler's per-sequence view, then shared by every
-layer — which is why the masks are precomputed here rather than in each attention call.
+layer — which is why a prefill step's masks are precomputed here rather than in each attention
+call. A step of one query per sequence carries no dense mask: a kernel that walks block tables
+reads `context_lens`, and the PyTorch path derives its mask from them on the device
+(`decode_mask`), so nothing of size S is built on the host or copied per step.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ class AttentionMetadata:
     token_seq_idx:     [T] int64 — the sequence each token belongs to.
     token_query_idx:   [T] int64 — the token's index within its sequence's query.
     attn_mask:         [B, 1, Lq, S] bool — True where query i of sequence b may attend key j
-                       (causal over cached prefix + itself).
+                       (causal over cached prefix + itself); None when Lq <= 1 (see
+                       `decode_mask`).
     is_prefill:        the regime these rows are attended in (prompt chunks, or one decode token
                        each); the MoE dispatch mode follows the step kind, set by the runner.
     max_query_len:     Lq; 1 selects the decode fast path.
@@ -71,7 +76,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     token_seq_idx: torch.Tensor
     token_query_idx: torch.Tensor
-    attn_mask: torch.Tensor
+    attn_mask: torch.Tensor | None
     is_prefill: bool
     max_query_len: int
     block_size: int
@@ -83,6 +88,7 @@ class AttentionMetadata:
         the PyTorch prefill path needs it (the CPU prefill kernel does not)."""
         if self.max_query_len <= 1:
             return ()
+        assert self.attn_mask is not None  # built whenever Lq > 1
         starts = self.query_start_loc.tolist()
         num_new = [end - start for start, end in itertools.pairwise(starts)]
         return _prefill_groups(
@@ -115,11 +121,14 @@ class AttentionMetadata:
         block_size: int,
         is_prefill: bool,
         device: torch.device | str | None = None,
+        num_columns: int | None = None,
     ) -> AttentionMetadata:
         """From per-sequence (block table, tokens already cached, tokens new in this step).
 
         The flat batch must list the sequences' new tokens in the same order. An empty batch
         (B = 0) is valid: it is the placeholder forward of a rank with nothing to run.
+        num_columns: MB, the block tables' width (None: the longest context's blocks); columns
+        past a sequence's context hold block 0.
         """
         num_seqs = len(block_tables)
         if not len(num_cached_tokens) == len(num_new_tokens) == num_seqs:
@@ -131,7 +140,14 @@ class AttentionMetadata:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         _check_sequences(block_tables, num_cached_tokens, num_new_tokens, block_size)
         context_lens = [c + n for c, n in zip(num_cached_tokens, num_new_tokens, strict=True)]
-        num_columns = max((-(-length // block_size) for length in context_lens), default=0)
+        needed = max((-(-length // block_size) for length in context_lens), default=0)
+        if num_columns is None:
+            num_columns = needed
+        elif num_columns < needed:
+            raise ValueError(
+                f"num_columns={num_columns} block-table columns cannot hold the longest "
+                f"context, {max(context_lens)} tokens in blocks of {block_size} ({needed} columns)"
+            )
         padded_tables = [list(t[:num_columns]) + [0] * (num_columns - len(t)) for t in block_tables]
 
         positions: list[int] = []
@@ -156,12 +172,15 @@ class AttentionMetadata:
         starts = [0]
         for new in num_new_tokens:
             starts.append(starts[-1] + new)
-        key_idx = torch.arange(num_columns * block_size, device=device)
-        query_pos = torch.arange(max_query_len, device=device)
-        # Key j is visible to query i of sequence b iff j <= num_cached[b] + i. Padding query
-        # rows (i >= query length) always see key 0, so no softmax row is fully masked (NaN).
-        visible_until = cached_t[:, None] + query_pos[None, :]  # [B, Lq]
-        attn_mask = key_idx[None, None, :] <= visible_until[:, :, None]
+        attn_mask = None
+        if max_query_len > 1:
+            key_idx = torch.arange(num_columns * block_size, device=device)
+            query_pos = torch.arange(max_query_len, device=device)
+            # Key j is visible to query i of sequence b iff j <= num_cached[b] + i. Padding
+            # query rows (i >= query length) always see key 0, so no softmax row is fully
+            # masked (NaN).
+            visible_until = cached_t[:, None] + query_pos[None, :]  # [B, Lq]
+            attn_mask = (key_idx[None, None, :] <= visible_until[:, :, None]).unsqueeze(1)
         return cls(
             positions=as_tensor(positions),
             slot_mapping=as_tensor(slots),
@@ -171,11 +190,31 @@ class AttentionMetadata:
             query_start_loc=as_tensor(starts),
             token_seq_idx=as_tensor(seq_idx),
             token_query_idx=as_tensor(query_idx),
-            attn_mask=attn_mask.unsqueeze(1),
+            attn_mask=attn_mask,
             is_prefill=is_prefill,
             max_query_len=max_query_len,
             block_size=block_size,
         )
+
+
+def bucketed_columns(num_columns: int, max_columns: int | None = None) -> int:
+    """The block-table width for a decode step whose longest context needs `num_columns`
+    blocks: the next power of two, at most `max_columns` (a context of max_model_len) but
+    never fewer than needed. A step's tensors then keep their shapes until the longest context
+    doubles, so a compiled or captured decode step is not rebuilt at every block boundary;
+    the columns past a context hold block 0 and are never attended."""
+    if num_columns <= 1:
+        return num_columns
+    bucket = 1 << (num_columns - 1).bit_length()
+    return max(num_columns, min(bucket, max_columns or bucket))
+
+
+def decode_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """context_lens: [B] → [B, 1, 1, num_keys] bool, True for the keys a sequence's one query
+    may attend (key j iff j < its context length, this step's key included). Device ops on a
+    tensor the step already holds: no host work, no sync, a shape fixed by the block tables."""
+    keys = torch.arange(num_keys, device=context_lens.device)
+    return (keys[None, :] < context_lens[:, None])[:, None, None, :]
 
 
 def _check_sequences(

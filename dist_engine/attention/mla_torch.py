@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.attention.metadata import AttentionMetadata, decode_mask
 from dist_engine.attention.mla_backend import MLABackend
-from dist_engine.attention.torch_backend import DECODE_CHUNK_BYTES
+from dist_engine.attention.torch_backend import DECODE_CHUNK_BYTES, num_threads
 
 FORMS = ("absorbed", "expanded")
 
@@ -96,7 +96,8 @@ def mla_attention(
             rows = slice(start, start + chunk)
             context = gather_entries(cache, attn.block_tables[rows])
             query = (q_nope[rows, None], q_rope[rows, None])
-            parts.append(attend(*query, context, kv_up, attn.attn_mask[rows], scale))
+            mask = decode_mask(attn.context_lens[rows], context.shape[1])
+            parts.append(attend(*query, context, kv_up, mask, scale))
         return (torch.cat(parts) if len(parts) > 1 else parts[0])[:, 0]
     out = q_nope.new_empty(attn.num_tokens, num_heads, value_dim)
     for group in attn.prefill_groups:
@@ -191,4 +192,4 @@ def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:
     if cache.device.type != "cpu":
         return 1 << 62
     per_seq = num_columns * cache[0].numel() * cache.element_size()
-    return max(1, DECODE_CHUNK_BYTES * torch.get_num_threads() // max(per_seq, 1))
+    return max(1, DECODE_CHUNK_BYTES * num_threads() // max(per_seq, 1))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from dist_engine.attention.backend import AttentionBackend
 from dist_engine.attention.kv_cache import write_kv
-from dist_engine.attention.metadata import AttentionMetadata, PrefillGroup
+from dist_engine.attention.metadata import AttentionMetadata, PrefillGroup, decode_mask
 from dist_engine.layers.rotary import apply_rotary
 
 
@@ -83,12 +83,12 @@ def paged_attention(
         # Decode fast path: one query per sequence, rows already in sequence order.
         chunk = _decode_chunk(key_cache, attn.block_tables.shape[1])
         if chunk >= attn.num_seqs:
-            return _decode(query, key_cache, value_cache, attn.block_tables, attn.attn_mask)
+            return _decode(query, key_cache, value_cache, attn.block_tables, attn.context_lens)
         parts = []
         for start in range(0, attn.num_seqs, chunk):
             rows = slice(start, start + chunk)
-            tables, mask = attn.block_tables[rows], attn.attn_mask[rows]
-            parts.append(_decode(query[rows], key_cache, value_cache, tables, mask))
+            tables, lens = attn.block_tables[rows], attn.context_lens[rows]
+            parts.append(_decode(query[rows], key_cache, value_cache, tables, lens))
         return torch.cat(parts)
     if len(attn.prefill_groups) == 1:  # every sequence, tokens in batch order
         return _prefill_group(query, key_cache, value_cache, attn, attn.prefill_groups[0])
@@ -139,14 +139,15 @@ def _decode(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    attn_mask: torch.Tensor,
+    context_lens: torch.Tensor,
 ) -> torch.Tensor:
-    """query [B, H, Dh] (one token per sequence), block_tables [B, MB], attn_mask
-    [B, 1, 1, S] → [B, H, Dh]."""
+    """query [B, H, Dh] (one token per sequence), block_tables [B, MB], context_lens [B]
+    → [B, H, Dh]."""
     keys = _gather_context(key_cache, block_tables)
     values = _gather_context(value_cache, block_tables)
+    mask = decode_mask(context_lens, keys.shape[2])
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), keys, values, attn_mask=attn_mask, enable_gqa=True
+        query.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True
     )
     return out.squeeze(2)
 
@@ -163,7 +164,14 @@ def _decode_chunk(cache: torch.Tensor, num_columns: int) -> int:
     if cache.device.type != "cpu":
         return 1 << 62
     per_seq = 2 * num_columns * cache[0].numel() * cache.element_size()
-    return max(1, DECODE_CHUNK_BYTES * torch.get_num_threads() // max(per_seq, 1))
+    return max(1, DECODE_CHUNK_BYTES * num_threads() // max(per_seq, 1))
+
+
+@torch.compiler.assume_constant_result
+def num_threads() -> int:
+    """torch's thread count, which a compiled decode step takes as a constant of its graph:
+    it only sizes chunks (never changes a result), and the runtime sets it once at start-up."""
+    return torch.get_num_threads()
 
 
 DECODE_CHUNK_BYTES = 4 << 20

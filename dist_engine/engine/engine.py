@@ -153,7 +153,13 @@ class DPEngine:
         self.model.attach_kv_cache(
             self.model.new_kv_cache(sched_config.num_blocks, sched_config.block_size, device)
         )
-        self.runner = ModelRunner(self.model, sched_config.block_size, device or "cpu")
+        self.runner = ModelRunner(
+            self.model,
+            sched_config.block_size,
+            device or "cpu",
+            max_model_len=sched_config.max_model_len,
+            max_num_seqs=sched_config.max_num_seqs,
+        )
         self.scheduler = Scheduler(sched_config, vote=self.vote)
         self.wake = (
             StoreWake(dist_ctx.store, self._new_namespace(), dist_ctx.connect_store)

@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata, StepMetadata
+from dist_engine.attention.decode_inputs import DecodeInputs
+from dist_engine.attention.metadata import (
+    AttentionMetadata,
+    MixedMetadata,
+    StepMetadata,
+    bucketed_columns,
+)
 from dist_engine.engine.outputs import TokenLogprob
 from dist_engine.engine.sampler import Logprobs, Sampler, SamplingRow, check_row, prompt_logprobs
 from dist_engine.engine.structured import allowed_tokens
@@ -47,13 +53,31 @@ class ModelRunner:
         model: MoECausalLM,
         block_size: int,
         device: torch.device | str = "cpu",
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        decode_batch_sizes: tuple[int, ...] | None = None,
     ) -> None:
+        """max_model_len: the longest context, which caps a decode step's block-table width
+        (None: uncapped). With it and max_num_seqs, decode steps take their inputs from
+        persistent buffers (`DecodeInputs`), padded up to the next of `decode_batch_sizes`
+        when given (the sizes a compiled or captured decode step exists for)."""
         if model.kv_cache is None:
             raise ValueError("attach a KVCache to the model before building its runner")
         self.model = model
         self.block_size = block_size
+        self.max_columns = None if max_model_len is None else -(-max_model_len // block_size)
         self.device = torch.device(device)
         self.sampler = Sampler()
+        self.decode_inputs: DecodeInputs | None = None
+        if decode_batch_sizes and (max_num_seqs is None or self.max_columns is None):
+            raise ValueError("decode_batch_sizes needs max_model_len and max_num_seqs")
+        if decode_batch_sizes and _counts_expert_load(model):
+            # Pad rows go through the router like any row: they would count as routed load.
+            raise ValueError("decode_batch_sizes: cannot pad a model that counts EPLB load")
+        if max_num_seqs is not None and self.max_columns is not None:
+            self.decode_inputs = DecodeInputs(
+                max_num_seqs, self.max_columns, block_size, self.device, decode_batch_sizes
+            )
 
     @torch.no_grad()
     def execute(
@@ -79,6 +103,11 @@ class ModelRunner:
         input_ids: list[int] = []
         for seq, start, count in zip(seqs, cached, new, strict=True):
             input_ids.extend(seq.token_ids[start : start + count])
+        if not outputs.is_prefill and seqs and self.decode_inputs is not None:
+            tables = [seq.block_table for seq in seqs]
+            ids, decode_attn = self.decode_inputs.fill(input_ids, tables, cached)
+            logits = self.decode_logits(ids, decode_attn)[: len(seqs)]
+            return self._sample_all(logits, seqs, requests)
         attn = self._metadata(seqs, cached, new, outputs)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, attn.positions, attn, mode)
@@ -100,6 +129,23 @@ class ModelRunner:
                 tokens[rows[b]] = token
         return tokens, failures
 
+    def decode_logits(self, input_ids: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """A whole decode step's forward: input_ids [Bp], one token per row of `attn` (from
+        `DecodeInputs.fill`) → logits [Bp, V]. It has fixed shapes for a given (Bp, MB) and
+        no host sync, so it is what a compiled or captured decode step runs."""
+        hidden = self.model(input_ids, attn.positions, attn, DispatchMode.LOW_LATENCY)
+        return self.model.compute_logits(hidden)
+
+    def _sample_all(
+        self, logits: torch.Tensor, seqs: list[Sequence], requests: Mapping[str, Request]
+    ) -> tuple[list[int], list[tuple[Sequence, str]]]:
+        """logits [B, V], one row per scheduled sequence → `execute`'s answer."""
+        tokens = [NO_TOKEN] * len(seqs)
+        failures: list[tuple[Sequence, str]] = []
+        for row, token in self._sample(logits, seqs, requests, failures):
+            tokens[row] = token
+        return tokens, failures
+
     def _metadata(
         self, seqs: list[Sequence], cached: list[int], new: list[int], outputs: SchedulerOutputs
     ) -> StepMetadata:
@@ -108,18 +154,27 @@ class ModelRunner:
         has no prompt chunk in it."""
         tables = [seq.block_table for seq in seqs]
         split = len(seqs) - outputs.num_decode_seqs
-        if outputs.num_decode_seqs == 0 or split == 0:
-            is_prefill = outputs.is_prefill and outputs.num_decode_seqs == 0
-            return AttentionMetadata.build(
-                tables, cached, new, self.block_size, is_prefill, self.device
-            )
+        if outputs.is_prefill and outputs.num_decode_seqs == 0:
+            return AttentionMetadata.build(tables, cached, new, self.block_size, True, self.device)
+        if not outputs.is_prefill or split == 0:
+            return self._decode_metadata(tables, cached, new)
         return MixedMetadata.join(
             AttentionMetadata.build(
                 tables[:split], cached[:split], new[:split], self.block_size, True, self.device
             ),
-            AttentionMetadata.build(
-                tables[split:], cached[split:], new[split:], self.block_size, False, self.device
-            ),
+            self._decode_metadata(tables[split:], cached[split:], new[split:]),
+        )
+
+    def _decode_metadata(
+        self, tables: list[list[int]], cached: list[int], new: list[int]
+    ) -> AttentionMetadata:
+        """One token per sequence, attended in the decode regime, block tables as wide as
+        their bucket (`bucketed_columns`)."""
+        contexts = (c + n for c, n in zip(cached, new, strict=True))
+        needed = max((-(-length // self.block_size) for length in contexts), default=0)
+        width = bucketed_columns(needed, self.max_columns)
+        return AttentionMetadata.build(
+            tables, cached, new, self.block_size, False, self.device, width
         )
 
     def _sample(
@@ -284,3 +339,7 @@ def _entries(scored: Logprobs, token_ids: list[int]) -> list[TokenLogprob]:
         )
         for index in range(len(values))
     ]
+
+
+def _counts_expert_load(model: MoECausalLM) -> bool:
+    return any(getattr(module, "count_expert_load", False) for module in model.modules())

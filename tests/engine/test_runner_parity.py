@@ -57,9 +57,12 @@ def case(request, tmp_path_factory):
     return model_dir, load_model(model_dir), prompts, expected
 
 
-def generate(model, prompts, riders=None, **overrides) -> tuple[list[list[int]], Scheduler]:
+def generate(
+    model, prompts, riders=None, decode_batch_sizes=None, **overrides
+) -> tuple[list[list[int]], Scheduler]:
     """Greedy tokens of every prompt; ``riders``, when a list, gets each prefill step's count of
-    decode tokens that rode in it (mixed steps)."""
+    decode tokens that rode in it (mixed steps). The runner is built as the engine builds it,
+    decode steps padded to ``decode_batch_sizes`` when given."""
     settings = dict(
         max_num_seqs=16,
         max_num_batched_tokens=512,
@@ -70,7 +73,13 @@ def generate(model, prompts, riders=None, **overrides) -> tuple[list[list[int]],
     settings.update(overrides)
     config = SchedulerConfig(**settings)
     model.attach_kv_cache(model.new_kv_cache(config.num_blocks, BLOCK_SIZE))
-    runner = ModelRunner(model, BLOCK_SIZE)
+    runner = ModelRunner(
+        model,
+        BLOCK_SIZE,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        decode_batch_sizes=decode_batch_sizes,
+    )
     sched = Scheduler(config)
     params = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     seqs = [Sequence(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]
@@ -112,6 +121,14 @@ def test_every_backend_gives_transformers_tokens(case, backends):
     model_dir, _, prompts, expected = case
     model = load_model(model_dir, backends=backends, max_decode_tokens=16)
     tokens, _ = generate(model, prompts["random"], max_num_batched_tokens=24)
+    assert tokens == expected["random"]
+
+
+def test_padded_decode_batches_give_the_same_tokens(case):
+    """Decode steps padded to fixed batch sizes (pad rows on block 0) sample the unpadded
+    steps' tokens: the pad rows change no real row."""
+    _, model, prompts, expected = case
+    tokens, _ = generate(model, prompts["random"], decode_batch_sizes=(4, 16))
     assert tokens == expected["random"]
 
 

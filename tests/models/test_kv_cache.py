@@ -130,6 +130,11 @@ def test_paged_attention_matches_dense(
         q = query[starts[b] : starts[b + 1]]
         expected = _dense_attention(q, full_k[b], full_v[b], num_cached[b])
         torch.testing.assert_close(out[starts[b] : starts[b + 1]], expected)
+    if max(num_new) == 1:  # a decode step's tables as the runner buckets them: wider, block 0
+        width = attn.block_tables.shape[1] + 3
+        wide = AttentionMetadata.build(tables, num_cached, num_new, BLOCK_SIZE, False, None, width)
+        assert wide.attn_mask is None and wide.block_tables.shape[1] == width
+        torch.testing.assert_close(backend.attend(query, key_cache, value_cache, wide), out)
     assert torch.count_nonzero(key_cache[0]) == 0, "block 0 is reserved and must stay untouched"
 
 
@@ -166,7 +171,7 @@ def test_fused_decode_kernel_matches_torch_path(
     query = torch.randn(len(lengths), num_heads, head_dim, generator=gen, dtype=torch.float64)
     query = query.to(dtype) * 2
     expected = paged_attention_module._decode(
-        query, key_cache, value_cache, attn.block_tables, attn.attn_mask
+        query, key_cache, value_cache, attn.block_tables, attn.context_lens
     )
     actual = kernel(
         query, key_cache, value_cache, attn.block_tables, attn.context_lens, head_dim**-0.5
@@ -178,7 +183,11 @@ def test_fused_decode_kernel_matches_torch_path(
     # Half types: both paths round their result once; the kernel must be at least as close as
     # the PyTorch path to the float64 answer on the same (rounded) inputs.
     exact = paged_attention_module._decode(
-        query.double(), key_cache.double(), value_cache.double(), attn.block_tables, attn.attn_mask
+        query.double(),
+        key_cache.double(),
+        value_cache.double(),
+        attn.block_tables,
+        attn.context_lens,
     )
     kernel_error = (actual.double() - exact).abs().max()
     torch_error = (expected.double() - exact).abs().max()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import moe.experts as experts_module
 from dist_engine.kernels import compute
 from dist_engine.layers.moe import NativeExperts
-from moe import LocalExperts, dense_reference_moe
+from moe import LocalExperts, dense_reference_moe, grouped_mm_weighted_sum
 
 HIDDEN, INTERMEDIATE, NUM_SLOTS = 16, 24, 5
 
@@ -107,6 +108,48 @@ def test_every_expert_path_matches_per_row_loop(
     torch.testing.assert_close(summed[1:-1], expected)
     assert not summed[0].any() and not summed[-1].any()
     assert calls == ([] if path == "native" else [f"_{path}_swiglu"] * 2)
+
+
+def bincount_per_slot(slot_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The counting `grouped_mm_weighted_sum` did before (a host sync on a GPU)."""
+    return torch.bincount(slot_ids, minlength=num_slots)
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 9, 64])
+def test_grouped_mm_counts_on_the_device_with_bincounts_results(
+    num_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grouped_mm path counts its rows per slot with a scatter, not `bincount`: the same
+    counts, bit-identical outputs, and no op on the way whose result the host must wait for.
+    Rows skip slot 2 (an empty group) and a third of the choices are served elsewhere (-1)."""
+    experts = random_experts(seed=num_rows + 3)
+    gen = torch.Generator().manual_seed(num_rows)
+    hidden = torch.randn(num_rows, HIDDEN, generator=gen)
+    local_slots = torch.tensor([0, 1, 3, 4, -1, -1])[torch.randint(6, (num_rows, 2), generator=gen)]
+    weights = torch.where(local_slots >= 0, torch.rand(num_rows, 2, generator=gen), 0.0)
+    ids = torch.randint(NUM_SLOTS, (num_rows * 3,), generator=gen)
+    assert torch.equal(
+        experts_module.count_per_slot(ids, NUM_SLOTS), bincount_per_slot(ids, NUM_SLOTS)
+    )
+    with DispatchRecorder() as recorder:
+        out = grouped_mm_weighted_sum(experts, hidden, local_slots, weights)
+    flagged = {"bincount", "nonzero", "_local_scalar_dense", "masked_select", "unique"}
+    assert not flagged & set(recorder.ops), sorted(recorder.ops)
+    monkeypatch.setattr(experts_module, "count_per_slot", bincount_per_slot)
+    assert torch.equal(out, grouped_mm_weighted_sum(experts, hidden, local_slots, weights))
+    torch.testing.assert_close(out, experts.weighted_sum(hidden, local_slots, weights))
+
+
+class DispatchRecorder(TorchDispatchMode):
+    """The names of the aten ops that reach the dispatcher."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

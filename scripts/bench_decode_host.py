@@ -1,0 +1,132 @@
+"""Host work per decode step: what a step costs outside its forward, at 64 and 256 sequences.
+
+    .venv/bin/python scripts/bench_decode_host.py [--seqs 64 256] [--steps 50] [--out FILE.json]
+
+(from the repository root; not part of the test suite)
+
+A CUDA graph replays the forward, so what is left of a decode step is the host's own work:
+the scheduler's decode assembly and output accounting, the runner's inputs (token ids, slots,
+block tables into the persistent buffers, `DecodeInputs.fill`) and the sampler. This runs the
+real Scheduler and ModelRunner on a tiny model (2 layers: its forward is small, and is timed
+apart) with every sequence decoding, and prints, per batch size, the median milliseconds per
+step of each part and of the forward, as a table and as JSON. Contexts start at 200 tokens in
+blocks of 16 and grow by one per step, so block boundaries are crossed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dist_engine.backends import Backends  # noqa: E402
+from dist_engine.engine.request import Request  # noqa: E402
+from dist_engine.engine.runner import ModelRunner  # noqa: E402
+from dist_engine.models.loader import load_model  # noqa: E402
+from dist_engine.models.make_model import make_tiny_checkpoint  # noqa: E402
+from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # noqa: E402
+
+BLOCK_SIZE = 16
+PROMPT_LEN = 200
+PARTS = ("schedule", "runner inputs", "forward", "sampling", "process outputs")
+
+
+def measure(model, num_seqs: int, num_steps: int) -> dict[str, float]:
+    config = SchedulerConfig(
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=num_seqs * PROMPT_LEN,
+        max_model_len=PROMPT_LEN + num_steps + 8,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_seqs * (-(-(PROMPT_LEN + num_steps + 8) // BLOCK_SIZE)) + 2,
+    )
+    model.attach_kv_cache(model.new_kv_cache(config.num_blocks, BLOCK_SIZE))
+    runner = ModelRunner(
+        model, BLOCK_SIZE, max_model_len=config.max_model_len, max_num_seqs=num_seqs
+    )
+    timings: dict[str, list[float]] = {part: [] for part in PARTS}
+    forward_ms: list[float] = []
+    sample_ms: list[float] = []
+    decode_logits, sample_all = runner.decode_logits, runner._sample_all
+
+    def timed_forward(*args):
+        start = time.perf_counter()
+        out = decode_logits(*args)
+        forward_ms.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    def timed_sample(*args):
+        start = time.perf_counter()
+        out = sample_all(*args)
+        sample_ms.append((time.perf_counter() - start) * 1e3)
+        return out
+
+    runner.decode_logits, runner._sample_all = timed_forward, timed_sample
+    sched = Scheduler(config)
+    params = SamplingParams(max_tokens=num_steps + 2, ignore_eos=True)
+    requests = {}
+    for index in range(num_seqs):
+        prompt = [(index * 31 + i) % 300 + 1 for i in range(PROMPT_LEN)]
+        seq = Sequence(f"r{index}", prompt, params)
+        sched.add_sequence(seq)
+        requests[seq.request_id] = Request.admit(seq, stream=False)
+    while True:  # the prompts, until every sequence decodes
+        outputs = sched.schedule()
+        sched.process_outputs(outputs, runner.execute(outputs, requests)[0])
+        if not outputs.is_prefill:
+            break
+    forward_ms.clear()
+    sample_ms.clear()
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        outputs = sched.schedule()
+        scheduled = time.perf_counter()
+        assert not outputs.is_prefill and outputs.num_seqs == num_seqs
+        tokens = runner.execute(outputs, requests)[0]
+        executed = time.perf_counter()
+        sched.process_outputs(outputs, tokens)
+        done = time.perf_counter()
+        inside = forward_ms[-1] + sample_ms[-1]
+        timings["schedule"].append((scheduled - start) * 1e3)
+        timings["runner inputs"].append((executed - scheduled) * 1e3 - inside)
+        timings["forward"].append(forward_ms[-1])
+        timings["sampling"].append(sample_ms[-1])
+        timings["process outputs"].append((done - executed) * 1e3)
+    result = {part: statistics.median(values) for part, values in timings.items()}
+    result["host total"] = sum(v for part, v in result.items() if part != "forward")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_checkpoint("qwen3_moe", Path(tmp), seed=1, num_layers=2)
+        model = load_model(model_dir, backends=Backends.all("torch"))
+        results = {n: measure(model, n, args.steps) for n in args.seqs}
+    columns = [*PARTS, "host total"]
+    print(f"{'ms per decode step (median)':<28}" + "".join(f"{n:>10} seqs" for n in results))
+    for part in columns:
+        print(f"{part:<28}" + "".join(f"{results[n][part]:>15.3f}" for n in results))
+    report = {"steps": args.steps, "threads": args.threads, "block_size": BLOCK_SIZE}
+    report["ms_per_step"] = {str(n): values for n, values in results.items()}
+    print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
