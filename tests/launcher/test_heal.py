@@ -182,15 +182,25 @@ def _kill_a_new_rank_as_it_starts(known: set[int], killed: dict, limit_s: float)
     started) and SIGKILL it at once; record its pid in ``killed``."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        for process in psutil.process_iter(["pid", "cmdline"]):
-            title = (process.info["cmdline"] or [""])[0]
-            if title.startswith("ray::RankActor") and process.info["pid"] not in known:
-                killed["during_start"] = process.info["pid"]
-                killed["title"] = title
+        for pid, title in _rank_processes():
+            if pid not in known:
+                killed["during_start"], killed["title"] = pid, title
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.info["pid"], signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 return
         time.sleep(0.01)
+
+
+def _rank_processes() -> list[tuple[int, str]]:
+    """(pid, title) of every rank actor of this test process's Ray (its raylet's workers
+    descend from it; another test process's cluster is not ours to kill)."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            title = (process.cmdline() or [""])[0]
+            if title.startswith("ray::RankActor"):
+                found.append((process.pid, title))
+    return found
 
 
 def test_a_rank_killed_while_the_group_re_forms(llm, reference):
@@ -200,11 +210,7 @@ def test_a_rank_killed_while_the_group_re_forms(llm, reference):
     generation = llm.client.generation
     # Every rank process there is now (the new group's ranks come later; an idle Ray worker
     # taking a new rank's actor is retitled then, so it is not excluded here).
-    known = {
-        process.pid
-        for process in psutil.process_iter(["cmdline"])
-        if (process.info["cmdline"] or [""])[0].startswith("ray::RankActor")
-    }
+    known = {pid for pid, _ in _rank_processes()}
     killed: dict = {}
     lines: list[str] = []
     handler = logging.Handler()
