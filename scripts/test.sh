@@ -15,11 +15,12 @@ if [ "$#" -gt 0 ]; then  # a selection of tests: run it as given
   exec .venv/bin/python -m pytest -q --timeout=300 "$@"
 fi
 # Two phases. The tests that start no process and assert no latency are single-threaded Python
-# and torch work for the most part: two xdist workers, one torch thread each, keep both cores
-# busy (`-n auto`: one per core). Then the tests that start processes (rank groups, Ray, torchrun, the CLI; they size
-# their own threads) or assert a latency bound run one at a time, with the machine to
-# themselves, as they always have.
-# Both phases run whatever the first gives, and the script fails if either did.
+# and torch work for the most part: xdist workers (`-n auto`, one per core), one torch thread
+# each, keep every core busy. Then the tests that start processes (rank groups, Ray, torchrun,
+# the CLI; they size their own threads) or assert a latency bound (marked `timing`) run one at
+# a time, with the machine to themselves: run beside the first phase they took longer than the
+# two phases one after the other. Both phases run whatever the first gives; the script fails
+# if either did.
 status=0
 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q --timeout=300 -n auto \
   -m "not multirank and not timing" || status=$?

@@ -5,8 +5,8 @@ tokens of the fault-free run (greedy and seeded sampling at temperature 1.0), st
 token missing or repeated, and the group serves at full size afterwards.
 
 One group serves the module (the server last, over the same client); the fault-free run on it
-before any fault is the reference. The tests run in file order. The last one starts a group of
-its own, with EPLB on, to kill a rank half-way through an expert transfer.
+before any fault is the reference. The tests run in file order. Two start a group of their
+own: one at DP=4, and one with EPLB on, to kill a rank half-way through an expert transfer.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ os.environ[STOP_IN_STAGING_ENV] = str(STOP_FILE)
 @pytest.fixture(scope="module")
 def llm(model_dir):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, object_store_memory=200 * 2**20)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=200 * 2**20)
     try:
         with LLM(model=model_dir, dp_size=2, launcher="ray", **SETTINGS) as instance:
             yield instance
@@ -83,11 +83,12 @@ def _gone(pid: int) -> bool:
 
 def _serves_at_full_size(llm, reference, killed: set[int]) -> None:
     pids = llm.client.pids
-    assert sorted(pids) == [0, 1] and not killed & set(pids.values())
+    world = llm.config.parallel.dp_size
+    assert sorted(pids) == list(range(world)) and not killed & set(pids.values())
     assert not any(_gone(pid) for pid in pids.values())
-    outputs = llm.generate(PROMPTS[:4], PARAMS[:4], use_tqdm=False)
-    assert [o.output_token_ids for o in outputs] == reference[:4]
-    assert {o.dp_rank for o in outputs} == {0, 1}
+    outputs = llm.generate(PROMPTS[: world * 2], PARAMS[: world * 2], use_tqdm=False)
+    assert [o.output_token_ids for o in outputs] == reference[: world * 2]
+    assert {o.dp_rank for o in outputs} == set(range(world))
 
 
 def _stream(llm, on_output) -> tuple[list[list[int]], list[list]]:
@@ -109,6 +110,19 @@ def test_a_stream_heals_a_kill_then_a_stop(llm, reference):
     every unfinished request a token, SIGSTOP its rank 0. The stopped rank's peer gives its
     requests up after the collective timeout, the driver re-forms the group again (killing the
     stopped process), and every request goes on."""
+    _kill_then_stop(llm, reference, kill_rank=1, stop_rank=0)
+
+
+def test_a_dp4_stream_heals_a_kill_then_a_stop(model_dir):
+    """The same at DP=4, on a group of its own: rank 3 SIGKILLed, then rank 1 of the new
+    group SIGSTOPped."""
+    with LLM(model=model_dir, dp_size=4, launcher="ray", **SETTINGS) as llm4:
+        outputs = llm4.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert {o.dp_rank for o in outputs} == {0, 1, 2, 3}
+        _kill_then_stop(llm4, [o.output_token_ids for o in outputs], kill_rank=3, stop_rank=1)
+
+
+def _kill_then_stop(llm, reference, kill_rank: int, stop_rank: int) -> None:
     generation = llm.client.generation
     killed: dict[str, float] = {}
     since_heal: set[int] = set()
@@ -116,13 +130,13 @@ def test_a_stream_heals_a_kill_then_a_stop(llm, reference):
 
     def on_output(index, completion, ends) -> None:
         if not killed and len(completion.output_token_ids) >= 6:
-            killed["killed"] = llm.client.pids[1]
+            killed["killed"] = llm.client.pids[kill_rank]
             os.kill(killed["killed"], signal.SIGKILL)
         elif "stopped" not in killed and llm.client.generation == generation + 1:
             since_heal.add(index)
             unfinished = {i for i in range(len(PROMPTS)) if not ends[i]}
             if unfinished and unfinished <= since_heal:
-                killed["stopped"], killed["at"] = llm.client.pids[0], time.monotonic()
+                killed["stopped"], killed["at"] = llm.client.pids[stop_rank], time.monotonic()
                 os.kill(killed["stopped"], signal.SIGSTOP)
         elif "stopped" in killed and not healed_after and llm.client.generation > generation + 1:
             healed_after.append(time.monotonic() - killed["at"])
