@@ -1,6 +1,6 @@
 """Where a DP=1 step spends its time: bench_vs_vllm's model and workloads, split by part.
 
-    .venv/bin/python scripts/profile_step.py [--workload decode_heavy] [--out ...json]
+    .venv/bin/python scripts/profile_step.py [--workload decode_heavy] [--batch N] [--out ...json]
 
 (from the repository root, with the package installed editable; not part of the test suite)
 
@@ -135,6 +135,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="decode_heavy", choices=["mixed", "decode_heavy"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--batch", type=int, default=None,
+        help="only the workload's first N prompts: decode steps of at most N sequences",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench_results/profile_step.json")
     args = parser.parse_args()
     out = ROOT / args.out
@@ -147,6 +151,8 @@ def main() -> None:
 
     llm = LLM(model=model, launcher="local", max_model_len=MAX_MODEL_LEN)
     workload = make_workload(args.workload)
+    if args.batch is not None:
+        workload = {key: values[: args.batch] for key, values in workload.items()}
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload["max_tokens"]]
     try:
         llm.generate(workload["prompts"], params, use_tqdm=False)  # untimed
@@ -188,6 +194,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "processor": cpu,
         "workload": args.workload,
+        "batch": args.batch,
         "rounds": args.rounds,
         "steps": dict(timers.steps),
         "tok_s_with_timers": tok_s,
