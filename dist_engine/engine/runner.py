@@ -133,7 +133,7 @@ class ModelRunner:
         """A whole decode step's forward: input_ids [Bp], one token per row of `attn` (from
         `DecodeInputs.fill`) → logits [Bp, V]. It has fixed shapes for a given (Bp, MB) and
         no host sync, so it is what a compiled or captured decode step runs."""
-        hidden = self.model(input_ids, attn.positions, attn, DispatchMode.LOW_LATENCY)
+        hidden = self.model(input_ids, attn.positions, attn, dispatch_mode(StepKind.DECODE))
         return self.model.compute_logits(hidden)
 
     def _sample_all(
