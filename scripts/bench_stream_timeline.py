@@ -174,16 +174,13 @@ def analyse(records, prompts, finals, load: float) -> dict[str, Any]:
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(1e3 * v for v in values)
-    if not ordered:
-        return {}
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {
-        "p50": pick(0.5),
-        "p90": pick(0.9),
-        "p99": pick(0.99),
-        "mean": statistics.fmean(ordered),
-    }
+    """values in seconds → p50 / p90 / p99 (bench_e2e's rule) and the mean, in ms. Imported
+    here, by the server side only: the client process stays free of torch."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_e2e import percentiles
+
+    ms = [1e3 * value for value in values]
+    return {**percentiles(ms), "mean": statistics.fmean(ms)} if ms else {}
 
 
 def main() -> None:
