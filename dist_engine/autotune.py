@@ -1,14 +1,15 @@
 """`auto` backends: each rank times the candidates on its model's shapes and picks per regime.
 
-For each kind of op (attention, experts, norm) and each regime, the rank builds inputs of its
-model's real shapes at the sizes its steps will have, and times every candidate that can run
-them (interleaved repeats after a warm-up; the median counts):
+For each kind of op (attention, experts, norm, the dense linears) and each regime, the rank
+builds inputs of its model's real shapes at the sizes its steps will have, and times every
+candidate that can run them (interleaved repeats after a warm-up; the median counts):
 
 - decode: `max_num_seqs` sequences — attention over a cached context of `DECODE_CONTEXT`
   tokens, the experts on the rows an EP group delivers (every rank's tokens, each row's
-  top-k choices local with probability 1 / EP size), the norms on `max_num_seqs` rows;
+  top-k choices local with probability 1 / EP size), the norms on `max_num_seqs` rows, the
+  linears as one layer's attention projections and the LM head on `max_num_seqs` rows;
 - prefill: the token budget (`max_num_batched_tokens`) — prompts of up to `PREFILL_PROMPT`
-  tokens, and the experts' and norms' rows likewise.
+  tokens, and the experts', norms' and projections' rows likewise.
 
 The fastest candidate wins each regime. Decisions are cached per host under the Lockstep cache
 (`autotune/`), keyed by what makes them valid: the CPU (model name and instruction-set flags),
@@ -63,6 +64,7 @@ class TuneShapes:
     prefill_tokens: int  # max_num_batched_tokens
     block_size: int
     attention_kind: str  # ModelConfig.attention_kind: "gqa" is what the attention backends time
+    vocab_size: int = 0  # the LM head's width, in the linears' timing (0: no LM head timed)
 
     @classmethod
     def for_model(
@@ -90,6 +92,7 @@ class TuneShapes:
             prefill_tokens=prefill_tokens,
             block_size=block_size,
             attention_kind=model.attention_kind,
+            vocab_size=model.vocab_size,
         )
 
 
@@ -178,7 +181,7 @@ def time_interleaved(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
 
 # -- workloads ----------------------------------------------------------------------------
 def _workload(op: str, regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
-    builder = {"attention": _attention, "experts": _experts, "norm": _norm}[op]
+    builder = {"attention": _attention, "experts": _experts, "norm": _norm, "linear": _linear}[op]
     return builder(regime, name, shapes)
 
 
@@ -223,6 +226,38 @@ def _norm(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
     tokens = shapes.decode_tokens if regime == "decode" else shapes.prefill_tokens
     x = torch.randn(tokens, shapes.hidden_size, generator=_generator()).to(_dtype(shapes))
     return lambda: norm(x)
+
+
+def _linear(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
+    """One layer's attention projections (qkv, output) on the regime's rows, and in decode the
+    LM head. (A prefill step's LM head sees only the rows that sample, at most a decode
+    step's, and the kernels are told apart by rows: it runs the decode choice.)"""
+    from dist_engine.layers.linear import LinearKernel, linear, onednn_linear
+
+    kernel = LinearKernel(onednn_linear) if name == "onednn" else None
+    dtype, gen = _dtype(shapes), _generator()
+    hidden = shapes.hidden_size
+    q_size, kv_size = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
+    tokens = shapes.decode_tokens if regime == "decode" else shapes.prefill_tokens
+
+    def weight(out_features: int, in_features: int) -> torch.Tensor:
+        return (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).to(dtype)
+
+    products = [
+        (
+            torch.randn(tokens, hidden, generator=gen).to(dtype),
+            weight(q_size + 2 * kv_size, hidden),
+        ),
+        (torch.randn(tokens, q_size, generator=gen).to(dtype), weight(hidden, q_size)),
+    ]
+    if shapes.vocab_size and regime == "decode":
+        rows = torch.randn(shapes.decode_tokens, hidden, generator=gen).to(dtype)
+        products.append((rows, weight(shapes.vocab_size, hidden)))
+
+    def run() -> list[torch.Tensor]:
+        return [linear(x, w, kernel=kernel) for x, w in products]
+
+    return run
 
 
 def _attention(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:

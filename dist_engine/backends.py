@@ -3,18 +3,22 @@
     attention_backend: auto | native | torch                paged attention, rotary + KV write
     expert_backend:    auto | native | torch | grouped_mm   the expert side of an MoE layer
     norm_backend:      auto | native | torch                RMSNorm
+    linear_backend:    auto | torch | onednn                the dense linears and the LM head
 
 `torch` is PyTorch's own ops: every device and dtype, and the reference the others are tested
 against. `native` is Lockstep's compiled CPU kernels (kernels/compute.py), which apply to
 float32 on the CPU (decode attention to every float dtype); elsewhere a `native` layer falls
 back to `torch` call by call. `grouped_mm` runs the experts as one
 `torch.nn.functional.grouped_mm` per projection (float32 and half types, CPU and GPU).
+`onednn` runs the dense linears through oneDNN's matmul instead of the BLAS behind `F.linear`
+(float32 and bfloat16 on the CPU; layers/linear.py).
 
 `auto` measures: each rank times the implementations that can serve its model, on its real
 shapes at its steps' sizes, and takes the fastest per regime (dist_engine/autotune.py; cached
 per host). Without those shapes (a model built outside an engine), on a GPU, or with
 `LOCKSTEP_AUTOTUNE=0` in the environment (short jobs, tests), `auto` is a rule: `native` where
-it applies and built, else `grouped_mm` for the experts on a GPU, else `torch`.
+it applies and built, else `grouped_mm` for the experts on a GPU, else `torch` (the linears:
+always `torch` — oneDNN is faster on some processors only, so it is never assumed).
 
 Attention backends exist per attention kind (`attention.ATTENTION_BACKENDS`: GQA has both,
 MLA only `torch`); for a kind without `native` the attention resolves to `torch` and the
@@ -42,6 +46,7 @@ from dist_engine.attention import (
     has_backend,
 )
 from dist_engine.engine.config import BACKEND_CHOICES
+from dist_engine.layers.linear import ONEDNN_DTYPES, LinearKernel, onednn_available, onednn_linear
 from dist_engine.layers.moe import expert_impl
 from dist_engine.layers.norm import NormKernel
 from dist_engine.log import get_logger
@@ -51,7 +56,13 @@ if TYPE_CHECKING:
     from dist_engine.autotune import TuneShapes
 
 BACKEND_KEYS = tuple(BACKEND_CHOICES)
-_OPS = {"attention_backend": "attention", "expert_backend": "experts", "norm_backend": "norm"}
+_OPS = {
+    "attention_backend": "attention",
+    "expert_backend": "experts",
+    "norm_backend": "norm",
+    "linear_backend": "linear",
+}
+LINEAR_NAMES = ("torch", "onednn")  # the linear_backend implementations
 _REGIMES = ("decode", "prefill")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Environment switches of earlier versions, no longer read: say so rather than ignore them.
@@ -82,13 +93,16 @@ class Backends:
     attention: RegimeChoice
     experts: RegimeChoice
     norm: RegimeChoice
+    linear: RegimeChoice = RegimeChoice("torch", "torch")
     attention_kind: str = "gqa"  # the model's attention (gqa | mla): whose backends these are
 
     @classmethod
     def all(cls, name: str, attention_kind: str = "gqa") -> Backends:
-        """The same implementation everywhere (tests and references)."""
+        """The same implementation everywhere (tests and references); the linears run `name`
+        where it is one of theirs, else `torch`."""
         choice = RegimeChoice(name, name)
-        return cls(choice, choice, choice).for_attention_kind(attention_kind)
+        linear = choice if name in LINEAR_NAMES else RegimeChoice("torch", "torch")
+        return cls(choice, choice, choice, linear).for_attention_kind(attention_kind)
 
     def for_attention_kind(self, kind: str) -> Backends:
         """These backends for a model whose attention is `kind`: a regime set to a backend
@@ -103,7 +117,10 @@ class Backends:
         return dataclasses.replace(self, attention=attention, attention_kind=kind)
 
     def describe(self) -> str:
-        return f"attention {self.attention}; experts {self.experts}; norm {self.norm}"
+        return (
+            f"attention {self.attention}; experts {self.experts}; norm {self.norm}; "
+            f"linear {self.linear}"
+        )
 
 
 @dataclass(frozen=True)
@@ -113,6 +130,7 @@ class LayerOps:
     attention: AttentionBackend | MLABackend  # as the model's attention kind needs
     experts: dict[DispatchMode, ExpertImpl | None]  # None: PyTorch's path
     norm: NormKernel | None  # None: PyTorch's F.rms_norm
+    linear: LinearKernel | None = None  # None: PyTorch's F.linear
 
     @classmethod
     def build(cls, backends: Backends, max_decode_tokens: int) -> LayerOps:
@@ -138,16 +156,25 @@ class LayerOps:
                 norm = NormKernel(kernel, max_tokens=max_decode_tokens)
             else:
                 norm = NormKernel(kernel, min_tokens=max_decode_tokens + 1)
+        linear = None
+        if "onednn" in (backends.linear.decode, backends.linear.prefill):
+            if backends.linear.decode == backends.linear.prefill:
+                linear = LinearKernel(onednn_linear)
+            elif backends.linear.decode == "onednn":
+                linear = LinearKernel(onednn_linear, max_tokens=max_decode_tokens)
+            else:
+                linear = LinearKernel(onednn_linear, min_tokens=max_decode_tokens + 1)
         if decode is not prefill:
             assert isinstance(decode, AttentionBackend) and isinstance(prefill, AttentionBackend)
             decode = PerRegime(decode, prefill)
-        return cls(decode, impls, norm)
+        return cls(decode, impls, norm, linear)
 
 
 def may_use_native(settings: dict[str, str]) -> bool:
     """Whether any backend setting could pick the native kernels (so they are worth building
     before a rank pins itself or joins a collective)."""
-    return any(settings.get(key, "auto") != "torch" for key in BACKEND_KEYS)
+    keys = (key for key in BACKEND_KEYS if key != "linear_backend")  # no native linears
+    return any(settings.get(key, "auto") != "torch" for key in keys)
 
 
 def native_applies(
@@ -176,6 +203,11 @@ def candidates(
     from dist_engine.kernels import compute
 
     names = ["torch"]
+    if key == "linear_backend":
+        on_cpu = device is None or torch.device(device).type == "cpu"
+        if on_cpu and dtype in ONEDNN_DTYPES and onednn_available():
+            names.append("onednn")
+        return names
     if key == "attention_backend" and not has_backend(attention_kind, "native"):
         return names
     if native_applies(key, regime, dtype, device) and compute.prepare():
@@ -219,7 +251,8 @@ def resolve_backends(
             raise ValueError(
                 f"{key} is {value!r}, which cannot run this model ({dtype} on "
                 f"{device or 'cpu'}; the native kernels serve float32 on the CPU and need a "
-                f"C++ compiler, grouped_mm float32 and half types); use auto or torch"
+                f"C++ compiler, grouped_mm float32 and half types, onednn float32 and "
+                f"bfloat16 on the CPU); use auto or torch"
             )
         chosen[key] = {}
         for regime, names in per_regime.items():

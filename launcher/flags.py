@@ -86,6 +86,8 @@ DESCRIPTIONS = {
     "attention_backend": "implementation of paged attention (auto: measured on this host)",
     "expert_backend": "implementation of the experts (auto: measured on this host)",
     "norm_backend": "implementation of RMSNorm (auto: measured on this host)",
+    "linear_backend": "implementation of the dense linear layers and the LM head: torch, "
+    "onednn (CPU) (auto: measured on this host)",
     "tokenizer": "directory whose tokenizer files encode prompts and decode outputs "
     "(default: the model's)",
     "generation_config": "default sampling of requests that set none: auto (the model's "

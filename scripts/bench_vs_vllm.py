@@ -9,7 +9,9 @@ vLLM runs in a virtual environment of its own, made on first use at `.venv-vllm`
 torchaudio and torchcodec removed (their registry builds link to CUDA and break `import vllm`).
 
 Model: a random-weight Qwen3-MoE written by transformers (vocab 2048, hidden 256, 4 layers,
-8 heads / 4 KV heads of 32, 16 experts top-4, moe_intermediate 128), float32. Workloads, fixed
+8 heads / 4 KV heads of 32, 16 experts top-4, moe_intermediate 128), float32; `--shape mixtral`:
+a Mixtral of shapes nothing here was tuned on (vocab 32000, hidden 384, 4 layers, 6 heads / 2 KV
+heads of 64, 8 experts top-2, intermediate 768). Workloads, fixed
 by seeds, random token ids, greedy (`--temperature T`: every request samples at T, unseeded,
 and tokens are not compared), EOS ignored (every request produces exactly its tokens):
   mixed         48 prompts of 16-128 tokens, outputs of 16-96 tokens;
@@ -63,6 +65,22 @@ MODEL = dict(
     intermediate_size=512,
     max_position_embeddings=1024,
 )
+# A second checkpoint whose shapes no backend choice or kernel here was tuned on: another
+# architecture (Mixtral: 8 experts top-2, softmax-then-top-k routing), a 32k vocabulary (so the
+# LM head is half of the work, as in small real models), 64-wide heads, wider experts.
+MIXTRAL = dict(
+    vocab_size=32000,
+    hidden_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    intermediate_size=768,
+    max_position_embeddings=1024,
+)
+SHAPES = {"qwen3moe": MODEL, "mixtral": MIXTRAL}
 WORKLOADS = {
     "mixed": dict(count=48, prompt=(16, 128), output=(16, 96), seed=1),
     "decode_heavy": dict(count=64, prompt=(16, 32), output=(128, 192), seed=2),
@@ -174,26 +192,30 @@ def ensure_vllm_venv() -> Path:
     return python
 
 
-def write_model(out: Path) -> Path:
+def write_model(out: Path, shape: str = "qwen3moe") -> Path:
     """The checkpoint, written by transformers itself (random weights, fixed seed)."""
     if (out / "config.json").is_file():
         return out
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        **MODEL, norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.1
-    )
-    model = Qwen3MoeForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out)
+    if shape == "mixtral":
+        config = MixtralConfig(**MIXTRAL, tie_word_embeddings=False, initializer_range=0.1)
+        model = MixtralForCausalLM(config)
+    else:
+        config = Qwen3MoeConfig(
+            **MODEL, norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.1
+        )
+        model = Qwen3MoeForCausalLM(config)
+    model.to(torch.float32).save_pretrained(out)
     return out
 
 
-def make_workload(name: str) -> dict[str, list]:
+def make_workload(name: str, shape: str = "qwen3moe") -> dict[str, list]:
     spec = WORKLOADS[name]
     rng = random.Random(spec["seed"])
-    vocab = MODEL["vocab_size"]
+    vocab = SHAPES[shape]["vocab_size"]
     prompts = [
         [rng.randrange(1, vocab) for _ in range(rng.randint(*spec["prompt"]))]
         for _ in range(spec["count"])
@@ -308,13 +330,21 @@ def main() -> None:
         default="float32",
         help="both engines' compute dtype (bfloat16: vLLM CPU's usual)",
     )
+    parser.add_argument(
+        "--shape",
+        default="qwen3moe",
+        choices=SHAPES,
+        help="the checkpoint: the Qwen3-MoE the project's benchmarks use, or a Mixtral of "
+        "shapes nothing here was tuned on",
+    )
     parser.add_argument("--out", default="bench_results/vs_vllm.json")
     args = parser.parse_args()
 
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    model = str(write_model(out.parent / "vs_vllm_model"))
-    workloads = {name: make_workload(name) for name in args.workloads}
+    suffix = "" if args.shape == "qwen3moe" else f"_{args.shape}"
+    model = str(write_model(out.parent / f"vs_vllm_model{suffix}", args.shape))
+    workloads = {name: make_workload(name, args.shape) for name in args.workloads}
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "2"}
     me = str(Path(__file__).resolve())
     sampling = ["--temperature", str(args.temperature), "--dtype", args.dtype]
@@ -407,7 +437,8 @@ def report(args, runs, workers, workloads) -> None:
         "temperature": args.temperature,
         "dtype": args.dtype,
         "workloads": {k: WORKLOADS[k] for k in workloads},
-        "model": MODEL,
+        "shape": args.shape,
+        "model": SHAPES[args.shape],
         "rows": rows,
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
         "table": "\n".join(lines),

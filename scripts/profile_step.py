@@ -139,18 +139,21 @@ def main() -> None:
         "--batch", type=int, default=None,
         help="only the workload's first N prompts: decode steps of at most N sequences",
     )  # fmt: skip
+    parser.add_argument("--shape", default="qwen3moe", choices=["qwen3moe", "mixtral"])
+    parser.add_argument("--dtype", default="float32", help="the compute dtype (`auto`, bfloat16)")
     parser.add_argument("--out", default="bench_results/profile_step.json")
     args = parser.parse_args()
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
-    model = str(write_model(out.parent / "vs_vllm_model"))
+    suffix = "" if args.shape == "qwen3moe" else f"_{args.shape}"
+    model = str(write_model(out.parent / f"vs_vllm_model{suffix}", args.shape))
 
     timers = Timers()
     install(timers)
     from launcher import LLM, SamplingParams
 
-    llm = LLM(model=model, launcher="local", max_model_len=MAX_MODEL_LEN)
-    workload = make_workload(args.workload)
+    llm = LLM(model=model, launcher="local", max_model_len=MAX_MODEL_LEN, dtype=args.dtype)
+    workload = make_workload(args.workload, args.shape)
     if args.batch is not None:
         workload = {key: values[: args.batch] for key, values in workload.items()}
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload["max_tokens"]]
@@ -195,6 +198,8 @@ def main() -> None:
         "processor": cpu,
         "workload": args.workload,
         "batch": args.batch,
+        "shape": args.shape,
+        "dtype": args.dtype,
         "rounds": args.rounds,
         "steps": dict(timers.steps),
         "tok_s_with_timers": tok_s,

@@ -2,7 +2,7 @@
 
     model: /path/to/hf_dir       # or a hub id, org/name (with revision: a branch, tag or commit)
     dtype: auto                  # the checkpoint's where the device runs it well, else float32
-    attention_backend: auto      # and expert_backend, norm_backend (dist_engine/backends.py)
+    attention_backend: auto      # and expert_backend, norm_backend, linear_backend (backends.py)
     parallel: {dp_size: 2, launcher: ray, backend: auto}
     scheduler: {max_num_seqs: 64, block_size: 16, ...}      # scheduler.SchedulerConfig
     moe: {ll_max_tokens_per_rank: 64}
@@ -38,6 +38,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 AttentionBackend = Literal["auto", "native", "torch"]
 ExpertBackend = Literal["auto", "native", "torch", "grouped_mm"]
 NormBackend = Literal["auto", "native", "torch"]
+LinearBackend = Literal["auto", "torch", "onednn"]
 # What the driver does when a rank dies or stops answering (launcher/healing.py).
 OnRankFailure = Literal["heal", "fail"]
 
@@ -51,6 +52,7 @@ BACKEND_CHOICES = {
     "attention_backend": get_args(AttentionBackend),
     "expert_backend": get_args(ExpertBackend),
     "norm_backend": get_args(NormBackend),
+    "linear_backend": get_args(LinearBackend),
 }
 EPLB_KEYS = (
     "enable_eplb",
@@ -177,10 +179,11 @@ class EngineConfig:
     # scheduler.num_blocks.
     kv_cache_bytes: int | None = None
     # Which implementation runs each kind of op (dist_engine/backends.py): auto (measured on
-    # this host), native, torch, and for the experts grouped_mm.
+    # this host), native, torch, for the experts grouped_mm, for the dense linears onednn.
     attention_backend: AttentionBackend = "auto"
     expert_backend: ExpertBackend = "auto"
     norm_backend: NormBackend = "auto"
+    linear_backend: LinearBackend = "auto"
     # The front ends' settings (the LLM API, `lockstep run`, `lockstep serve`); the ranks take
     # token ids and read none of them.
     # A directory whose tokenizer files (tokenizer.json, tokenizer_config.json) encode prompts
@@ -292,6 +295,7 @@ class EngineConfig:
             "attention_backend": self.attention_backend,
             "expert_backend": self.expert_backend,
             "norm_backend": self.norm_backend,
+            "linear_backend": self.linear_backend,
         }
 
     # -- construction -----------------------------------------------------------------------

@@ -1,22 +1,78 @@
-"""Linear layers with Hugging Face's parameter names.
+"""Linear layers with Hugging Face's parameter names, and the oneDNN path for them.
 
 Parameters are created empty (no initialisation work) because the checkpoint loader overwrites
 every one of them; the loader checks that none is left unfilled.
+
+`torch.nn.functional.linear` on a CPU runs float32 through the BLAS torch was built with
+(MKL in the project's wheel). oneDNN, which the same wheel carries, has GEMMs of its own
+generated for the processor at hand; on some hosts they are several times faster for float32
+(MKL takes a generic path on processors it does not recognise as Intel's). Which one serves is
+`linear_backend` (dist_engine/backends.py), measured per host, never assumed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def onednn_available() -> bool:
+    """Whether this torch carries oneDNN (mkldnn) with its linear op."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through oneDNN's matmul (PyTorch's own `mkldnn` op, the one
+    Inductor's CPU fusions call), on CPU tensors of one dtype in ONEDNN_DTYPES. `weight` may
+    be a transposed view: oneDNN reads either layout."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """Where a linear's other implementation (`onednn_linear`) runs: CPU tensors of
+    ONEDNN_DTYPES, for steps of `min_tokens` to `max_tokens` rows (None: no upper bound), e.g.
+    only decode-sized steps when only those are faster with it. Chosen by `linear_backend`."""
+
+    kernel: Callable[..., torch.Tensor]
+    min_tokens: int = 0
+    max_tokens: int | None = None
+
+    def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """x: [T, ..., in]."""
+        if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in ONEDNN_DTYPES:
+            return False
+        tokens = x.shape[0] if x.dim() > 1 else 1
+        return tokens >= self.min_tokens and (self.max_tokens is None or tokens <= self.max_tokens)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernel: LinearKernel | None = None,
+) -> torch.Tensor:
+    """`x W^T (+ b)` by `kernel` where it serves these rows, else by PyTorch's `F.linear`."""
+    if kernel is not None and kernel.serves(x, weight):
+        return kernel.kernel(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
-    """`y = x W^T (+ b)` with HF's parameter names (`weight [out, in]`, `bias [out]`)."""
+    """`y = x W^T (+ b)` with HF's parameter names (`weight [out, in]`, `bias [out]`).
+    `kernel`: set after the model is built (`MoECausalLM.use_linear_kernel`)."""
 
     def __init__(
         self,
@@ -29,6 +85,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+        self.kernel: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernel)

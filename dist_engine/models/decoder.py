@@ -24,7 +24,7 @@ from torch import nn
 
 from dist_engine.attention.kv_cache import KVSpec, PagedCache
 from dist_engine.attention.metadata import StepMetadata
-from dist_engine.layers.linear import Linear, empty_parameter
+from dist_engine.layers.linear import Linear, LinearKernel, empty_parameter, linear
 from dist_engine.layers.norm import NormKernel, RMSNorm
 from dist_engine.layers.rotary import RotaryEmbedding
 from dist_engine.models.config import ModelConfig
@@ -128,9 +128,18 @@ class MoECausalLM(nn.Module):
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.kv_cache: PagedCache | None = None
+        self.linear_kernel: LinearKernel | None = None  # the LM head's (use_linear_kernel)
         if device is not None:
             # MoELayer takes no device argument; its expert weights are created on the CPU.
             self.to(device)
+
+    def use_linear_kernel(self, kernel: LinearKernel | None) -> None:
+        """Every dense linear of the model, and the LM head (tied or not), runs through
+        `kernel` where it serves (None: PyTorch's `F.linear` everywhere)."""
+        self.linear_kernel = kernel
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.kernel = kernel
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int, device: torch.device | str | None = None
@@ -178,5 +187,5 @@ class MoECausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] (rows of `forward`'s output that need a token) → logits [N, V],
         in float32 (float64 for a float64 model) so sampling never works on bf16 logits."""
-        logits = F.linear(hidden, self.lm_head.weight)
+        logits = linear(hidden, self.lm_head.weight, kernel=self.linear_kernel)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

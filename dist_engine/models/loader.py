@@ -219,7 +219,9 @@ def build_model(
         backends = resolve_backends({}, dtype, device, attention_kind=kind)
     ops = LayerOps.build(backends.for_attention_kind(kind), max_decode_tokens)
     architecture = get_architecture(config.model_type)
-    return architecture.build(config, dtype, device, ep_context or ExpertParallelContext(), ops)
+    model = architecture.build(config, dtype, device, ep_context or ExpertParallelContext(), ops)
+    model.use_linear_kernel(ops.linear)
+    return model
 
 
 def load_model(

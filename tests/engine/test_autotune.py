@@ -27,6 +27,7 @@ TINY = TuneShapes(
     prefill_tokens=64,
     block_size=4,
     attention_kind="gqa",
+    vocab_size=96,
 )
 
 
@@ -79,10 +80,13 @@ def test_auto_times_the_real_candidates_and_leaves_fixed_keys_alone(cache):
     for regime in ("decode", "prefill"):
         assert getattr(backends.experts, regime) in ("native", "torch", "grouped_mm")
         assert getattr(backends.norm, regime) in ("native", "torch")
+        assert getattr(backends.linear, regime) in ("torch", "onednn")
     [record] = [json.loads(p.read_text()) for p in cache.glob("autotune/*.json")]
     timed = {(d["op"], d["regime"]): d["timings_ms"] for d in record["timings_ms"]}
-    assert set(timed) == {(op, r) for op in ("experts", "norm") for r in ("decode", "prefill")}
+    ops = ("experts", "norm", "linear")
+    assert set(timed) == {(op, r) for op in ops for r in ("decode", "prefill")}
     assert set(timed[("experts", "prefill")]) == {"native", "torch", "grouped_mm"}
+    assert set(timed[("linear", "decode")]) == {"torch", "onednn"}
     assert all(ms > 0 for times in timed.values() for ms in times.values())
 
 
@@ -94,3 +98,12 @@ def test_without_timing_auto_is_the_rule_and_bad_choices_name_the_key(monkeypatc
         resolve_backends({"expert_backend": "grouped_mm"}, torch.float64, "cpu")
     half = resolve_backends({"expert_backend": "grouped_mm"}, torch.bfloat16, "cpu")
     assert str(half.experts) == "grouped_mm"
+    # The linears: PyTorch's unless measured (oneDNN wins on some processors only); oneDNN
+    # asked for where it cannot run names the key.
+    assert str(rule.linear) == "torch"
+    assert str(resolve_backends({"linear_backend": "onednn"}, torch.bfloat16, "cpu").linear) == (
+        "onednn"
+    )
+    for dtype, device in ((torch.float64, "cpu"), (torch.float32, "cuda")):
+        with pytest.raises(ValueError, match=r"linear_backend is 'onednn', which cannot run"):
+            resolve_backends({"linear_backend": "onednn"}, dtype, device)

@@ -16,6 +16,7 @@ from model_fixtures import TINY_SIZES, hf_greedy, hf_model, random_prompts
 from dist_engine.backends import Backends, RegimeChoice
 from dist_engine.engine.request import Request
 from dist_engine.engine.runner import ModelRunner
+from dist_engine.layers.linear import Linear
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -112,14 +113,24 @@ def test_single_rank_generation_equals_transformers(case):
                  RegimeChoice("torch", "torch")),
         Backends(RegimeChoice("native", "torch"), RegimeChoice("grouped_mm", "native"),
                  RegimeChoice("native", "torch")),
+        Backends(RegimeChoice("torch", "torch"), RegimeChoice("torch", "torch"),
+                 RegimeChoice("torch", "torch"), RegimeChoice("onednn", "onednn")),
+        Backends(RegimeChoice("native", "native"), RegimeChoice("native", "native"),
+                 RegimeChoice("native", "native"), RegimeChoice("onednn", "torch")),
     ],
-    ids=["torch", "grouped_mm", "per_regime_mix"],
+    ids=["torch", "grouped_mm", "per_regime_mix", "onednn", "onednn_decode"],
 )  # fmt: skip
 def test_every_backend_gives_transformers_tokens(case, backends):
     """The implementations `auto` chooses between are interchangeable: each, and a mix per
     regime, gives transformers' greedy tokens, chunked prompts included."""
     model_dir, _, prompts, expected = case
     model = load_model(model_dir, backends=backends, max_decode_tokens=16)
+    if "onednn" in (backends.linear.decode, backends.linear.prefill):  # every linear, LM head too
+        kernel = model.linear_kernel
+        assert kernel is not None and kernel.max_tokens == (
+            None if backends.linear.prefill == "onednn" else 16
+        )
+        assert all(m.kernel is kernel for m in model.modules() if isinstance(m, Linear))
     tokens, _ = generate(model, prompts["random"], max_num_batched_tokens=24)
     assert tokens == expected["random"]
 

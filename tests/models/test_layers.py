@@ -8,6 +8,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 from dist_engine.kernels import compute
+from dist_engine.layers.linear import Linear, LinearKernel, linear, onednn_available, onednn_linear
 from dist_engine.layers.norm import NormKernel, RMSNorm
 
 
@@ -84,4 +85,48 @@ def test_norm_kernel_serves_only_its_token_range() -> None:
         above.weight.fill_(1.0)
     above(torch.randn(4, 8))
     above(torch.randn(6, 8))
+    assert calls == [4, 6]
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_linear_equals_f_linear(dtype) -> None:
+    """`linear_backend: onednn` computes F.linear's result (to the dtype's rounding: another
+    GEMM sums in another order), with and without bias, on a weight in either layout."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 96, generator=gen).to(dtype)
+    weight = torch.randn(200, 96, generator=gen).to(dtype)
+    bias = torch.randn(200, generator=gen).to(dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    for b in (None, bias):
+        expected = torch.nn.functional.linear(
+            x.double(), weight.double(), None if b is None else b.double()
+        )
+        got = onednn_linear(x, weight, b)
+        assert got.dtype == dtype and got.shape == (37, 200)
+        assert torch.allclose(got.double(), expected, rtol=tolerance, atol=tolerance * 10)
+    transposed = weight.t().contiguous().t()  # the [in, out] layout, seen as [out, in]
+    assert torch.equal(onednn_linear(x, transposed), onednn_linear(x, weight))
+
+
+def test_linear_kernel_serves_only_its_rows_and_dtypes() -> None:
+    """A decode-only linear kernel serves steps of up to max_tokens rows of CPU tensors of
+    its dtypes; other steps and dtypes run F.linear."""
+    calls: list[int] = []
+
+    def counting(x, weight, bias=None):
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, weight, bias)
+
+    layer = Linear(8, 4, False, torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+    layer.kernel = LinearKernel(counting, max_tokens=4)
+    layer(torch.randn(4, 8))
+    layer(torch.randn(5, 8))
+    assert calls == [4]
+    linear(torch.randn(6, 8), layer.weight, kernel=LinearKernel(counting, min_tokens=5))
+    assert calls == [4, 6]
+    wide = torch.randn(4, 8, dtype=torch.float64)
+    linear(torch.randn(2, 8, dtype=torch.float64), wide, kernel=LinearKernel(counting))
     assert calls == [4, 6]
