@@ -6,8 +6,8 @@
   padding (csrc/paged_prefill_attention.cpp).
 - `rope_write_kv()`: float32 rotary q/k plus the paged KV cache write in one pass
   (csrc/rope_cache.cpp).
-- `routed_swiglu()`: the float32 expert side of an MoE layer, routed rows to their weighted
-  sum of SwiGLU experts, without padding (csrc/grouped_swiglu.cpp).
+- `routed_swiglu()`: the expert side of an MoE layer, routed rows to their weighted sum of
+  SwiGLU experts, without padding, float32 or bfloat16 (csrc/grouped_swiglu.cpp).
 - `rms_norm()`: float32 RMSNorm in one pass (csrc/rms_norm.cpp).
 
 Each returns the compiled function, or None when the module failed to build (no C++ compiler
@@ -74,7 +74,8 @@ def rope_write_kv() -> Kernel | None:
 
 def routed_swiglu() -> Kernel | None:
     """`routed_swiglu(hidden, local_slots, weights, w13, w2)`: the contract of
-    `moe.experts.LocalExperts.weighted_sum` for float32 on the CPU. Or None."""
+    `moe.experts.LocalExperts.weighted_sum` on the CPU, float32 or bfloat16 (weights float32).
+    Or None."""
     return _kernel("routed_swiglu")
 
 

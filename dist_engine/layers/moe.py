@@ -52,13 +52,17 @@ class ExpertParallelContext:
         return self.placement
 
 
+NATIVE_EXPERT_DTYPES = (torch.float32, torch.bfloat16)  # what csrc/grouped_swiglu.cpp takes
+
+
 class NativeExperts:
     """The `native` expert backend: `kernels.compute.routed_swiglu` (an `moe.ExpertImpl`).
 
     The whole expert side in one call: a counting sort of the (row, choice) pairs by slot,
     per slot its rows gathered in chunks, two register-blocked GEMMs with silu between, every
-    row's pairs summed in k order; no padding. float32 on the CPU; anything else goes through
-    PyTorch's path (`moe.torch_weighted_sum`).
+    row's pairs summed in k order; no padding. float32, or bfloat16 (computed in float32 from
+    bfloat16 weights), on the CPU; anything else goes through PyTorch's path
+    (`moe.torch_weighted_sum`).
     """
 
     name = "native"
@@ -76,8 +80,8 @@ class NativeExperts:
         """hidden: [N, D]; local_slots, weights: [N, K] → [N, D]."""
         if (
             hidden.device.type != "cpu"
-            or hidden.dtype != torch.float32
-            or experts.w13.dtype != torch.float32
+            or hidden.dtype not in NATIVE_EXPERT_DTYPES
+            or experts.w13.dtype != hidden.dtype
         ):
             return torch_weighted_sum(experts, hidden, local_slots, weights)
         if hidden.stride(-1) != 1:

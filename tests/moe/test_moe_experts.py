@@ -190,6 +190,36 @@ def test_native_kernel_matches_the_torch_path(threads, hidden_size, size_i, rows
     assert (out.double() - exact).abs().max() <= 2 * torch_error + 1e-6
 
 
+@pytest.mark.parametrize("num_rows", [1, 5, 70])
+def test_native_kernel_in_bfloat16_is_float32_arithmetic_on_bfloat16_weights(num_rows):
+    """bfloat16 hidden and weights: the kernel widens them and computes in float32, rounding
+    the output once. It equals the float32 kernel on the same (bf16-representable) values up
+    to that one rounding, and is no further from float64 than PyTorch's bfloat16 path, which
+    rounds after every op. D=16, I=24 exercise the column tails, strided rows included."""
+    kernel = native_kernel()
+    experts = random_experts(seed=num_rows + 11)
+    half = LocalExperts(NUM_SLOTS, HIDDEN, INTERMEDIATE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        half.w13.copy_(experts.w13)
+        half.w2.copy_(experts.w2)
+        experts.w13.copy_(half.w13.float())  # the float32 twin holds the bf16 values exactly
+        experts.w2.copy_(half.w2.float())
+    gen = torch.Generator().manual_seed(num_rows)
+    wide = torch.randn(num_rows, HIDDEN + 3, generator=gen).bfloat16()
+    hidden = wide[:, :HIDDEN]
+    local_slots = torch.tensor([0, 1, 3, 4, -1])[torch.randint(5, (num_rows, 2), generator=gen)]
+    weights = torch.where(local_slots >= 0, torch.rand(num_rows, 2, generator=gen), 0.0)
+    out = NativeExperts(kernel)(half, hidden, local_slots, weights)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, HIDDEN)
+    as_float32 = kernel(hidden.float(), local_slots, weights, experts.w13, experts.w2)
+    assert torch.equal(out, as_float32.bfloat16())
+    experts64 = LocalExperts(NUM_SLOTS, HIDDEN, INTERMEDIATE, dtype=torch.float64)
+    experts64.load_state_dict(experts.state_dict())
+    exact = experts64.weighted_sum(hidden.double(), local_slots, weights)
+    torch_bf16 = half.weighted_sum(hidden, local_slots, weights)
+    assert (out.double() - exact).abs().max() <= (torch_bf16.double() - exact).abs().max() + 1e-6
+
+
 def test_native_kernel_checks_its_inputs():
     kernel = native_kernel()
     experts = LocalExperts(2, 16, 8)
@@ -197,8 +227,10 @@ def test_native_kernel_checks_its_inputs():
     slots, weights = torch.tensor([[0, 1], [1, -1], [0, 0]]), torch.rand(3, 2)
     with pytest.raises(RuntimeError, match=r"local_slots\[1, 1\] = 2 is outside \[-1, 2\)"):
         kernel(hidden, torch.tensor([[0, 1], [1, 2], [0, 0]]), weights, experts.w13, experts.w2)
-    with pytest.raises(RuntimeError, match=r"must be float32"):
+    with pytest.raises(RuntimeError, match=r"must be float32, or all three bfloat16"):
         kernel(hidden.double(), slots, weights, experts.w13, experts.w2)
+    with pytest.raises(RuntimeError, match=r"must be float32, or all three bfloat16"):
+        kernel(hidden.bfloat16(), slots, weights, experts.w13, experts.w2)  # mixed dtypes
     with pytest.raises(RuntimeError, match=r"local_slots must be int64"):
         kernel(hidden, slots.int(), weights, experts.w13, experts.w2)
     with pytest.raises(RuntimeError, match=r"shapes disagree"):

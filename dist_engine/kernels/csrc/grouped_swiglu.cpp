@@ -1,10 +1,15 @@
-// SwiGLU experts for routed rows, float32, CPU: out[n] = sum_k weights[n, k] * expert_{slot[n, k]}(x[n])
+// SwiGLU experts for routed rows, CPU: out[n] = sum_k weights[n, k] * expert_{slot[n, k]}(x[n])
 // with expert_s(x) = (silu(x W_gate[s]) * x W_up[s]) W_down[s].
 //
 // Shapes: hidden [N, D] (rows may be strided: received byte rows are read in place);
 // local_slots [N, K] int64, -1 where a choice is served elsewhere (or the row is padding);
 // weights [N, K] float32; w13 [S, D, 2I] (gate columns, then up columns); w2 [S, I, D].
-// Returns [N, D] contiguous, zero rows where nothing is served. This is
+// Returns [N, D] contiguous in hidden's dtype, zero rows where nothing is served.
+// Dtypes: float32, or bfloat16 hidden and weights. In bfloat16 the arithmetic is float32's:
+// rows are widened as they are gathered, weights as they are loaded into registers (a shift),
+// products and sums in float32, the output rounded to bfloat16 once. A decode step's experts
+// stream all their weights for a few rows each, so they are bound by memory: bfloat16 weights
+// halve the bytes. This is
 // `moe.experts.LocalExperts.weighted_sum`'s contract: the whole expert side of a dispatch in one
 // call, where the PyTorch path takes ~15 ops (nonzero, sort, gathers, scale, index_add).
 //
@@ -36,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -71,18 +77,34 @@ inline vgemm load_g(const float* p) {
   return v;
 }
 
+// kGemmLanes bfloat16 values widened to float32: a bfloat16 is a float32's upper half.
+typedef uint16_t vgemm_h __attribute__((vector_size(sizeof(vgemm) / 2)));
+typedef uint32_t vgemm_u __attribute__((vector_size(sizeof(vgemm))));
+
+inline vgemm load_g(const at::BFloat16* p) {
+  vgemm_h h;
+  std::memcpy(&h, p, sizeof(h));
+  const vgemm_u bits = __builtin_convertvector(h, vgemm_u) << 16;
+  vgemm v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+
 inline void store_g(float* p, vgemm v) { std::memcpy(p, &v, sizeof(v)); }
 
 // C[MR, NV * L] = A[MR, K] @ B[K, NV * L] (L = kGemmLanes), row-major with leading dimensions
 // lda, ldb, ldc: the MR x NV accumulator vectors stay in registers for the whole k loop.
-template <int MR, int NV>
-inline void gemm_block(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+template <int MR, int NV, typename TB>
+inline void gemm_block(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C,
                        int64_t ldc, int64_t K) {
   vgemm acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
     for (int v = 0; v < NV; ++v) acc[r][v] = vgemm{};
   }
-  const float* b = B;
+  const TB* b = B;
   for (int64_t k = 0; k < K; ++k, b += ldb) {
     // B is walked down a column block: ask for the piece kPrefetchRows rows ahead (faster than
     // leaving it to the hardware prefetcher, docs/benchmark_notes.md, "MoE layer"; a prefetch
@@ -104,20 +126,20 @@ inline void gemm_block(const float* A, int64_t lda, const float* B, int64_t ldb,
 
 // C[MR, N] = A[MR, K] @ B[K, N]: columns in blocks of kBlockVectors vectors, then narrower
 // ones, then one at a time.
-template <int MR>
-void gemm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+template <int MR, typename TB>
+void gemm_rows(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, int64_t ldc,
                int64_t K, int64_t N) {
   constexpr int64_t L = kGemmLanes;
   int64_t j = 0;
   if constexpr (kBlockVectors >= 4) {
-    for (; j + 4 * L <= N; j += 4 * L) gemm_block<MR, 4>(A, lda, B + j, ldb, C + j, ldc, K);
+    for (; j + 4 * L <= N; j += 4 * L) gemm_block<MR, 4, TB>(A, lda, B + j, ldb, C + j, ldc, K);
   }
-  for (; j + 2 * L <= N; j += 2 * L) gemm_block<MR, 2>(A, lda, B + j, ldb, C + j, ldc, K);
-  for (; j + L <= N; j += L) gemm_block<MR, 1>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j + 2 * L <= N; j += 2 * L) gemm_block<MR, 2, TB>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j + L <= N; j += L) gemm_block<MR, 1, TB>(A, lda, B + j, ldb, C + j, ldc, K);
   for (; j < N; ++j) {
     for (int r = 0; r < MR; ++r) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) acc += A[r * lda + k] * B[k * ldb + j];
+      for (int64_t k = 0; k < K; ++k) acc += A[r * lda + k] * widen(B[k * ldb + j]);
       C[r * ldc + j] = acc;
     }
   }
@@ -135,22 +157,23 @@ constexpr int64_t kRowChunk = 20 * kRowBlock;
 
 // C[M, N] = A[M, K] @ B[K, N], by column panels, then blocks of kRowBlock rows (a smaller
 // template for the rest).
-void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+template <typename TB>
+void gemm(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, int64_t ldc,
           int64_t M, int64_t K, int64_t N) {
   for (int64_t j = 0; j < N; j += kColumnPanel) {
     const int64_t cols = std::min(kColumnPanel, N - j);
     int64_t i = 0;
     for (; i + kRowBlock <= M; i += kRowBlock) {
-      gemm_rows<kRowBlock>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, cols);
+      gemm_rows<kRowBlock, TB>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, cols);
     }
     const float* a = A + i * lda;
     float* c = C + i * ldc + j;
     switch (M - i) {
-      case 5: gemm_rows<5>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 4: gemm_rows<4>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 3: gemm_rows<3>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 2: gemm_rows<2>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 1: gemm_rows<1>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 5: gemm_rows<5, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 4: gemm_rows<4, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 3: gemm_rows<3, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 2: gemm_rows<2, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 1: gemm_rows<1, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
       default: break;
     }
   }
@@ -178,6 +201,20 @@ void swiglu_rows(const float* gate_up, float* act, int64_t M, int64_t I) {
   }
 }
 
+// One gathered row, widened to float32.
+inline void gather_row(float* dst, const float* src, int64_t size) {
+  std::memcpy(dst, src, size * sizeof(float));
+}
+
+inline void gather_row(float* dst, const at::BFloat16* src, int64_t size) {
+  for (int64_t j = 0; j < size; ++j) dst[j] = static_cast<float>(src[j]);
+}
+
+template <typename T>
+at::Tensor routed_swiglu_typed(const at::Tensor& hidden, const at::Tensor& local_slots,
+                               const at::Tensor& weights, const at::Tensor& w13,
+                               const at::Tensor& w2);
+
 }  // namespace
 
 at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots,
@@ -185,9 +222,11 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
   TORCH_CHECK(hidden.device().is_cpu() && local_slots.device().is_cpu() &&
                   weights.device().is_cpu() && w13.device().is_cpu() && w2.device().is_cpu(),
               "routed_swiglu: every tensor must be on the CPU");
-  TORCH_CHECK(hidden.scalar_type() == at::kFloat && weights.scalar_type() == at::kFloat &&
-                  w13.scalar_type() == at::kFloat && w2.scalar_type() == at::kFloat,
-              "routed_swiglu: hidden, weights, w13 and w2 must be float32");
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weights.scalar_type() == at::kFloat &&
+                  w13.scalar_type() == dtype && w2.scalar_type() == dtype,
+              "routed_swiglu: hidden, w13 and w2 must be float32, or all three bfloat16; "
+              "weights float32");
   TORCH_CHECK(local_slots.scalar_type() == at::kLong,
               "routed_swiglu: local_slots must be int64");
   TORCH_CHECK(hidden.dim() == 2 && local_slots.dim() == 2 && w13.dim() == 3 && w2.dim() == 3,
@@ -205,6 +244,20 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
               "routed_swiglu: shapes disagree: hidden ", hidden.sizes(), ", local_slots ",
               local_slots.sizes(), ", weights ", weights.sizes(), ", w13 ", w13.sizes(), ", w2 ",
               w2.sizes());
+  if (dtype == at::kBFloat16) {
+    return routed_swiglu_typed<at::BFloat16>(hidden, local_slots, weights, w13, w2);
+  }
+  return routed_swiglu_typed<float>(hidden, local_slots, weights, w13, w2);
+}
+
+namespace {
+
+template <typename T>
+at::Tensor routed_swiglu_typed(const at::Tensor& hidden, const at::Tensor& local_slots,
+                               const at::Tensor& weights, const at::Tensor& w13,
+                               const at::Tensor& w2) {
+  const int64_t num_rows = hidden.size(0), size_d = hidden.size(1), top_k = local_slots.size(1);
+  const int64_t num_slots = w13.size(0), size_i = w2.size(1);
   const int64_t num_choices = num_rows * top_k, ldx = hidden.stride(0);
   const int64_t* slot_of = local_slots.data_ptr<int64_t>();
 
@@ -247,11 +300,12 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
 
   // Each pair's expert output, pairs grouped by slot: [P, D].
   // (at::empty, not std::vector: every row is written, so no zero fill.)
-  const at::Tensor pair_out = at::empty({first[num_slots], size_d}, hidden.options());
+  const auto float_options = hidden.options().dtype(at::kFloat);
+  const at::Tensor pair_out = at::empty({first[num_slots], size_d}, float_options);
   float* expert_out = pair_out.data_ptr<float>();
-  const float* x = hidden.data_ptr<float>();
-  const float* w_gate_up = w13.data_ptr<float>();
-  const float* w_down = w2.data_ptr<float>();
+  const T* x = hidden.data_ptr<T>();
+  const T* w_gate_up = w13.data_ptr<T>();
+  const T* w_down = w2.data_ptr<T>();
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rows_in, gate_up, act;
     for (int64_t task = begin; task < end; ++task) {
@@ -264,8 +318,7 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
           gate_up.resize(rows * 2 * size_i);
           act.resize(rows * size_i);
           for (int64_t r = 0; r < rows; ++r) {
-            std::memcpy(rows_in.data() + r * size_d, x + pair_row[start + r] * ldx,
-                        size_d * sizeof(float));
+            gather_row(rows_in.data() + r * size_d, x + pair_row[start + r] * ldx, size_d);
           }
           gemm(rows_in.data(), size_d, w_gate_up + s * size_d * 2 * size_i, 2 * size_i,
                gate_up.data(), 2 * size_i, rows, size_d, 2 * size_i);
@@ -278,7 +331,7 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
   });
 
   // out[n] = sum over k, in k order, of weights[n, k] * that pair's expert output.
-  auto out = at::empty({num_rows, size_d}, hidden.options());
+  auto out = at::empty({num_rows, size_d}, float_options);
   const float* weight = weights.data_ptr<float>();
   float* y = out.data_ptr<float>();
   at::parallel_for(0, num_rows, 16, [&](int64_t begin, int64_t end) {
@@ -294,5 +347,7 @@ at::Tensor routed_swiglu(const at::Tensor& hidden, const at::Tensor& local_slots
       }
     }
   });
-  return out;
+  return std::is_same_v<T, float> ? out : out.to(hidden.scalar_type());
 }
+
+}  // namespace
