@@ -190,34 +190,44 @@ def test_native_kernel_matches_the_torch_path(threads, hidden_size, size_i, rows
     assert (out.double() - exact).abs().max() <= 2 * torch_error + 1e-6
 
 
+@pytest.mark.parametrize("size_d, size_i", [(HIDDEN, INTERMEDIATE), (96, 80)])
 @pytest.mark.parametrize("num_rows", [1, 5, 70])
-def test_native_kernel_in_bfloat16_is_float32_arithmetic_on_bfloat16_weights(num_rows):
-    """bfloat16 hidden and weights: the kernel widens them and computes in float32, rounding
-    the output once. It equals the float32 kernel on the same (bf16-representable) values up
-    to that one rounding, and is no further from float64 than PyTorch's bfloat16 path, which
-    rounds after every op. D=16, I=24 exercise the column tails, strided rows included."""
+def test_native_kernel_in_bfloat16(num_rows, size_d, size_i, monkeypatch):
+    """bfloat16 hidden and weights. Where the processor has bf16 dot products (AVX512_BF16),
+    the kernel multiplies bf16 pairs with them, rounding the activation between the GEMMs to
+    bf16; elsewhere, or with LOCKSTEP_BF16_DOT=0, it widens everything and computes in
+    float32, rounding the output once, so it equals the float32 kernel on the same
+    (bf16-representable) values up to that one rounding. Either is no further from float64
+    than PyTorch's bfloat16 path, which rounds after every op. D=16, I=24 exercise the
+    column tails (not multiples of 32); D=96, I=80 the 64- and 32-column blocks; strided rows
+    included."""
     kernel = native_kernel()
-    experts = random_experts(seed=num_rows + 11)
-    half = LocalExperts(NUM_SLOTS, HIDDEN, INTERMEDIATE, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(num_rows)
+    experts = LocalExperts(NUM_SLOTS, size_d, size_i)
+    half = LocalExperts(NUM_SLOTS, size_d, size_i, dtype=torch.bfloat16)
     with torch.no_grad():
-        half.w13.copy_(experts.w13)
-        half.w2.copy_(experts.w2)
+        half.w13.copy_(torch.randn(half.w13.shape, generator=gen) * size_d**-0.5)
+        half.w2.copy_(torch.randn(half.w2.shape, generator=gen) * size_i**-0.5)
         experts.w13.copy_(half.w13.float())  # the float32 twin holds the bf16 values exactly
         experts.w2.copy_(half.w2.float())
-    gen = torch.Generator().manual_seed(num_rows)
-    wide = torch.randn(num_rows, HIDDEN + 3, generator=gen).bfloat16()
-    hidden = wide[:, :HIDDEN]
+    wide = torch.randn(num_rows, size_d + 3, generator=gen).bfloat16()
+    hidden = wide[:, :size_d]
     local_slots = torch.tensor([0, 1, 3, 4, -1])[torch.randint(5, (num_rows, 2), generator=gen)]
     weights = torch.where(local_slots >= 0, torch.rand(num_rows, 2, generator=gen), 0.0)
-    out = NativeExperts(kernel)(half, hidden, local_slots, weights)
-    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, HIDDEN)
-    as_float32 = kernel(hidden.float(), local_slots, weights, experts.w13, experts.w2)
-    assert torch.equal(out, as_float32.bfloat16())
-    experts64 = LocalExperts(NUM_SLOTS, HIDDEN, INTERMEDIATE, dtype=torch.float64)
+    experts64 = LocalExperts(NUM_SLOTS, size_d, size_i, dtype=torch.float64)
     experts64.load_state_dict(experts.state_dict())
     exact = experts64.weighted_sum(hidden.double(), local_slots, weights)
-    torch_bf16 = half.weighted_sum(hidden, local_slots, weights)
-    assert (out.double() - exact).abs().max() <= (torch_bf16.double() - exact).abs().max() + 1e-6
+    torch_error = (half.weighted_sum(hidden, local_slots, weights).double() - exact).abs().max()
+    monkeypatch.setenv("LOCKSTEP_BF16_DOT", "0")
+    widened = NativeExperts(kernel)(half, hidden, local_slots, weights)
+    assert widened.dtype == torch.bfloat16 and widened.shape == (num_rows, size_d)
+    as_float32 = kernel(hidden.float(), local_slots, weights, experts.w13, experts.w2)
+    assert torch.equal(widened, as_float32.bfloat16())
+    assert (widened.double() - exact).abs().max() <= torch_error + 1e-6
+    monkeypatch.delenv("LOCKSTEP_BF16_DOT")
+    dot = NativeExperts(kernel)(half, hidden, local_slots, weights)
+    assert dot.dtype == torch.bfloat16 and dot.shape == (num_rows, size_d)
+    assert (dot.double() - exact).abs().max() <= torch_error + 1e-6
 
 
 def test_native_kernel_checks_its_inputs():

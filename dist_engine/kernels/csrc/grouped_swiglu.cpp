@@ -39,12 +39,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <type_traits>
 #include <vector>
 
 #include "vec16.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -179,6 +184,105 @@ void gemm(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, int64
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 x bfloat16 on a processor with AVX512_BF16: `vdpbf16ps` multiplies pairs of bf16
+// along k and adds both products to a float32 lane, twice the multiply-adds per instruction
+// of the widening path above. The pairs come from two rows of B (k, k + 1) interleaved in
+// registers (`unpacklo/hi_epi16`), so the weights keep their layout; A's pair is one 32-bit
+// broadcast. The interleave leaves each accumulator's columns permuted within 128-bit lanes
+// (unpacklo: columns 8L + 0..3 of lane L, unpackhi: 8L + 4..7); the store undoes it.
+constexpr bool kDotBf16 = true;
+
+inline __m512 unpermute(__m512 lo, __m512 hi, int first) {
+  // Output column c (first..first+15 of a 32-column block): lane L = c / 8, word w = c % 8;
+  // w < 4 is lo's dword 4L + w, else hi's dword 4L + w - 4 (indices 16.. select hi).
+  alignas(64) int32_t idx[16];
+  for (int i = 0; i < 16; ++i) {
+    const int c = first + i, lane = c / 8, w = c % 8;
+    idx[i] = w < 4 ? 4 * lane + w : 16 + 4 * lane + (w - 4);
+  }
+  return _mm512_permutex2var_ps(lo, _mm512_load_si512(idx), hi);
+}
+
+// C[MR, NB * 32] = A[MR, K] @ B[K, NB * 32], all bf16 in, float32 out; K even.
+template <int MR, int NB>
+inline void dot_block(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb,
+                      float* C, int64_t ldc, int64_t K) {
+  __m512 acc[MR][2 * NB];
+  for (int r = 0; r < MR; ++r) {
+    for (int v = 0; v < 2 * NB; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  const at::BFloat16* b = B;
+  for (int64_t k = 0; k < K; k += 2, b += 2 * ldb) {
+    __m512bh pairs[2 * NB];
+    for (int h = 0; h < NB; ++h) {
+      __builtin_prefetch(b + kPrefetchRows * ldb + 32 * h);
+      __builtin_prefetch(b + (kPrefetchRows + 1) * ldb + 32 * h);
+      const __m512i row0 = _mm512_loadu_si512(b + 32 * h);
+      const __m512i row1 = _mm512_loadu_si512(b + ldb + 32 * h);
+      pairs[2 * h] = (__m512bh)_mm512_unpacklo_epi16(row0, row1);
+      pairs[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi16(row0, row1);
+    }
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + r * lda + k, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < 2 * NB; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], pairs[v], a);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int h = 0; h < NB; ++h) {
+      float* c = C + r * ldc + 32 * h;
+      _mm512_storeu_ps(c, unpermute(acc[r][2 * h], acc[r][2 * h + 1], 0));
+      _mm512_storeu_ps(c + 16, unpermute(acc[r][2 * h], acc[r][2 * h + 1], 16));
+    }
+  }
+}
+
+template <int MR>
+void dot_rows(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb, float* C,
+              int64_t ldc, int64_t K, int64_t N) {
+  int64_t j = 0;
+  for (; j + 64 <= N; j += 64) dot_block<MR, 2>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j + 32 <= N; j += 32) dot_block<MR, 1>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j < N; ++j) {  // the last N % 32 columns
+    for (int r = 0; r < MR; ++r) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        acc += static_cast<float>(A[r * lda + k]) * static_cast<float>(B[k * ldb + j]);
+      }
+      C[r * ldc + j] = acc;
+    }
+  }
+}
+
+// C[M, N] = A[M, K] @ B[K, N] in bf16 (K even), by column panels and row blocks as `gemm`.
+void dot_gemm(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb, float* C,
+              int64_t ldc, int64_t M, int64_t K, int64_t N) {
+  for (int64_t j = 0; j < N; j += kColumnPanel) {
+    const int64_t cols = std::min(kColumnPanel, N - j);
+    int64_t i = 0;
+    for (; i + kRowBlock <= M; i += kRowBlock) {
+      dot_rows<kRowBlock>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, cols);
+    }
+    const at::BFloat16* a = A + i * lda;
+    float* c = C + i * ldc + j;
+    switch (M - i) {
+      case 5: dot_rows<5>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 4: dot_rows<4>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 3: dot_rows<3>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 2: dot_rows<2>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 1: dot_rows<1>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      default: break;
+    }
+  }
+}
+#else
+constexpr bool kDotBf16 = false;
+void dot_gemm(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, float*, int64_t,
+              int64_t, int64_t, int64_t) {}
+#endif
+
 // act[r, j] = silu(gate_up[r, j]) * gate_up[r, I + j] for r < M, j < I.
 void swiglu_rows(const float* gate_up, float* act, int64_t M, int64_t I) {
   for (int64_t r = 0; r < M; ++r) {
@@ -199,6 +303,13 @@ void swiglu_rows(const float* gate_up, float* act, int64_t M, int64_t I) {
       std::memcpy(out + j, o_tail, (I - j) * sizeof(float));
     }
   }
+}
+
+// The bf16 dot-product path can be turned off (LOCKSTEP_BF16_DOT=0, read at each call) to
+// measure it against the widening one, and to test both; it is on wherever the processor has it.
+inline bool dot_enabled() {
+  const char* value = std::getenv("LOCKSTEP_BF16_DOT");
+  return value == nullptr || std::strcmp(value, "0") != 0;
 }
 
 // One gathered row, widened to float32.
@@ -306,14 +417,38 @@ at::Tensor routed_swiglu_typed(const at::Tensor& hidden, const at::Tensor& local
   const T* x = hidden.data_ptr<T>();
   const T* w_gate_up = w13.data_ptr<T>();
   const T* w_down = w2.data_ptr<T>();
+  // bf16 on a processor with bf16 dot products: rows stay bf16, the activation between the
+  // GEMMs is rounded to bf16 (as PyTorch's bf16 path rounds it), sums in float32.
+  const bool dot = std::is_same_v<T, at::BFloat16> && kDotBf16 && size_d % 2 == 0 &&
+                   size_i % 2 == 0 && dot_enabled();
   at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> rows_in, gate_up, act;
+    std::vector<at::BFloat16> rows_bf16, act_bf16;
     for (int64_t task = begin; task < end; ++task) {
       for (int64_t s : slots_of[task]) {
         // In chunks of rows, so a chunk's inputs and intermediates stay in L2 between the two
         // GEMMs however many rows the slot has.
         for (int64_t start = first[s]; start < first[s + 1]; start += kRowChunk) {
           const int64_t rows = std::min(kRowChunk, first[s + 1] - start);
+          if constexpr (std::is_same_v<T, at::BFloat16>) {
+            if (dot) {
+              rows_bf16.resize(rows * size_d);
+              gate_up.resize(rows * 2 * size_i);
+              act.resize(rows * size_i);
+              act_bf16.resize(rows * size_i);
+              for (int64_t r = 0; r < rows; ++r) {
+                std::memcpy(rows_bf16.data() + r * size_d, x + pair_row[start + r] * ldx,
+                            size_d * sizeof(T));
+              }
+              dot_gemm(rows_bf16.data(), size_d, w_gate_up + s * size_d * 2 * size_i,
+                       2 * size_i, gate_up.data(), 2 * size_i, rows, size_d, 2 * size_i);
+              swiglu_rows(gate_up.data(), act.data(), rows, size_i);
+              for (int64_t e = 0; e < rows * size_i; ++e) act_bf16[e] = act[e];
+              dot_gemm(act_bf16.data(), size_i, w_down + s * size_i * size_d, size_d,
+                       expert_out + start * size_d, size_d, rows, size_i, size_d);
+              continue;
+            }
+          }
           rows_in.resize(rows * size_d);
           gate_up.resize(rows * 2 * size_i);
           act.resize(rows * size_i);
