@@ -7,7 +7,7 @@
 
 `torch` is PyTorch's own ops: every device and dtype, and the reference the others are tested
 against. `native` is Lockstep's compiled CPU kernels (kernels/compute.py), which apply to
-float32 on the CPU (decode attention to every float dtype, the experts to bfloat16);
+float32 on the CPU (decode attention to every float dtype, the experts and norm to bfloat16);
 elsewhere a `native` layer falls back to `torch` call by call. `grouped_mm` runs the experts
 as one
 `torch.nn.functional.grouped_mm` per projection (float32 and half types, CPU and GPU).
@@ -182,11 +182,11 @@ def native_applies(
     key: str, regime: str, dtype: torch.dtype, device: torch.device | str | None
 ) -> bool:
     """Whether the compiled CPU kernels serve `key`'s ops in `regime` (decode | prefill) for
-    this model: on the CPU, float32 (decode attention: any float dtype; the experts: bfloat16
-    too)."""
+    this model: on the CPU, float32 (decode attention: any float dtype; the experts and the
+    norm: bfloat16 too)."""
     on_cpu = device is None or torch.device(device).type == "cpu"
     every_dtype = key == "attention_backend" and regime == "decode"
-    bf16_too = key == "expert_backend" and dtype == torch.bfloat16
+    bf16_too = key in ("expert_backend", "norm_backend") and dtype == torch.bfloat16
     return on_cpu and (dtype == torch.float32 or every_dtype or bf16_too)
 
 
@@ -254,7 +254,7 @@ def resolve_backends(
             raise ValueError(
                 f"{key} is {value!r}, which cannot run this model ({dtype} on "
                 f"{device or 'cpu'}; the native kernels serve float32 on the CPU (the experts "
-                f"bfloat16 too) and need a "
+                f"and norm bfloat16 too) and need a "
                 f"C++ compiler, grouped_mm float32 and half types, onednn float32 and "
                 f"bfloat16 on the CPU); use auto or torch"
             )

@@ -8,7 +8,7 @@
   (csrc/rope_cache.cpp).
 - `routed_swiglu()`: the expert side of an MoE layer, routed rows to their weighted sum of
   SwiGLU experts, without padding, float32 or bfloat16 (csrc/grouped_swiglu.cpp).
-- `rms_norm()`: float32 RMSNorm in one pass (csrc/rms_norm.cpp).
+- `rms_norm()`: RMSNorm in one pass, float32 or bfloat16 (csrc/rms_norm.cpp).
 
 Each returns the compiled function, or None when the module failed to build (no C++ compiler
 or ninja, say; one warning names the cause). Nothing here decides whether a kernel is used:
@@ -80,8 +80,8 @@ def routed_swiglu() -> Kernel | None:
 
 
 def rms_norm() -> Kernel | None:
-    """`rms_norm(x, weight, eps)` for float32, `layers.norm.RMSNorm`'s result to float32
-    rounding. Or None."""
+    """`rms_norm(x, weight, eps)` for float32 or bfloat16, `layers.norm.RMSNorm`'s result to
+    float32 rounding (in bfloat16: HF's two roundings, after the float32 sum). Or None."""
     return _kernel("rms_norm")
 
 

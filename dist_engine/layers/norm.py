@@ -12,10 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+NATIVE_NORM_DTYPES = (torch.float32, torch.bfloat16)  # what csrc/rms_norm.cpp takes
+
 
 @dataclass(frozen=True)
 class NormKernel:
-    """Where the compiled RMSNorm (`kernels.compute.rms_norm`, float32 on the CPU) runs: for
+    """Where the compiled RMSNorm (`kernels.compute.rms_norm`, float32 or bfloat16 on the CPU,
+    weight of the input's dtype) runs: for
     steps of `min_tokens` to `max_tokens` tokens (None: no upper bound), e.g. only decode-sized
     steps when only those are faster with it. Chosen by `norm_backend` (dist_engine/backends.py).
     """
@@ -24,9 +27,11 @@ class NormKernel:
     min_tokens: int = 0
     max_tokens: int | None = None
 
-    def serves(self, x: torch.Tensor) -> bool:
-        """x: [T, ..., D]."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+    def serves(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+        """x: [T, ..., D]; weight: the norm's (None: of x's dtype)."""
+        if x.dtype not in NATIVE_NORM_DTYPES or x.device.type != "cpu":
+            return False
+        if weight is not None and weight.dtype != x.dtype:
             return False
         tokens = x.shape[0]
         return tokens >= self.min_tokens and (self.max_tokens is None or tokens <= self.max_tokens)
@@ -51,7 +56,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., D] → the same shape."""
-        if self.kernel is not None and self.kernel.serves(x):
+        if self.kernel is not None and self.kernel.serves(x, self.weight):
             return self.kernel.kernel(x, self.weight, self.eps)
         if x.dtype in (torch.float32, torch.float64):
             # No casts to order: torch's fused kernel gives HF's result bit for bit here (checked

@@ -226,18 +226,19 @@ def test_backends_come_from_the_config_keys() -> None:
     assert auto == Backends.all("native")
     native_ops = LayerOps.build(auto, max_decode_tokens=8)
     assert native_ops.attention.name == "native" and native_ops.norm.max_tokens is None
-    # Decode attention runs natively on every float dtype, the experts on float32 and
-    # bfloat16, the norm only on float32.
+    # Decode attention runs natively on every float dtype, the experts and the norm on
+    # float32 and bfloat16, the rest only on float32.
     half = resolve_backends({}, torch.bfloat16, "cpu")
     assert (half.attention.decode, half.experts.decode, half.norm.decode) == (
         "native",
         "native",
-        "torch",
+        "native",
     )
+    assert half.attention.prefill == "torch"
     with pytest.raises(ValueError, match=r"expert_backend is 'native'.*float16"):
         resolve_backends({"expert_backend": "native"}, torch.float16, "cpu")
-    with pytest.raises(ValueError, match=r"norm_backend is 'native'.*bfloat16"):
-        resolve_backends({"norm_backend": "native"}, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match=r"norm_backend is 'native'.*float16"):
+        resolve_backends({"norm_backend": "native"}, torch.float16, "cpu")
     with pytest.raises(ValueError, match=r"expert_backend must be one of"):
         resolve_backends({"expert_backend": "fast"}, torch.float32, "cpu")
     split = Backends(RegimeChoice("native", "torch"), auto.experts, RegimeChoice("native", "torch"))

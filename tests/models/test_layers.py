@@ -65,6 +65,33 @@ def test_rms_norm_kernel_checks_its_inputs() -> None:
         kernel(torch.randn(8, 2).t(), torch.ones(8), 1e-6)
 
 
+@pytest.mark.parametrize("shape", [(7, 384), (3, 4, 40), (1, 17)])
+def test_rms_norm_kernel_in_bfloat16_follows_hf_roundings(shape) -> None:
+    """bf16: the kernel widens, sums in float32, rounds the normalised row to bf16 and the
+    product with the weight again, as HF's RMSNorm does. Against the PyTorch path in bf16,
+    nothing is off by more than one bf16 step (the float32 sums run in another order, so a
+    value next to a rounding boundary may round the other way), and almost nothing is off."""
+    kernel = compute.rms_norm()
+    assert kernel is not None, "the CPU kernels failed to build (see the warning)"
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=gen) * 3).bfloat16()
+    norm = RMSNorm(shape[-1], 1e-6, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(shape[-1], generator=gen) + 0.5)
+    expected = norm(x)
+    got = kernel(x, norm.weight, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    step = expected.float().abs().clamp_min(1e-30) * 2**-7  # one bf16 step, with margin
+    off = (got.float() - expected.float()).abs()
+    assert bool((off <= step).all()) and (off > 0).float().mean() < 0.02
+    # Through the layer: a bf16 norm with the kernel takes it (and the same strided q-head
+    # views the float32 kernel takes).
+    with_kernel = RMSNorm(shape[-1], 1e-6, torch.bfloat16, kernel=NormKernel(kernel))
+    with torch.no_grad():
+        with_kernel.weight.copy_(norm.weight)
+    assert torch.equal(with_kernel(x), got)
+
+
 def test_norm_kernel_serves_only_its_token_range() -> None:
     """`norm_backend` decode-only: the kernel for steps of up to max_tokens tokens, PyTorch's
     op above (and for other dtypes)."""

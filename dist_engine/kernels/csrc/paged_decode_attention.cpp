@@ -224,7 +224,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over a paged KV cache (CPU)");
   m.def("routed_swiglu", &routed_swiglu,
         "Weighted sum of SwiGLU experts over routed rows, float32 (grouped_swiglu.cpp)");
-  m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 (rms_norm.cpp)");
+  m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 or bfloat16 (rms_norm.cpp)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal prefill attention over a paged KV cache, float32 (paged_prefill_attention.cpp)");
   m.def("rope_write_kv", &rope_write_kv,
