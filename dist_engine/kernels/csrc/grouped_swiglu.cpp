@@ -277,8 +277,19 @@ void dot_gemm(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t
     }
   }
 }
+// dst[e] = bf16(src[e]) for e < n, rounding to nearest even: 32 at a time by the processor's
+// own conversion (a scalar conversion loop cost a quarter of a decode layer's expert time).
+void narrow_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t e = 0;
+  for (; e + 32 <= n; e += 32) {
+    const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + e + 16), _mm512_loadu_ps(src + e));
+    _mm512_storeu_si512(dst + e, (__m512i)both);
+  }
+  for (; e < n; ++e) dst[e] = src[e];
+}
 #else
 constexpr bool kDotBf16 = false;
+void narrow_bf16(const float*, at::BFloat16*, int64_t) {}
 void dot_gemm(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, float*, int64_t,
               int64_t, int64_t, int64_t) {}
 #endif
@@ -443,7 +454,7 @@ at::Tensor routed_swiglu_typed(const at::Tensor& hidden, const at::Tensor& local
               dot_gemm(rows_bf16.data(), size_d, w_gate_up + s * size_d * 2 * size_i,
                        2 * size_i, gate_up.data(), 2 * size_i, rows, size_d, 2 * size_i);
               swiglu_rows(gate_up.data(), act.data(), rows, size_i);
-              for (int64_t e = 0; e < rows * size_i; ++e) act_bf16[e] = act[e];
+              narrow_bf16(act.data(), act_bf16.data(), rows * size_i);
               dot_gemm(act_bf16.data(), size_i, w_down + s * size_i * size_d, size_d,
                        expert_out + start * size_d, size_d, rows, size_i, size_d);
               continue;
