@@ -1,5 +1,6 @@
 """RMSNorm against transformers' own module: bit for bit on its PyTorch paths, to float32
-rounding through the CPU kernel."""
+rounding through the CPU kernel (and bf16's rounding in bf16); the oneDNN linear against
+F.linear."""
 
 from __future__ import annotations
 
