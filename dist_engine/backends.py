@@ -9,8 +9,7 @@
 against. `native` is Lockstep's compiled CPU kernels (kernels/compute.py), which apply to
 float32 on the CPU (decode attention to every float dtype, the experts and norm to bfloat16);
 elsewhere a `native` layer falls back to `torch` call by call. `grouped_mm` runs the experts
-as one
-`torch.nn.functional.grouped_mm` per projection (float32 and half types, CPU and GPU).
+as one `torch.nn.functional.grouped_mm` per projection (float32 and half types, CPU and GPU).
 `onednn` runs the dense linears through oneDNN's matmul instead of the BLAS behind `F.linear`
 (float32 and bfloat16 on the CPU; layers/linear.py).
 
@@ -254,9 +253,8 @@ def resolve_backends(
             raise ValueError(
                 f"{key} is {value!r}, which cannot run this model ({dtype} on "
                 f"{device or 'cpu'}; the native kernels serve float32 on the CPU (the experts "
-                f"and norm bfloat16 too) and need a "
-                f"C++ compiler, grouped_mm float32 and half types, onednn float32 and "
-                f"bfloat16 on the CPU); use auto or torch"
+                f"and norm bfloat16 too) and need a C++ compiler, grouped_mm float32 and half "
+                f"types, onednn float32 and bfloat16 on the CPU); use auto or torch"
             )
         chosen[key] = {}
         for regime, names in per_regime.items():

@@ -60,9 +60,9 @@ class NativeExperts:
 
     The whole expert side in one call: a counting sort of the (row, choice) pairs by slot,
     per slot its rows gathered in chunks, two register-blocked GEMMs with silu between, every
-    row's pairs summed in k order; no padding. float32, or bfloat16 (computed in float32 from
-    bfloat16 weights), on the CPU; anything else goes through PyTorch's path
-    (`moe.torch_weighted_sum`).
+    row's pairs summed in k order; no padding. float32, or bfloat16 (bf16 pair products summed
+    in float32 where the processor has AVX512_BF16, else widened to float32), on the CPU;
+    anything else goes through PyTorch's path (`moe.torch_weighted_sum`).
     """
 
     name = "native"

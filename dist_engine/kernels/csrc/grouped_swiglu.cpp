@@ -5,11 +5,12 @@
 // local_slots [N, K] int64, -1 where a choice is served elsewhere (or the row is padding);
 // weights [N, K] float32; w13 [S, D, 2I] (gate columns, then up columns); w2 [S, I, D].
 // Returns [N, D] contiguous in hidden's dtype, zero rows where nothing is served.
-// Dtypes: float32, or bfloat16 hidden and weights. In bfloat16 the arithmetic is float32's:
-// rows are widened as they are gathered, weights as they are loaded into registers (a shift),
-// products and sums in float32, the output rounded to bfloat16 once. A decode step's experts
-// stream all their weights for a few rows each, so they are bound by memory: bfloat16 weights
-// halve the bytes. This is
+// Dtypes: float32, or bfloat16 hidden and weights (a decode step's experts stream all their
+// weights for a few rows each, so bfloat16's half the bytes matter). In bfloat16, where the
+// processor has AVX512_BF16, bf16 pairs are multiplied by `vdpbf16ps` and summed in float32,
+// the activation between the two GEMMs rounded to bf16 (`dot_gemm` below); elsewhere, or with
+// LOCKSTEP_BF16_DOT=0, the arithmetic is float32's: rows widened as they are gathered, weights
+// as they are loaded into registers (a shift), the output rounded to bfloat16 once. This is
 // `moe.experts.LocalExperts.weighted_sum`'s contract: the whole expert side of a dispatch in one
 // call, where the PyTorch path takes ~15 ops (nonzero, sort, gathers, scale, index_add).
 //
