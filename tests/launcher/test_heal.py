@@ -49,6 +49,10 @@ PARAMS = [
     SamplingParams(max_tokens=32, ignore_eos=True, temperature=float(i % 2), seed=50 + i)
     for i in range(len(PROMPTS))
 ]
+# The DP=4 group runs 4 processes on as few as 2 cores: the driver, starved beside them, can
+# see a rank's 6th token only after every request has ended, and a kill then meets an idle
+# group. Its requests run 6x as long, so that the faults land mid-run.
+LONG_PARAMS = [replace(p, max_tokens=200) for p in PARAMS]
 PROMPT_INDEX = {tuple(prompt): index for index, prompt in enumerate(PROMPTS)}
 # Ray's workers inherit the environment the driver had at `ray.init`: name the fault-injection
 # file now; it exists only while the EPLB test arms it.
@@ -81,22 +85,22 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _serves_at_full_size(llm, reference, killed: set[int]) -> None:
+def _serves_at_full_size(llm, reference, killed: set[int], params=PARAMS) -> None:
     pids = llm.client.pids
     world = llm.config.parallel.dp_size
     assert sorted(pids) == list(range(world)) and not killed & set(pids.values())
     assert not any(_gone(pid) for pid in pids.values())
-    outputs = llm.generate(PROMPTS[: world * 2], PARAMS[: world * 2], use_tqdm=False)
+    outputs = llm.generate(PROMPTS[: world * 2], params[: world * 2], use_tqdm=False)
     assert [o.output_token_ids for o in outputs] == reference[: world * 2]
     assert {o.dp_rank for o in outputs} == set(range(world))
 
 
-def _stream(llm, on_output) -> tuple[list[list[int]], list[list]]:
+def _stream(llm, on_output, params=PARAMS) -> tuple[list[list[int]], list[list]]:
     """Stream PROMPTS, calling ``on_output(index, completion, ends)`` after each output;
     returns each prompt's streamed tokens and its terminal outputs."""
     streamed: list[list[int]] = [[] for _ in PROMPTS]
     ends: list[list] = [[] for _ in PROMPTS]
-    for completion in llm.generate_stream(PROMPTS, PARAMS):
+    for completion in llm.generate_stream(PROMPTS, params):
         index = PROMPT_INDEX[tuple(completion.prompt_token_ids)]
         streamed[index] += completion.new_token_ids
         if completion.finished:
@@ -115,14 +119,16 @@ def test_a_stream_heals_a_kill_then_a_stop(llm, reference):
 
 def test_a_dp4_stream_heals_a_kill_then_a_stop(model_dir):
     """The same at DP=4, on a group of its own: rank 3 SIGKILLed, then rank 1 of the new
-    group SIGSTOPped."""
-    with LLM(model=model_dir, dp_size=4, launcher="ray", **SETTINGS) as llm4:
-        outputs = llm4.generate(PROMPTS, PARAMS, use_tqdm=False)
+    group SIGSTOPped; requests of 200 tokens (LONG_PARAMS)."""
+    settings = {**SETTINGS, "max_model_len": 256}
+    with LLM(model=model_dir, dp_size=4, launcher="ray", **settings) as llm4:
+        outputs = llm4.generate(PROMPTS, LONG_PARAMS, use_tqdm=False)
         assert {o.dp_rank for o in outputs} == {0, 1, 2, 3}
-        _kill_then_stop(llm4, [o.output_token_ids for o in outputs], kill_rank=3, stop_rank=1)
+        reference = [o.output_token_ids for o in outputs]
+        _kill_then_stop(llm4, reference, kill_rank=3, stop_rank=1, params=LONG_PARAMS)
 
 
-def _kill_then_stop(llm, reference, kill_rank: int, stop_rank: int) -> None:
+def _kill_then_stop(llm, reference, kill_rank: int, stop_rank: int, params=PARAMS) -> None:
     generation = llm.client.generation
     killed: dict[str, float] = {}
     since_heal: set[int] = set()
@@ -142,7 +148,7 @@ def _kill_then_stop(llm, reference, kill_rank: int, stop_rank: int) -> None:
             healed_after.append(time.monotonic() - killed["at"])
 
     try:
-        streamed, ends = _stream(llm, on_output)
+        streamed, ends = _stream(llm, on_output, params)
     finally:
         if "stopped" in killed and psutil.pid_exists(killed["stopped"]):
             os.kill(killed["stopped"], signal.SIGCONT)
@@ -158,7 +164,7 @@ def _kill_then_stop(llm, reference, kill_rank: int, stop_rank: int) -> None:
     while not _gone(killed["stopped"]):
         assert time.monotonic() < deadline, "the stopped rank was left alive"
         time.sleep(0.2)
-    _serves_at_full_size(llm, reference, {killed["killed"], killed["stopped"]})
+    _serves_at_full_size(llm, reference, {killed["killed"], killed["stopped"]}, params)
 
 
 def _second_sample_seed(seed: int) -> int:
