@@ -46,7 +46,7 @@ from dist_engine.attention import (
     has_backend,
 )
 from dist_engine.engine.config import BACKEND_CHOICES
-from dist_engine.layers.linear import ONEDNN_DTYPES, LinearKernel, onednn_available, onednn_linear
+from dist_engine.layers.linear import LinearKernel, onednn_linear, onednn_serves
 from dist_engine.layers.moe import expert_impl
 from dist_engine.layers.norm import NormKernel
 from dist_engine.log import get_logger
@@ -207,7 +207,7 @@ def candidates(
     names = ["torch"]
     if key == "linear_backend":
         on_cpu = device is None or torch.device(device).type == "cpu"
-        if on_cpu and dtype in ONEDNN_DTYPES and onednn_available():
+        if on_cpu and onednn_serves(dtype):
             names.append("onednn")
         return names
     if key == "attention_backend" and not has_backend(attention_kind, "native"):
@@ -254,7 +254,8 @@ def resolve_backends(
                 f"{key} is {value!r}, which cannot run this model ({dtype} on "
                 f"{device or 'cpu'}; the native kernels serve float32 on the CPU (the experts "
                 f"and norm bfloat16 too) and need a C++ compiler, grouped_mm float32 and half "
-                f"types, onednn float32 and bfloat16 on the CPU); use auto or torch"
+                f"types, onednn float32 on the CPU, bfloat16 too where the processor has "
+                f"AVX-512); use auto or torch"
             )
         chosen[key] = {}
         for regime, names in per_regime.items():

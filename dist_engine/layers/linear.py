@@ -12,6 +12,7 @@ generated for the processor at hand; on some hosts they are several times faster
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN's linear can take, on some CPUs
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
@@ -29,6 +30,21 @@ def empty_parameter(*shape: int, dtype: torch.dtype, device: torch.device | None
 def onednn_available() -> bool:
     """Whether this torch carries oneDNN (mkldnn) with its linear op."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.cache
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear runs ``dtype`` on this processor: tried once on a small input.
+    Its bfloat16 GEMMs need AVX-512 (or AMX); on an AVX2-only host it has no primitive for
+    them and raises ("could not create a primitive descriptor")."""
+    if dtype not in ONEDNN_DTYPES or not onednn_available():
+        return False
+    x = torch.ones(2, 16, dtype=dtype)
+    try:
+        y = onednn_linear(x, torch.ones(8, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return bool(torch.equal(y, torch.full((2, 8), 16.0, dtype=dtype)))
 
 
 def onednn_linear(
@@ -42,9 +58,10 @@ def onednn_linear(
 
 @dataclass(frozen=True)
 class LinearKernel:
-    """Where a linear's other implementation (`onednn_linear`) runs: CPU tensors of
-    ONEDNN_DTYPES, for steps of `min_tokens` to `max_tokens` rows (None: no upper bound), e.g.
-    only decode-sized steps when only those are faster with it. Chosen by `linear_backend`."""
+    """Where a linear's other implementation (`onednn_linear`) runs: CPU tensors of a dtype
+    it serves here (`onednn_serves`), for steps of `min_tokens` to `max_tokens` rows (None:
+    no upper bound), e.g. only decode-sized steps when only those are faster with it. Chosen
+    by `linear_backend`."""
 
     kernel: Callable[..., torch.Tensor]
     min_tokens: int = 0
@@ -52,7 +69,7 @@ class LinearKernel:
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """x: [T, ..., in]."""
-        if x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in ONEDNN_DTYPES:
+        if x.device.type != "cpu" or x.dtype != weight.dtype or not onednn_serves(x.dtype):
             return False
         tokens = x.shape[0] if x.dim() > 1 else 1
         return tokens >= self.min_tokens and (self.max_tokens is None or tokens <= self.max_tokens)
