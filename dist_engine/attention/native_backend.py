@@ -4,7 +4,7 @@
   softmax, weighted values; one task per sequence on torch's OpenMP pool), any float dtype;
 - prefill: `paged_prefill_attention`, float32: tasks of (sequence, kv head, 16 queries)
   largest first, an online softmax over blocks of 16 keys, nothing above the diagonal;
-- rotary q/k plus the K/V cache write in one pass (`rope_write_kv`), float32.
+- rotary q/k plus the K/V cache write in one pass (`rope_write_kv`), float32 or bfloat16.
 
 Where a kernel does not apply (another dtype, a non-contiguous cache, a GPU tensor) the call
 goes to the `torch` backend, which computes the same thing.
@@ -20,6 +20,7 @@ from dist_engine.attention.torch_backend import TorchAttention
 from dist_engine.kernels import compute
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+ROPE_DTYPES = (torch.float32, torch.bfloat16)  # what csrc/rope_cache.cpp takes
 
 
 class NativeAttention(AttentionBackend):
@@ -35,8 +36,9 @@ class NativeAttention(AttentionBackend):
 
     def rotate_and_store(self, query, key, value, cos, sin, key_cache, value_cache, attn):
         if (
-            query.dtype == torch.float32
+            query.dtype in ROPE_DTYPES
             and query.device.type == "cpu"
+            and key_cache.dtype == cos.dtype == query.dtype
             and key_cache.is_contiguous()
             and value_cache.is_contiguous()
         ):

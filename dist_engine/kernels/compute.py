@@ -4,7 +4,7 @@
   (csrc/paged_decode_attention.cpp).
 - `prefill_attention()`: float32 causal prefill attention straight from the paged KV cache, no
   padding (csrc/paged_prefill_attention.cpp).
-- `rope_write_kv()`: float32 rotary q/k plus the paged KV cache write in one pass
+- `rope_write_kv()`: float32 or bfloat16 rotary q/k plus the paged KV cache write in one pass
   (csrc/rope_cache.cpp).
 - `routed_swiglu()`: the expert side of an MoE layer, routed rows to their weighted sum of
   SwiGLU experts, without padding, float32 or bfloat16 (csrc/grouped_swiglu.cpp).
@@ -68,7 +68,8 @@ def prefill_attention() -> Kernel | None:
 
 def rope_write_kv() -> Kernel | None:
     """`rope_write_kv(query, key, value, cos, sin, slot_mapping, key_cache, value_cache)` →
-    rotated query, for float32; `apply_rotary` + `write_kv` to float32 rounding. Or None."""
+    rotated query, for float32 or bfloat16; `apply_rotary` + `write_kv` to float32 rounding
+    (bit for bit in bfloat16). Or None."""
     return _kernel("rope_write_kv")
 
 

@@ -333,31 +333,35 @@ def test_num_blocks_for_budget() -> None:
     assert cache.storage.numel() * 2 == 10 * bytes_per_block(config, 16, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [0, 1, 37])
-def test_rope_kernel_matches_rotary_then_write_kv(num_tokens: int) -> None:
+def test_rope_kernel_matches_rotary_then_write_kv(num_tokens: int, dtype) -> None:
     """rope_write_kv against apply_rotary + write_kv, on q/k/v views into one fused qkv
-    output (the strides the model hands it)."""
+    output (the strides the model hands it): to float32 rounding in float32, bit for bit in
+    bfloat16 (each product and the sum rounded as PyTorch's bf16 ops round them)."""
     kernel = compute.rope_write_kv()
     assert kernel is not None, "the CPU kernels failed to build (see the warning)"
     gen = torch.Generator().manual_seed(num_tokens)
     heads, kv_heads, head_dim = 4, 2, 8
-    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     query, key, value = qkv.split(sizes, dim=-1)
     query = query.view(num_tokens, heads, head_dim)
     key = key.view(num_tokens, kv_heads, head_dim)
     value = value.view(num_tokens, kv_heads, head_dim)
     positions = torch.randint(0, 500, (num_tokens,), generator=gen)
-    cos, sin = RotaryEmbedding(head_dim, 10000.0).cos_sin(positions, torch.float32)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0).cos_sin(positions, dtype)
     slots = torch.randperm(12 * 4, generator=gen)[:num_tokens] + 4  # never block 0
-    caches = [KVCache(1, 13, 4, kv_heads, head_dim, torch.float32).layer(0) for _ in range(2)]
+    caches = [KVCache(1, 13, 4, kv_heads, head_dim, dtype).layer(0) for _ in range(2)]
     rotated = kernel(query, key, value, cos, sin, slots, *caches[0])
     expected_q = apply_rotary(query, cos, sin)
     write_kv(apply_rotary(key, cos, sin), value, *caches[1], slots)
-    torch.testing.assert_close(rotated, expected_q, rtol=1e-6, atol=1e-6)
-    assert rotated.is_contiguous()
-    for ours, theirs in zip(caches[0], caches[1], strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    assert rotated.is_contiguous() and rotated.dtype == dtype
+    for ours, theirs in zip((rotated, *caches[0]), (expected_q, *caches[1]), strict=True):
+        if dtype == torch.bfloat16:
+            assert torch.equal(ours, theirs)
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     if num_tokens:
         with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] = 52 is outside the cache's"):
             kernel(query[:1], key[:1], value[:1], cos[:1], sin[:1], torch.tensor([52]), *caches[0])
