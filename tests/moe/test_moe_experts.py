@@ -155,13 +155,15 @@ class DispatchRecorder(TorchDispatchMode):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("hidden_size", "size_i", "rows_per_slot"),
-    [(40, 72, 19), (64, 32, 8), (200, 88, 10), (48, 56, 9), (32, 16, 100), (44, 30, 7)],
-)
+    [(40, 72, 19), (64, 32, 8), (200, 88, 10), (48, 56, 9), (32, 16, 100), (44, 30, 7),
+     (44, 30, 1), (200, 88, 1), (40, 72, 2)],
+)  # fmt: skip
 def test_native_kernel_matches_the_torch_path(threads, hidden_size, size_i, rows_per_slot):
     """Row blocks of 6 plus every remainder (1-5 rows), column panels of 128 with blocks of 4,
     2 and 1 vectors (16 lanes on AVX-512, 8 elsewhere) and scalar tails (2I = 176 and 60,
-    D = 200 and 44), slots of more rows than one chunk (~200 > 120), and
-    the split of slots over threads. Rows carry
+    D = 200 and 44), slots of more rows than one chunk (~200 > 120), slots of fewer rows
+    than one block (a decode step's: on AVX2 one pass in blocks of up to 8 vectors, halved
+    down to 1), and the split of slots over threads. Rows carry
     K = 3 choices: a slot with no rows, choices served elsewhere (-1), a token choosing one
     slot twice."""
     kernel = native_kernel()
