@@ -337,6 +337,14 @@ def main() -> None:
         help="the checkpoint: the Qwen3-MoE the project's benchmarks use, or a Mixtral of "
         "shapes nothing here was tuned on",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="one more contender, 'lockstep NAME': DP=1 with these LLM settings on top of the "
+        """defaults, e.g. linear_torch='{"linear_backend": "torch"}' (repeatable)""",
+    )
     parser.add_argument("--out", default="bench_results/vs_vllm.json")
     args = parser.parse_args()
 
@@ -355,10 +363,15 @@ def main() -> None:
         "lockstep dp2": [sys.executable, me, "--worker", "lockstep", "--dp", "2", "--model", model,
                          *sampling],
     }  # fmt: skip
+    order = list(args.contenders)
+    for variant in args.variant:
+        name, _, settings = variant.partition("=")
+        json.loads(settings)  # a bad JSON fails here, before any engine starts
+        argv[f"lockstep {name}"] = [*argv["lockstep dp1"], "--settings", settings]
+        order.append(f"lockstep {name}")
     runs: list[dict[str, Any]] = []
     workers: dict[str, Worker] = {}
     per_pass = -(-args.rounds // args.passes)
-    order = list(args.contenders)
     for pass_index in range(args.passes):
         for name in order:
             print(f"pass {pass_index}: starting {name} ...", flush=True)

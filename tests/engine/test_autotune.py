@@ -70,6 +70,18 @@ def test_the_fastest_wins_per_regime_and_the_decision_is_cached(cache, monkeypat
     assert len(built) == 6
 
 
+def test_a_required_gain_keeps_pytorch_unless_the_other_is_clearly_faster():
+    """The linears' oneDNN replaces F.linear only when it times REQUIRED_GAIN faster; the
+    other kinds of op take the fastest."""
+    gain = autotune.REQUIRED_GAIN["linear"]
+    assert gain > 1.0
+    assert autotune.choose("linear", {"torch": 1.0, "onednn": 1.0 / gain * 1.01}) == "torch"
+    assert autotune.choose("linear", {"torch": 1.0, "onednn": 1.0 / gain * 0.99}) == "onednn"
+    assert autotune.choose("linear", {"torch": 0.9, "onednn": 1.0}) == "torch"
+    assert autotune.choose("experts", {"torch": 1.0, "native": 0.99}) == "native"
+    assert autotune.choose("experts", {"native": 1.0, "grouped_mm": 0.5}) == "grouped_mm"
+
+
 def test_auto_times_the_real_candidates_and_leaves_fixed_keys_alone(cache):
     backends = resolve_backends(
         {"attention_backend": "torch", "expert_backend": "auto", "norm_backend": "auto"},
