@@ -119,9 +119,8 @@ def test_without_timing_auto_is_the_rule_and_bad_choices_name_the_key(monkeypatc
     )
     cannot = [(torch.float64, "cpu"), (torch.float32, "cuda")]
     if onednn_serves(torch.bfloat16):  # AVX-512 hosts; AVX2-only ones have no bf16 GEMM in it
-        assert str(
-            resolve_backends({"linear_backend": "onednn"}, torch.bfloat16, "cpu").linear
-        ) == ("onednn")
+        chosen = resolve_backends({"linear_backend": "onednn"}, torch.bfloat16, "cpu").linear
+        assert str(chosen) == "onednn"
     else:
         cannot.append((torch.bfloat16, "cpu"))
         assert "onednn" not in candidates("linear_backend", "decode", torch.bfloat16, "cpu")

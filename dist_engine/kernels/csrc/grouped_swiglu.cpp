@@ -101,22 +101,15 @@ inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
 
 inline void store_g(float* p, vgemm v) { std::memcpy(p, &v, sizeof(v)); }
 
-// How many vectors wide a register block of MR rows is. AVX-512: 4 (6 x 64 blocks), as measured
-// there. AVX2 (16 registers): as wide as MR * NV accumulators plus NV vectors of B fit, so that
-// the few rows a decode step gives an expert (1-5) walk B in wider contiguous pieces: at one
-// row per expert, 16-column blocks read B 64 bytes per 6 KiB row stride and took twice the
-// time of streaming the weights; 64 columns (8 vectors) at one row, 40 at two.
-#if defined(__AVX512F__)
+// On AVX2 (16 registers), how many vectors wide a block of MR < kRowBlock rows can be: MR * NV
+// accumulators plus NV vectors of B, so that the few rows a decode step gives an expert walk B
+// in wider contiguous pieces. At one row per expert, 16-column blocks read B 64 bytes per 6 KiB
+// row stride and took twice the time of streaming the weights; now 64 columns (8 vectors) at
+// one row, 40 at two. (AVX-512 keeps its measured 6 x 64 blocks for every row count.)
 template <int MR>
 constexpr int block_vectors() {
-  return kBlockVectors;
+  return 16 / (MR + 1);
 }
-#else
-template <int MR>
-constexpr int block_vectors() {
-  return 16 / (MR + 1) < 1 ? 1 : 16 / (MR + 1);
-}
-#endif
 
 // C[MR, NV * L] = A[MR, K] @ B[K, NV * L] (L = kGemmLanes), row-major with leading dimensions
 // lda, ldb, ldc: the MR x NV accumulator vectors stay in registers for the whole k loop.
@@ -204,18 +197,20 @@ constexpr int64_t kRowChunk = 20 * kRowBlock;
 template <typename TB>
 void gemm(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, int64_t ldc,
           int64_t M, int64_t K, int64_t N) {
-  if (kGemmLanes == 8 && M < kRowBlock) {
-    // AVX2, fewer rows than one block (a decode step's share of an expert): one pass over B
-    // in wide blocks, no column panels (there is no second row block to reuse one).
-    switch (M) {
-      case 5: gemm_cols<5, block_vectors<5>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
-      case 4: gemm_cols<4, block_vectors<4>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
-      case 3: gemm_cols<3, block_vectors<3>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
-      case 2: gemm_cols<2, block_vectors<2>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
-      case 1: gemm_cols<1, block_vectors<1>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
-      default: break;
+  if constexpr (kGemmLanes == 8) {
+    if (M < kRowBlock) {
+      // AVX2, fewer rows than one block (a decode step's share of an expert): one pass over B
+      // in wide blocks, no column panels (there is no second row block to reuse one).
+      switch (M) {
+        case 5: gemm_cols<5, block_vectors<5>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
+        case 4: gemm_cols<4, block_vectors<4>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
+        case 3: gemm_cols<3, block_vectors<3>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
+        case 2: gemm_cols<2, block_vectors<2>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
+        case 1: gemm_cols<1, block_vectors<1>(), TB>(A, lda, B, ldb, C, ldc, K, N); break;
+        default: break;
+      }
+      return;
     }
-    return;
   }
   for (int64_t j = 0; j < N; j += kColumnPanel) {
     const int64_t cols = std::min(kColumnPanel, N - j);
