@@ -159,6 +159,7 @@ def lockstep_worker(
         "sync_policy": scheduler.sync_policy,
         "backends": llm.backends,
         "moe_exchange": llm.moe_exchange,
+        "checkout": str(Path(sys.modules["launcher"].__file__).resolve().parents[1]),
     }
     print(json.dumps({"ready": time.perf_counter() - start, "settings": settings}), flush=True)
 
@@ -345,6 +346,15 @@ def main() -> None:
         help="one more contender, 'lockstep NAME': DP=1 with these LLM settings on top of the "
         """defaults, e.g. linear_torch='{"linear_backend": "torch"}' (repeatable)""",
     )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="one more contender, 'lockstep NAME': DP=1 with the engine imported from the "
+        "checkout at PATH (e.g. a `git worktree` of an older commit), for an A/B of commits "
+        "in one interleaved run (repeatable)",
+    )
     parser.add_argument("--out", default="bench_results/vs_vllm.json")
     args = parser.parse_args()
 
@@ -369,13 +379,22 @@ def main() -> None:
         json.loads(settings)  # a bad JSON fails here, before any engine starts
         argv[f"lockstep {name}"] = [*argv["lockstep dp1"], "--settings", settings]
         order.append(f"lockstep {name}")
+    envs = {name: env for name in argv}
+    for tree in args.tree:
+        name, _, path = tree.partition("=")
+        checkout = Path(path).resolve()
+        if not (checkout / "dist_engine").is_dir():
+            parser.error(f"--tree {tree}: {checkout} holds no dist_engine/")
+        argv[f"lockstep {name}"] = argv["lockstep dp1"]
+        envs[f"lockstep {name}"] = {**env, "PYTHONPATH": str(checkout)}
+        order.append(f"lockstep {name}")
     runs: list[dict[str, Any]] = []
     workers: dict[str, Worker] = {}
     per_pass = -(-args.rounds // args.passes)
     for pass_index in range(args.passes):
         for name in order:
             print(f"pass {pass_index}: starting {name} ...", flush=True)
-            worker = workers[name] = Worker(name, argv[name], env)
+            worker = workers[name] = Worker(name, argv[name], envs[name])
             print(f"  up in {worker.startup_s:.1f} s: {worker.settings}", flush=True)
             try:
                 run_phase(
