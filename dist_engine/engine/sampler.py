@@ -48,6 +48,12 @@ _TOP_P_PREFIX = 1024
 # Prompt logprobs are computed over at most this many logits at a time ([T, V] can be gigabytes).
 _PROMPT_CHUNK_ELEMENTS = 1 << 24
 _TINY = torch.finfo(torch.float32).tiny
+# Greedy rows on the CPU: `argmax` over [B, V] runs a scalar loop there, ~5x slower than the
+# vectorized `amax` over blocks of this many entries followed by two small argmaxes (0.9 against
+# 0.15 ms at [64, 32000], 4.5 against 0.9 ms at [64, 151936] with two threads on an AMD EPYC).
+# Below _ARGMAX_BLOCKED_MIN elements the plain argmax is as fast.
+_ARGMAX_BLOCK = 128
+_ARGMAX_BLOCKED_MIN = 1 << 17
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
@@ -158,7 +164,7 @@ class Sampler:
         greedy = [b for b, row in enumerate(rows) if row.params.greedy]
         random = [b for b, row in enumerate(rows) if not row.params.greedy]
         tokens = (
-            logits.argmax(-1)
+            argmax_rows(logits)
             if greedy
             else torch.empty(len(rows), dtype=torch.int64, device=logits.device)
         )
@@ -178,6 +184,29 @@ class Sampler:
         assert scored is not None
         counts = [_num_top(rows[b].params.logprobs, vocab) for b in asking]
         return SampleOutput(tokens, _spread(_score(scored, tokens[asking], counts), asking, rows))
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] → [B] int64: `logits.argmax(-1)` exactly (the first maximum; the first NaN
+    where a row has one), computed on the CPU as the maximum of each block of _ARGMAX_BLOCK
+    entries, the first block holding the row's maximum, and the first maximum inside it (the
+    last V % _ARGMAX_BLOCK entries compared apart). Other devices take `argmax` itself."""
+    num_rows, vocab = logits.shape
+    blocks = vocab // _ARGMAX_BLOCK
+    if logits.device.type != "cpu" or num_rows * vocab < _ARGMAX_BLOCKED_MIN or blocks == 0:
+        return logits.argmax(-1)
+    body = logits[:, : blocks * _ARGMAX_BLOCK].unflatten(1, (blocks, _ARGMAX_BLOCK))
+    maxima = body.amax(-1)  # [B, blocks]; NaN where a block holds one
+    block = maxima.argmax(-1)  # the first block with the row's maximum (or its first NaN)
+    rows = torch.arange(num_rows, device=logits.device)
+    tokens = block * _ARGMAX_BLOCK + body[rows, block].argmax(-1)
+    if blocks * _ARGMAX_BLOCK < vocab:
+        tail_value, tail_index = logits[:, blocks * _ARGMAX_BLOCK :].max(-1)
+        best = maxima[rows, block]
+        # The tail wins only when strictly greater, or NaN where the body has none.
+        later = (tail_value > best) | (tail_value.isnan() & ~best.isnan())
+        tokens = torch.where(later, tail_index + blocks * _ARGMAX_BLOCK, tokens)
+    return tokens
 
 
 def _write_rows(

@@ -491,3 +491,35 @@ def test_stop_ids_beyond_the_vocabulary_are_ignored_by_min_tokens() -> None:
 def test_bad_calls_raise(make, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize("vocab", [32000, 32003, 1000, 300])
+@pytest.mark.parametrize("num_rows", [1, 8, 64])
+def test_blocked_argmax_is_argmax_exactly(num_rows, vocab):
+    """The CPU's blocked greedy pick returns `argmax`'s index for every row: the first of equal
+    maxima (within a block, across blocks, in the tail), the first NaN, all -inf, exact zeros."""
+    generator = torch.Generator().manual_seed(vocab * 100 + num_rows)
+    logits = torch.randn(num_rows, vocab, generator=generator)
+    # Rows with planted ties and specials (the rest random): equal maxima in two blocks, in one
+    # block, one in the body and one in the tail; NaNs; a row of -inf; a row of zeros.
+    top = logits.max().item() + 1.0
+    special = [
+        (0, [5, 400]), (1, [130, 131]), (2, [7, vocab - 1]), (3, [vocab - 2, vocab - 1])
+    ]  # fmt: skip
+    for row, columns in special:
+        if row < num_rows:
+            logits[row, [c % vocab for c in columns]] = top
+    if num_rows > 4:
+        logits[4, [9, vocab - 1]] = float("nan")
+        logits[5, vocab - 1] = float("nan")  # a NaN in the tail only
+        logits[6] = float("-inf")
+        logits[7] = 0.0
+    # Forced to the blocked path whatever the size; the plain one is the reference.
+    original = sampler_module._ARGMAX_BLOCKED_MIN
+    sampler_module._ARGMAX_BLOCKED_MIN = 0
+    try:
+        picked = sampler_module.argmax_rows(logits)
+    finally:
+        sampler_module._ARGMAX_BLOCKED_MIN = original
+    assert picked.dtype == torch.int64
+    assert torch.equal(picked, logits.argmax(-1))
