@@ -158,7 +158,9 @@ class DispatchRecorder(TorchDispatchMode):
     [(40, 72, 19), (64, 32, 8), (200, 88, 10), (48, 56, 9), (32, 16, 100), (44, 30, 7),
      (44, 30, 1), (200, 88, 1), (40, 72, 2)],
 )  # fmt: skip
-def test_native_kernel_matches_the_torch_path(threads, hidden_size, size_i, rows_per_slot):
+def test_native_kernel_matches_the_torch_path(
+    threads, hidden_size, size_i, rows_per_slot, monkeypatch
+):
     """Row blocks of 6 plus every remainder (1-5 rows), column panels of 128 with blocks of 4,
     2 and 1 vectors (16 lanes on AVX-512, 8 elsewhere) and scalar tails (2I = 176 and 60,
     D = 200 and 44), slots of more rows than one chunk (~200 > 120), slots of fewer rows
@@ -181,6 +183,11 @@ def test_native_kernel_matches_the_torch_path(threads, hidden_size, size_i, rows
     torch.set_num_threads(threads)
     try:
         out = kernel(hidden, local_slots, weights, experts.w13, experts.w2)
+        # Prefetching the next column panel (on by default on AVX-512) moves no value.
+        for setting in ("0", "1"):
+            monkeypatch.setenv("LOCKSTEP_NEXT_PANEL", setting)
+            again = kernel(hidden, local_slots, weights, experts.w13, experts.w2)
+            assert torch.equal(again, out), setting
     finally:
         torch.set_num_threads(before)
     # Outputs reach ~100, so both float32 paths are off by float32 rounding (~1e-5 relative);
@@ -230,6 +237,9 @@ def test_native_kernel_in_bfloat16(num_rows, size_d, size_i, monkeypatch):
     dot = NativeExperts(kernel)(half, hidden, local_slots, weights)
     assert dot.dtype == torch.bfloat16 and dot.shape == (num_rows, size_d)
     assert (dot.double() - exact).abs().max() <= torch_error + 1e-6
+    for setting in ("0", "1"):  # the next column panel's prefetch moves no value
+        monkeypatch.setenv("LOCKSTEP_NEXT_PANEL", setting)
+        assert torch.equal(NativeExperts(kernel)(half, hidden, local_slots, weights), dot)
 
 
 def test_native_kernel_checks_its_inputs():

@@ -113,14 +113,17 @@ constexpr int block_vectors() {
 
 // C[MR, NV * L] = A[MR, K] @ B[K, NV * L] (L = kGemmLanes), row-major with leading dimensions
 // lda, ldb, ldc: the MR x NV accumulator vectors stay in registers for the whole k loop.
+// `next`, where not null, is the same block of the next column panel: its rows are prefetched
+// into L2 along the k loop (see `gemm`).
 template <int MR, int NV, typename TB>
 inline void gemm_block(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C,
-                       int64_t ldc, int64_t K) {
+                       int64_t ldc, int64_t K, const TB* next = nullptr) {
   vgemm acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
     for (int v = 0; v < NV; ++v) acc[r][v] = vgemm{};
   }
   const TB* b = B;
+  const TB* n = next;
   for (int64_t k = 0; k < K; ++k, b += ldb) {
     // B is walked down a column block: ask for the piece kPrefetchRows rows ahead (faster than
     // leaving it to the hardware prefetcher, docs/benchmark_notes.md, "MoE layer"; a prefetch
@@ -129,6 +132,10 @@ inline void gemm_block(const float* A, int64_t lda, const TB* B, int64_t ldb, fl
     for (int v = 0; v < NV; ++v) {
       __builtin_prefetch(b + kPrefetchRows * ldb + v * kGemmLanes);
       bv[v] = load_g(b + v * kGemmLanes);
+    }
+    if (n != nullptr) {
+      for (int v = 0; v < NV; ++v) __builtin_prefetch(n + v * kGemmLanes, 0, 2);
+      n += ldb;
     }
     for (int r = 0; r < MR; ++r) {
       const float a = A[r * lda + k];
@@ -165,14 +172,19 @@ void gemm_cols(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, 
 // ones, then one at a time.
 template <int MR, typename TB>
 void gemm_rows(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, int64_t ldc,
-               int64_t K, int64_t N) {
+               int64_t K, int64_t N, const TB* next = nullptr) {
   constexpr int64_t L = kGemmLanes;
   int64_t j = 0;
+  auto ahead = [next](int64_t column) { return next == nullptr ? nullptr : next + column; };
   if constexpr (kBlockVectors >= 4) {
-    for (; j + 4 * L <= N; j += 4 * L) gemm_block<MR, 4, TB>(A, lda, B + j, ldb, C + j, ldc, K);
+    for (; j + 4 * L <= N; j += 4 * L) {
+      gemm_block<MR, 4, TB>(A, lda, B + j, ldb, C + j, ldc, K, ahead(j));
+    }
   }
-  for (; j + 2 * L <= N; j += 2 * L) gemm_block<MR, 2, TB>(A, lda, B + j, ldb, C + j, ldc, K);
-  for (; j + L <= N; j += L) gemm_block<MR, 1, TB>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j + 2 * L <= N; j += 2 * L) {
+    gemm_block<MR, 2, TB>(A, lda, B + j, ldb, C + j, ldc, K, ahead(j));
+  }
+  for (; j + L <= N; j += L) gemm_block<MR, 1, TB>(A, lda, B + j, ldb, C + j, ldc, K, ahead(j));
   for (; j < N; ++j) {
     for (int r = 0; r < MR; ++r) {
       float acc = 0.0f;
@@ -189,6 +201,19 @@ void gemm_rows(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, 
 // that took GEMMs of the experts' shapes to about an FMA-only loop's peak, clearly ahead of
 // 8 x 32 blocks with rows outermost (docs/benchmark_notes.md, "MoE layer").
 constexpr int kRowBlock = 6;
+
+// Overlapping the next column panel's fetch with a panel's later row blocks (`gemm`,
+// `dot_gemm`). Without it a slot of 7+ rows is memory-bound in its first row block, compute-bound
+// in the others, never both: on a 2-core AMD EPYC with AVX-512 (Zen 4) one Mixtral layer's
+// experts at 12-16 rows per expert took 0.76-0.84x the time with it (float32), 0.69-0.75x in
+// bf16 dot products, 0.91-0.94x at 128 rows, the same at 1-5 (docs/benchmarks.md). Measured
+// on AVX-512 only, so on by default there and off elsewhere; LOCKSTEP_NEXT_PANEL=1 or 0, read at
+// each call, turns it on or off (to measure it on another processor).
+inline bool next_panel_enabled() {
+  const char* value = std::getenv("LOCKSTEP_NEXT_PANEL");
+  if (value == nullptr || *value == '\0') return kGemmLanes == 16;
+  return std::strcmp(value, "0") != 0;
+}
 constexpr int64_t kColumnPanel = 128;
 constexpr int64_t kRowChunk = 20 * kRowBlock;
 
@@ -212,20 +237,27 @@ void gemm(const float* A, int64_t lda, const TB* B, int64_t ldb, float* C, int64
       return;
     }
   }
+  const bool overlap = next_panel_enabled();
   for (int64_t j = 0; j < N; j += kColumnPanel) {
     const int64_t cols = std::min(kColumnPanel, N - j);
+    // The first row block streams the panel from memory; the second, which finds it in L2,
+    // prefetches the next panel meanwhile, so the next first block finds that in L2 too
+    // (`next_panel_enabled`).
+    const TB* next = overlap && j + kColumnPanel < N ? B + j + kColumnPanel : nullptr;
     int64_t i = 0;
     for (; i + kRowBlock <= M; i += kRowBlock) {
-      gemm_rows<kRowBlock, TB>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, cols);
+      gemm_rows<kRowBlock, TB>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, cols,
+                               i == kRowBlock ? next : nullptr);
     }
     const float* a = A + i * lda;
     float* c = C + i * ldc + j;
+    const TB* n = i == kRowBlock ? next : nullptr;
     switch (M - i) {
-      case 5: gemm_rows<5, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 4: gemm_rows<4, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 3: gemm_rows<3, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 2: gemm_rows<2, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 1: gemm_rows<1, TB>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 5: gemm_rows<5, TB>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
+      case 4: gemm_rows<4, TB>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
+      case 3: gemm_rows<3, TB>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
+      case 2: gemm_rows<2, TB>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
+      case 1: gemm_rows<1, TB>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
       default: break;
     }
   }
@@ -252,16 +284,25 @@ inline __m512 unpermute(__m512 lo, __m512 hi, int first) {
 }
 
 // C[MR, NB * 32] = A[MR, K] @ B[K, NB * 32], all bf16 in, float32 out; K even.
+// `next`: as in `gemm_block`.
 template <int MR, int NB>
 inline void dot_block(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb,
-                      float* C, int64_t ldc, int64_t K) {
+                      float* C, int64_t ldc, int64_t K, const at::BFloat16* next = nullptr) {
   __m512 acc[MR][2 * NB];
   for (int r = 0; r < MR; ++r) {
     for (int v = 0; v < 2 * NB; ++v) acc[r][v] = _mm512_setzero_ps();
   }
   const at::BFloat16* b = B;
+  const at::BFloat16* n = next;
   for (int64_t k = 0; k < K; k += 2, b += 2 * ldb) {
     __m512bh pairs[2 * NB];
+    if (n != nullptr) {
+      for (int h = 0; h < NB; ++h) {
+        __builtin_prefetch(n + 32 * h, 0, 2);
+        __builtin_prefetch(n + ldb + 32 * h, 0, 2);
+      }
+      n += 2 * ldb;
+    }
     for (int h = 0; h < NB; ++h) {
       __builtin_prefetch(b + kPrefetchRows * ldb + 32 * h);
       __builtin_prefetch(b + (kPrefetchRows + 1) * ldb + 32 * h);
@@ -288,10 +329,11 @@ inline void dot_block(const at::BFloat16* A, int64_t lda, const at::BFloat16* B,
 
 template <int MR>
 void dot_rows(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb, float* C,
-              int64_t ldc, int64_t K, int64_t N) {
+              int64_t ldc, int64_t K, int64_t N, const at::BFloat16* next = nullptr) {
   int64_t j = 0;
-  for (; j + 64 <= N; j += 64) dot_block<MR, 2>(A, lda, B + j, ldb, C + j, ldc, K);
-  for (; j + 32 <= N; j += 32) dot_block<MR, 1>(A, lda, B + j, ldb, C + j, ldc, K);
+  auto ahead = [next](int64_t column) { return next == nullptr ? nullptr : next + column; };
+  for (; j + 64 <= N; j += 64) dot_block<MR, 2>(A, lda, B + j, ldb, C + j, ldc, K, ahead(j));
+  for (; j + 32 <= N; j += 32) dot_block<MR, 1>(A, lda, B + j, ldb, C + j, ldc, K, ahead(j));
   for (; j < N; ++j) {  // the last N % 32 columns
     for (int r = 0; r < MR; ++r) {
       float acc = 0.0f;
@@ -306,20 +348,24 @@ void dot_rows(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t
 // C[M, N] = A[M, K] @ B[K, N] in bf16 (K even), by column panels and row blocks as `gemm`.
 void dot_gemm(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb, float* C,
               int64_t ldc, int64_t M, int64_t K, int64_t N) {
+  const bool overlap = next_panel_enabled();
   for (int64_t j = 0; j < N; j += kColumnPanel) {
     const int64_t cols = std::min(kColumnPanel, N - j);
+    const at::BFloat16* next = overlap && j + kColumnPanel < N ? B + j + kColumnPanel : nullptr;
     int64_t i = 0;
     for (; i + kRowBlock <= M; i += kRowBlock) {
-      dot_rows<kRowBlock>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, cols);
+      dot_rows<kRowBlock>(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, K, cols,
+                          i == kRowBlock ? next : nullptr);
     }
     const at::BFloat16* a = A + i * lda;
     float* c = C + i * ldc + j;
+    const at::BFloat16* n = i == kRowBlock ? next : nullptr;
     switch (M - i) {
-      case 5: dot_rows<5>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 4: dot_rows<4>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 3: dot_rows<3>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 2: dot_rows<2>(a, lda, B + j, ldb, c, ldc, K, cols); break;
-      case 1: dot_rows<1>(a, lda, B + j, ldb, c, ldc, K, cols); break;
+      case 5: dot_rows<5>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
+      case 4: dot_rows<4>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
+      case 3: dot_rows<3>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
+      case 2: dot_rows<2>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
+      case 1: dot_rows<1>(a, lda, B + j, ldb, c, ldc, K, cols, n); break;
       default: break;
     }
   }
