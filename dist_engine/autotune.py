@@ -255,14 +255,15 @@ def _linear(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
     step's, and the kernels are told apart by rows: it runs the decode choice.)"""
     from dist_engine.layers.linear import LinearKernel, linear, onednn_linear
 
-    kernel = LinearKernel(onednn_linear) if name == "onednn" else None
+    kernel = LinearKernel(onednn_linear) if name in ("onednn", "onednn_t") else None
     dtype, gen = _dtype(shapes), _generator()
     hidden = shapes.hidden_size
     q_size, kv_size = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
     tokens = shapes.decode_tokens if regime == "decode" else shapes.prefill_tokens
 
     def weight(out_features: int, in_features: int) -> torch.Tensor:
-        return (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).to(dtype)
+        w = (torch.randn(out_features, in_features, generator=gen) * in_features**-0.5).to(dtype)
+        return w.t().contiguous().t() if name == "onednn_t" else w  # stored [in, out]
 
     products = [
         (

@@ -3,7 +3,7 @@
     attention_backend: auto | native | torch                paged attention, rotary + KV write
     expert_backend:    auto | native | torch | grouped_mm   the expert side of an MoE layer
     norm_backend:      auto | native | torch                RMSNorm
-    linear_backend:    auto | torch | onednn                the dense linears and the LM head
+    linear_backend:    auto | torch | onednn | onednn_t     the dense linears and the LM head
 
 `torch` is PyTorch's own ops: every device and dtype, and the reference the others are tested
 against. `native` is Lockstep's compiled CPU kernels (kernels/compute.py), which apply to
@@ -11,7 +11,10 @@ float32 on the CPU (decode attention to every float dtype, the experts and norm 
 elsewhere a `native` layer falls back to `torch` call by call. `grouped_mm` runs the experts
 as one `torch.nn.functional.grouped_mm` per projection (float32 and half types, CPU and GPU).
 `onednn` runs the dense linears through oneDNN's matmul instead of the BLAS behind `F.linear`
-(float32 and bfloat16 on the CPU; layers/linear.py).
+(float32 and bfloat16 on the CPU; layers/linear.py); `onednn_t` does too, over weights stored
+transposed ([in, out]), which oneDNN streams faster on some processors. The layout is one per
+model: where either regime takes `onednn_t`, every `Linear` keeps that layout, and the other
+regime's implementation reads it (both read either layout).
 
 `auto` measures: each rank times the implementations that can serve its model, on its real
 shapes at its steps' sizes, and takes the fastest per regime (dist_engine/autotune.py; cached
@@ -62,7 +65,7 @@ _OPS = {
     "norm_backend": "norm",
     "linear_backend": "linear",
 }
-LINEAR_NAMES = ("torch", "onednn")  # the linear_backend implementations
+LINEAR_NAMES = ("torch", "onednn", "onednn_t")  # the linear_backend implementations
 _REGIMES = ("decode", "prefill")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Environment switches of earlier versions, no longer read: say so rather than ignore them.
@@ -157,13 +160,19 @@ class LayerOps:
             else:
                 norm = NormKernel(kernel, min_tokens=max_decode_tokens + 1)
         linear = None
-        if "onednn" in (backends.linear.decode, backends.linear.prefill):
-            if backends.linear.decode == backends.linear.prefill:
-                linear = LinearKernel(onednn_linear)
-            elif backends.linear.decode == "onednn":
-                linear = LinearKernel(onednn_linear, max_tokens=max_decode_tokens)
+        regimes = (backends.linear.decode, backends.linear.prefill)
+        if regimes != ("torch", "torch"):
+            in_out = "onednn_t" in regimes
+            if "torch" not in regimes:
+                linear = LinearKernel(onednn_linear, weights_in_out=in_out)
+            elif backends.linear.decode != "torch":
+                linear = LinearKernel(
+                    onednn_linear, max_tokens=max_decode_tokens, weights_in_out=in_out
+                )
             else:
-                linear = LinearKernel(onednn_linear, min_tokens=max_decode_tokens + 1)
+                linear = LinearKernel(
+                    onednn_linear, min_tokens=max_decode_tokens + 1, weights_in_out=in_out
+                )
         if decode is not prefill:
             assert isinstance(decode, AttentionBackend) and isinstance(prefill, AttentionBackend)
             decode = PerRegime(decode, prefill)
@@ -208,7 +217,7 @@ def candidates(
     if key == "linear_backend":
         on_cpu = device is None or torch.device(device).type == "cpu"
         if on_cpu and onednn_serves(dtype):
-            names.append("onednn")
+            names += ["onednn", "onednn_t"]
         return names
     if key == "attention_backend" and not has_backend(attention_kind, "native"):
         return names
@@ -254,8 +263,8 @@ def resolve_backends(
                 f"{key} is {value!r}, which cannot run this model ({dtype} on "
                 f"{device or 'cpu'}; the native kernels serve float32 on the CPU (the experts "
                 f"and norm bfloat16 too) and need a C++ compiler, grouped_mm float32 and half "
-                f"types, onednn float32 on the CPU, bfloat16 too where the processor has "
-                f"AVX-512); use auto or torch"
+                f"types, onednn and onednn_t float32 on the CPU, bfloat16 too where the "
+                f"processor has AVX-512); use auto or torch"
             )
         chosen[key] = {}
         for regime, names in per_regime.items():

@@ -38,7 +38,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 AttentionBackend = Literal["auto", "native", "torch"]
 ExpertBackend = Literal["auto", "native", "torch", "grouped_mm"]
 NormBackend = Literal["auto", "native", "torch"]
-LinearBackend = Literal["auto", "torch", "onednn"]
+LinearBackend = Literal["auto", "torch", "onednn", "onednn_t"]
 # What the driver does when a rank dies or stops answering (launcher/healing.py).
 OnRankFailure = Literal["heal", "fail"]
 
@@ -179,7 +179,8 @@ class EngineConfig:
     # scheduler.num_blocks.
     kv_cache_bytes: int | None = None
     # Which implementation runs each kind of op (dist_engine/backends.py): auto (measured on
-    # this host), native, torch, for the experts grouped_mm, for the dense linears onednn.
+    # this host), native, torch, for the experts grouped_mm, for the dense linears onednn
+    # (onednn_t: oneDNN over weights stored transposed, [in, out]).
     attention_backend: AttentionBackend = "auto"
     expert_backend: ExpertBackend = "auto"
     norm_backend: NormBackend = "auto"

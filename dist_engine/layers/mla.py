@@ -94,6 +94,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, eps, dtype, device, norm_kernel)
         up_size = num_heads * (dims.qk_nope_head_dim + dims.v_head_dim)
         self.kv_b_proj = Linear(dims.kv_lora_rank, up_size, False, dtype, device)
+        self.kv_b_proj.keep_layout = True  # viewed per head in `forward`, never called
         self.o_proj = Linear(num_heads * dims.v_head_dim, hidden_size, bias, dtype, device)
         self.backend = backend
 

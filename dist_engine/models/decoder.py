@@ -135,11 +135,15 @@ class MoECausalLM(nn.Module):
 
     def use_linear_kernel(self, kernel: LinearKernel | None) -> None:
         """Every dense linear of the model, and the LM head (tied or not), runs through
-        `kernel` where it serves (None: PyTorch's `F.linear` everywhere)."""
+        `kernel` where it serves (None: PyTorch's `F.linear` everywhere). A kernel that wants
+        weights stored [in, out] gets them in every `Linear` (a tied LM head stays the
+        embedding's [vocab, hidden] rows: a lookup reads those)."""
         self.linear_kernel = kernel
         for module in self.modules():
             if isinstance(module, Linear):
                 module.kernel = kernel
+                if kernel is not None and kernel.weights_in_out:
+                    module.store_in_out()
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int, device: torch.device | str | None = None

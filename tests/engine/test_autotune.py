@@ -93,13 +93,13 @@ def test_auto_times_the_real_candidates_and_leaves_fixed_keys_alone(cache):
     for regime in ("decode", "prefill"):
         assert getattr(backends.experts, regime) in ("native", "torch", "grouped_mm")
         assert getattr(backends.norm, regime) in ("native", "torch")
-        assert getattr(backends.linear, regime) in ("torch", "onednn")
+        assert getattr(backends.linear, regime) in ("torch", "onednn", "onednn_t")
     [record] = [json.loads(p.read_text()) for p in cache.glob("autotune/*.json")]
     timed = {(d["op"], d["regime"]): d["timings_ms"] for d in record["timings_ms"]}
     ops = ("experts", "norm", "linear")
     assert set(timed) == {(op, r) for op in ops for r in ("decode", "prefill")}
     assert set(timed[("experts", "prefill")]) == {"native", "torch", "grouped_mm"}
-    assert set(timed[("linear", "decode")]) == {"torch", "onednn"}
+    assert set(timed[("linear", "decode")]) == {"torch", "onednn", "onednn_t"}
     assert all(ms > 0 for times in timed.values() for ms in times.values())
 
 
@@ -123,7 +123,8 @@ def test_without_timing_auto_is_the_rule_and_bad_choices_name_the_key(monkeypatc
         assert str(chosen) == "onednn"
     else:
         cannot.append((torch.bfloat16, "cpu"))
-        assert "onednn" not in candidates("linear_backend", "decode", torch.bfloat16, "cpu")
+        names = candidates("linear_backend", "decode", torch.bfloat16, "cpu")
+        assert "onednn" not in names and "onednn_t" not in names
     for dtype, device in cannot:
         with pytest.raises(ValueError, match=r"linear_backend is 'onednn', which cannot run"):
             resolve_backends({"linear_backend": "onednn"}, dtype, device)

@@ -117,20 +117,30 @@ def test_single_rank_generation_equals_transformers(case):
                  RegimeChoice("torch", "torch"), RegimeChoice("onednn", "onednn")),
         Backends(RegimeChoice("native", "native"), RegimeChoice("native", "native"),
                  RegimeChoice("native", "native"), RegimeChoice("onednn", "torch")),
+        Backends(RegimeChoice("native", "native"), RegimeChoice("native", "native"),
+                 RegimeChoice("native", "native"), RegimeChoice("onednn_t", "torch")),
+        Backends(RegimeChoice("torch", "torch"), RegimeChoice("torch", "torch"),
+                 RegimeChoice("torch", "torch"), RegimeChoice("torch", "onednn_t")),
     ],
-    ids=["torch", "grouped_mm", "per_regime_mix", "onednn", "onednn_decode"],
+    ids=["torch", "grouped_mm", "per_regime_mix", "onednn", "onednn_decode", "onednn_t_decode",
+         "onednn_t_prefill"],
 )  # fmt: skip
 def test_every_backend_gives_transformers_tokens(case, backends):
     """The implementations `auto` chooses between are interchangeable: each, and a mix per
     regime, gives transformers' greedy tokens, chunked prompts included."""
     model_dir, _, prompts, expected = case
     model = load_model(model_dir, backends=backends, max_decode_tokens=16)
-    if "onednn" in (backends.linear.decode, backends.linear.prefill):  # every linear, LM head too
+    regimes = (backends.linear.decode, backends.linear.prefill)
+    if regimes != ("torch", "torch"):  # every linear, LM head too
         kernel = model.linear_kernel
-        assert kernel is not None and kernel.max_tokens == (
-            None if backends.linear.prefill == "onednn" else 16
-        )
-        assert all(m.kernel is kernel for m in model.modules() if isinstance(m, Linear))
+        assert kernel is not None
+        assert kernel.max_tokens == (None if regimes[1] != "torch" else 16)
+        assert kernel.min_tokens == (17 if regimes[0] == "torch" else 0)
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all(m.kernel is kernel for m in linears)
+        # onednn_t: every weight stored [in, out] (the torch regime reads that layout too)
+        in_out = [m.weight.stride() == (1, m.weight.shape[0]) for m in linears]
+        assert in_out == [("onednn_t" in regimes)] * len(linears)
     tokens, _ = generate(model, prompts["random"], max_num_batched_tokens=24)
     assert tokens == expected["random"]
 

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from dist_engine.attention.latent_cache import LatentKVCache, LatentKVSpec
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.attention.mla_torch import TorchMLA
-from dist_engine.backends import Backends, resolve_backends
+from dist_engine.backends import Backends, RegimeChoice, resolve_backends
+from dist_engine.layers.linear import Linear, onednn_serves
 from dist_engine.models.block_fp8 import BlockFP8Format
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
@@ -92,6 +93,24 @@ def test_prompt_logits_match_transformers(checkpoint: Path) -> None:
         expected = reference(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.skipif(not onednn_serves(torch.float32), reason="this torch has no oneDNN")
+def test_weights_stored_in_out_leave_mla_alone(checkpoint: Path) -> None:
+    """`linear_backend: onednn_t` stores every Linear's weight [in, out] except MLA's kv_b_proj,
+    which the attention views per head; the logits stay transformers'."""
+    backends = Backends.all("torch", attention_kind="mla")
+    backends = replace(backends, linear=RegimeChoice("onednn_t", "onednn_t"))
+    ours, reference = load_model(checkpoint, backends=backends), hf_model(checkpoint)
+    linears = {n: m for n, m in ours.named_modules() if isinstance(m, Linear)}
+    assert any(n.endswith("kv_b_proj") for n in linears)
+    for name, module in linears.items():
+        in_out = module.weight.stride() == (1, module.weight.shape[0])
+        assert in_out != name.endswith("kv_b_proj"), name
+    prompt = random_prompts(1, TINY_SIZES["vocab_size"], 41, 41, seed=1)[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(_prompt_logits(ours, prompt), expected, atol=2e-5, rtol=1e-5)
 
 
 def test_greedy_generation_matches_transformers(checkpoint: Path) -> None:

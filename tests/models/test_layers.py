@@ -152,6 +152,34 @@ def test_onednn_linear_equals_f_linear(dtype) -> None:
     assert torch.equal(onednn_linear(x, transposed), onednn_linear(x, weight))
 
 
+def test_a_linear_stored_in_out_keeps_its_values_and_takes_a_checkpoint() -> None:
+    """`store_in_out` re-stores the weight [in, out] behind an [out, in] view: same values,
+    shape and result; writing into it (as the loader does, rows at a time) lands in the view;
+    a second call changes nothing; `keep_layout` opts a layer out."""
+    layer = Linear(8, 5, True, torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(3, 8)
+    before, values = layer(x), layer.weight.detach().clone()
+    layer.store_in_out()
+    assert layer.weight.shape == (5, 8) and layer.weight.stride() == (1, 5)
+    assert torch.equal(layer.weight, values)
+    torch.testing.assert_close(layer(x), before)
+    stored = layer.weight
+    layer.store_in_out()
+    assert layer.weight is stored
+    fresh = torch.randn(5, 8)
+    with torch.no_grad():
+        layer.weight[:2].copy_(fresh[:2])
+        layer.weight[2:].copy_(fresh[2:])
+    assert torch.equal(layer.weight, fresh) and layer.weight.stride() == (1, 5)
+    kept = Linear(8, 5, False, torch.float32)
+    kept.keep_layout = True
+    kept.store_in_out()
+    assert kept.weight.is_contiguous()
+
+
 def test_linear_kernel_serves_only_its_rows_and_dtypes() -> None:
     """A decode-only linear kernel serves steps of up to max_tokens rows of CPU tensors of
     its dtypes; other steps and dtypes run F.linear."""
