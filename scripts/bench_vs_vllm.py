@@ -448,10 +448,11 @@ def report(args, runs, workers, workloads) -> None:
     lines = [header, "| --- | --- | ---: | ---: | ---: |"]
     for row in rows:
         same = "-" if row["same_tokens_as_vllm"] is None else f"{row['same_tokens_as_vllm']:.0%}"
+        ratio = f"{row['vs_vllm']:.2f}" if "vs_vllm" in row else "-"  # no vLLM in this run
         lines.append(
             f"| {row['workload']} | {row['contender']} | {row['tok_s_median']:,.0f} "
             f"({row['tok_s_min']:,.0f}-{row['tok_s_max']:,.0f}) | "
-            f"{row.get('vs_vllm', float('nan')):.2f} | {same} |"
+            f"{ratio} | {same} |"
         )
     cpu = processor()
     loads = [r["load_before"] for r in runs] + [r["load_after"] for r in runs]

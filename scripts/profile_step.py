@@ -92,7 +92,8 @@ class Timers:
 
 
 def install(timers: Timers) -> None:
-    from dist_engine.attention.backend import PerRegime
+    from dist_engine.attention.native_backend import NativeAttention
+    from dist_engine.attention.torch_backend import TorchAttention
     from dist_engine.engine.engine import DPEngine
     from dist_engine.engine.runner import ModelRunner
     from dist_engine.layers.attention import GQAttention
@@ -110,8 +111,11 @@ def install(timers: Timers) -> None:
     timers.wrap(DecoderLayer, "forward", "MoE/layer rest")
     timers.wrap(MoEBlock, "forward", "MoE/layer rest")
     timers.wrap(GQAttention, "forward", "attention rest")
-    timers.wrap(PerRegime, "rotate_and_store", "rotary + KV write")
-    timers.wrap(PerRegime, "attend", "attention")
+    # PerRegime holds two of the concrete backends (one per regime) and calls theirs, which
+    # are timed themselves; where both regimes share one backend, it is called directly.
+    for backend in (NativeAttention, TorchAttention):
+        timers.wrap(backend, "rotate_and_store", "rotary + KV write")
+        timers.wrap(backend, "attend", "attention")
     timers.wrap(Linear, "forward", "linears")
     timers.wrap(RMSNorm, "forward", "RMSNorm")
     timers.wrap(MoELayer, "forward", "experts")
