@@ -161,18 +161,14 @@ class LayerOps:
                 norm = NormKernel(kernel, min_tokens=max_decode_tokens + 1)
         linear = None
         regimes = (backends.linear.decode, backends.linear.prefill)
-        if regimes != ("torch", "torch"):
-            in_out = "onednn_t" in regimes
-            if "torch" not in regimes:
-                linear = LinearKernel(onednn_linear, weights_in_out=in_out)
-            elif backends.linear.decode != "torch":
-                linear = LinearKernel(
-                    onednn_linear, max_tokens=max_decode_tokens, weights_in_out=in_out
-                )
-            else:
-                linear = LinearKernel(
-                    onednn_linear, min_tokens=max_decode_tokens + 1, weights_in_out=in_out
-                )
+        on_decode, on_prefill = (name != "torch" for name in regimes)
+        if on_decode or on_prefill:  # oneDNN serves the regimes that took it, by their rows
+            linear = LinearKernel(
+                onednn_linear,
+                min_tokens=0 if on_decode else max_decode_tokens + 1,
+                max_tokens=None if on_prefill else max_decode_tokens,
+                weights_in_out="onednn_t" in regimes,
+            )
         if decode is not prefill:
             assert isinstance(decode, AttentionBackend) and isinstance(prefill, AttentionBackend)
             decode = PerRegime(decode, prefill)
