@@ -35,6 +35,7 @@ from dist_engine.distributed.wake import LocalWake, StoreWake
 from dist_engine.engine.config import EngineConfig, model_identity
 from dist_engine.engine.dtype import DtypeChoice, checkpoint_dtype, resolve_auto_dtype
 from dist_engine.engine.eplb import ExpertBalancer, count_nodes, initial_placement
+from dist_engine.engine.host_memory import retain_freed_memory
 from dist_engine.engine.messages import (
     INBOX_MESSAGES,
     AbortRequest,
@@ -129,6 +130,9 @@ class DPEngine:
         )
         check_max_model_len(sched_config.max_model_len, self.model_config)
         device = dist_ctx.device if dist_ctx else None
+        if device is None or device.type == "cpu":
+            retained = retain_freed_memory()
+            self.log.debug("host malloc keeps freed memory: %s", retained)
         # Before the first collective: resolving the backends builds the CPU kernels where
         # they may be used, which takes tens of seconds the first time on a machine, and peers
         # waiting inside a collective for a rank that compiles would run into its timeout.
