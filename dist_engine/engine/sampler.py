@@ -373,8 +373,11 @@ def _filtered_probs(
     padding up to whole blocks)."""
     num_rows, vocab = logits.shape
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    scaled = logits / temperature.unsqueeze(1)
+    temperatures = [p.temperature for p in params]
+    if all(t == 1.0 for t in temperatures):  # vLLM's default; dividing by 1 changes nothing
+        scaled = logits
+    else:
+        scaled = logits / torch.tensor(temperatures, device=device).unsqueeze(1)
     if vocab % _BLOCK:
         scaled = F.pad(scaled, (0, _BLOCK - vocab % _BLOCK), value=float("-inf"))
     probs = scaled.softmax(-1)
@@ -392,8 +395,26 @@ def _filtered_probs(
         threshold[_long(top_k_rows, device)] = _top_k_cutoffs(probs, floor, params, top_k_rows)
     if top_p_rows:
         threshold[_long(top_p_rows, device)] = _top_p_cutoffs(probs, floor, params, top_p_rows)
-    kept = probs.masked_fill_(probs < threshold.unsqueeze(1), 0.0)
-    return scaled, kept
+    return scaled, _zero_below(probs, threshold)
+
+
+def _zero_below(probs: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """probs: [R, W], threshold: [R] positive → probs, in place, with 0 where an entry is below
+    its row's threshold (NaN stays).
+
+    On the CPU a broadcast comparison and `masked_fill_` take ~3 ms at [64, 32000] (two
+    threads, AMD EPYC), `F.threshold_` (x if x > t else 0) 0.14 ms: x >= t is x > the float32
+    just below t. One call when every row has the same threshold (no filter: the floor), else
+    one per row.
+    """
+    if probs.device.type != "cpu":
+        return probs.masked_fill_(probs < threshold.unsqueeze(1), 0.0)
+    below = torch.nextafter(threshold, torch.zeros_like(threshold)).tolist()
+    if all(value == below[0] for value in below):
+        return F.threshold_(probs, below[0], 0.0)
+    for row, value in enumerate(below):
+        F.threshold_(probs[row], value, 0.0)
+    return probs
 
 
 def _top_k_cutoffs(

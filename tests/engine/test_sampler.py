@@ -523,3 +523,35 @@ def test_blocked_argmax_is_argmax_exactly(num_rows, vocab):
         sampler_module._ARGMAX_BLOCKED_MIN = original
     assert picked.dtype == torch.int64
     assert torch.equal(picked, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("same_threshold", [True, False])
+def test_zeroing_below_a_threshold_is_the_masked_fill_exactly(same_threshold):
+    """The CPU's `F.threshold_` path keeps exactly what `masked_fill_(probs < t, 0)` keeps: an
+    entry equal to its row's threshold, the float just above and below it, subnormals, zeros
+    and NaN; one threshold for the batch, or one per row."""
+    tiny = torch.finfo(torch.float32).tiny
+    generator = torch.Generator().manual_seed(7)
+    probs = torch.rand(6, 512, generator=generator).pow(8)
+    if same_threshold:
+        threshold = torch.full((6,), tiny)
+    else:
+        threshold = torch.tensor([tiny, 1e-3, 0.25, 0.5, 0.01, 0.9])
+    for row in range(6):
+        t = threshold[row]
+        probs[row, :6] = torch.stack(
+            [
+                t,
+                torch.nextafter(t, torch.tensor(1.0)),
+                torch.nextafter(t, torch.tensor(0.0)),
+                torch.tensor(tiny / 4),
+                torch.tensor(0.0),
+                torch.tensor(float("nan")),
+            ]
+        )
+    expected = probs.clone().masked_fill_(probs < threshold.unsqueeze(1), 0.0)
+    got = sampler_module._zero_below(probs, threshold)
+    assert got.data_ptr() == probs.data_ptr()
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0))
+    assert (got[:, 0] == threshold).all() and (got[:, 2] == 0).all()
