@@ -36,6 +36,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from dist_engine.distributed.spawn import run_multirank
+from dist_engine.engine.host_memory import retain_freed_memory
 from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.models import block_fp8
 from dist_engine.models.loader import INDEX_FILE, CheckpointReader, build_model, load_weights
@@ -78,6 +79,14 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=1,
         help="torch threads per rank (on a busy host, more threads than free cores spin)",
+    )
+    parser.add_argument(
+        "--allocators",
+        nargs="+",
+        default=["retain"],
+        choices=["retain", "system"],
+        help="host malloc: 'retain' as every CPU engine sets it before loading "
+        "(dist_engine/engine/host_memory.py), 'system' as glibc starts",
     )
     parser.add_argument("--out", default="bench_results/load.json")
     return parser.parse_args()
@@ -183,9 +192,13 @@ def proc_status() -> dict[str, int]:
     return fields
 
 
-def load_rank(rank: int, world: int, model_dir: str, dtype_name: str) -> dict[str, Any]:
+def load_rank(
+    rank: int, world: int, model_dir: str, dtype_name: str, allocator: str
+) -> dict[str, Any]:
     """One rank (inside `run_multirank`, the group joined): build and load its share."""
     dtype = getattr(torch, dtype_name)
+    if allocator == "retain" and not retain_freed_memory():
+        raise RuntimeError("glibc refused the host allocator setting")
     before = proc_status()["VmRSS"]
     with RssSampler() as sampler:
         start = time.perf_counter()
@@ -219,19 +232,28 @@ def main() -> None:
     rows = []
     for dtype_name in args.dtypes:
         for dp in args.dp:
-            for kind, path in checkpoints.items():
-                warm_page_cache(path)
-                results = run_multirank(
-                    dp,
-                    load_rank,
-                    (str(path), dtype_name),
-                    timeout_s=1800,
-                    group_timeout_s=1800,
-                    num_threads=args.threads_per_rank,
-                )
-                for result in results:
-                    rows.append({"checkpoint": kind, "dtype": dtype_name, "dp": dp, **result})
-                    print_row(rows[-1])
+            for allocator in args.allocators:
+                for kind, path in checkpoints.items():
+                    warm_page_cache(path)
+                    results = run_multirank(
+                        dp,
+                        load_rank,
+                        (str(path), dtype_name, allocator),
+                        timeout_s=1800,
+                        group_timeout_s=1800,
+                        num_threads=args.threads_per_rank,
+                    )
+                    for result in results:
+                        rows.append(
+                            {
+                                "checkpoint": kind,
+                                "dtype": dtype_name,
+                                "dp": dp,
+                                "allocator": allocator,
+                                **result,
+                            }
+                        )
+                        print_row(rows[-1])
     print(f"checkpoint bytes: fp8 {sizes['fp8'] / 1e9:.2f} GB, bf16 {sizes['bf16'] / 1e9:.2f} GB")
     print(f"load average before: {load[0]:.2f}; after: {os.getloadavg()[0]:.2f}")
     print_table(rows)
@@ -254,7 +276,8 @@ def main() -> None:
 
 def print_row(row: dict[str, Any]) -> None:
     print(
-        f"  {row['checkpoint']} -> {row['dtype']} DP={row['dp']} rank {row['rank']}: "
+        f"  {row['checkpoint']} -> {row['dtype']} DP={row['dp']} {row['allocator']} "
+        f"rank {row['rank']}: "
         f"{row['load_s']:.1f} s, peak {row['peak_rss_bytes'] / 2**30:.2f} GiB",
         flush=True,
     )
@@ -262,15 +285,16 @@ def print_row(row: dict[str, Any]) -> None:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        "| checkpoint | run dtype | DP | rank | load s | weights GiB | RSS before GiB "
+        "| checkpoint | run dtype | DP | malloc | rank | load s | weights GiB | RSS before GiB "
         "| peak RSS GiB (anon + file) | peak / weights | (peak - before) / weights |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     gib = 2**30
     for row in rows:
         weights = row["weights_bytes"]
         print(
-            f"| {row['checkpoint']} | {row['dtype']} | {row['dp']} | {row['rank']} "
+            f"| {row['checkpoint']} | {row['dtype']} | {row['dp']} | {row['allocator']} "
+            f"| {row['rank']} "
             f"| {row['load_s']:.1f} | {weights / gib:.2f} | {row['rss_before_bytes'] / gib:.2f} "
             f"| {row['peak_rss_bytes'] / gib:.2f} ({row['peak_anon_bytes'] / gib:.2f} + "
             f"{row['peak_file_bytes'] / gib:.2f}) | {row['peak_rss_bytes'] / weights:.2f} "

@@ -6,7 +6,9 @@ penalties (the baseline has no penalties: "-"). The baseline is dist_engine/engi
 of --baseline-rev (the per-request-generator sampler), loaded from git history, with its states
 made once as its runner kept them; the new sampler's time includes building its rows, as the
 runner does every step. Rounds interleave the two; each cell is the median and range over rounds.
-Prints a table and writes JSON with the processor's flags and the load average.
+Host malloc is set as a CPU engine sets it (`--allocator retain`,
+dist_engine/engine/host_memory.py): without it each step's large tensors fault their pages in
+again. Prints a table and writes JSON with the processor's flags and the load average.
 
     .venv/bin/python scripts/bench_sampler.py [--rounds 5] [--threads N] [--out FILE.json]
 """
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dist_engine.engine.host_memory import retain_freed_memory
 from dist_engine.engine.sampler import Sampler, SamplingRow
 from scheduler import SamplingParams
 
@@ -164,8 +167,17 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
     )
+    parser.add_argument(
+        "--allocator",
+        default="retain",
+        choices=["retain", "system"],
+        help="host malloc: 'retain' as every CPU engine sets it (dist_engine/engine/"
+        "host_memory.py), 'system' as glibc starts",
+    )
     parser.add_argument("--out", default="bench_results/sampler.json")
     args = parser.parse_args()
+    if args.allocator == "retain" and not retain_freed_memory():
+        raise SystemExit("glibc refused the host allocator setting")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     baseline = load_baseline(args.baseline_rev)
@@ -189,6 +201,7 @@ def main() -> None:
         "processor": processor(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "allocator": args.allocator,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "baseline_rev": args.baseline_rev,
