@@ -21,7 +21,7 @@ torch.set_num_threads(1)
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 pages = {}
-for mib in (8, 32):
+for mib in (8, 64):
     n = mib << 18  # float32 entries
     for _ in range(16):  # let the heap settle
         x = torch.ones(n); y = torch.ones(n); del x, y
@@ -56,7 +56,10 @@ def test_freed_tensors_are_reused_without_page_faults():
     assert all(share < 0.05 for share in retained["faults_per_page"].values()), retained
     system = _probe("system")
     assert system["applied"] is False
-    assert all(share > 0.9 for share in system["faults_per_page"].values()), system
+    # glibc raises its own mmap threshold to the largest block freed, up to 32 MiB, so whether an
+    # 8 MiB block faults again under the system setting depends on its heap's history; a 64 MiB
+    # block is past that ceiling and is always a fresh mapping.
+    assert system["faults_per_page"]["64"] > 0.9, system
 
 
 def test_a_bad_setting_is_refused(monkeypatch):
