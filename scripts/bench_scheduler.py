@@ -1,19 +1,27 @@
 """Microseconds per scheduler step: decode steps at several batch sizes, and prefill-heavy steps.
 
 A decode step is ``schedule()`` + ``process_outputs()`` with every running sequence in the
-batch; no model runs. Prints a table and writes JSON.
+batch; no model runs. The peer is vLLM v1's own Scheduler on the same cases (`schedule()` +
+`update_from_output()`, scripts/vllm_scheduler_worker.py, in vLLM's venv), the two interleaved
+over rounds. Prints a table (median and range over rounds) and writes JSON with the processor
+and the load average.
 
-    .venv/bin/python scripts/bench_scheduler.py [--out bench_results/scheduler.json]
+    .venv/bin/python scripts/bench_scheduler.py [--rounds 3] [--peer vllm|none]
+        [--out bench_results/scheduler.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
+
+from bench_vs_vllm import ensure_vllm_venv, processor
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
@@ -85,53 +93,102 @@ def time_prefill(num_prompts: int, prompt_len: int, repeats: int) -> dict:
     return {"us_per_step": statistics.median(samples), "samples_us": samples}
 
 
+def time_ours(sizes: tuple[int, ...], steps: int, repeats: int) -> list[dict]:
+    rows = []
+    for prefix_caching in (False, True):
+        for size in sizes:
+            result = time_decode(size, steps, repeats, prefix_caching)
+            rows.append(
+                {"kind": "decode", "running_seqs": size, "prefix_caching": prefix_caching, **result}
+            )
+    prefill = time_prefill(num_prompts=64, prompt_len=256, repeats=repeats)
+    rows.append({"kind": "prefill", "running_seqs": 64, "prefix_caching": True, **prefill})
+    return rows
+
+
+def time_peer(python: Path, sizes: tuple[int, ...], steps: int, repeats: int) -> list[dict]:
+    """vLLM's Scheduler on the same cases, in its interpreter (vllm_scheduler_worker.py)."""
+    request = json.dumps({"sizes": list(sizes), "steps": steps, "repeats": repeats})
+    done = subprocess.run(
+        [str(python), str(Path(__file__).with_name("vllm_scheduler_worker.py")), request],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"vLLM's scheduler worker failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["rows"]
+
+
+def _key(row: dict) -> tuple:
+    return (row["kind"], row["running_seqs"], row["prefix_caching"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each case per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, contenders interleaved")
+    parser.add_argument(
+        "--peer",
+        choices=["vllm", "none"],
+        default="vllm",
+        help="time vLLM v1's Scheduler on the same cases (its venv is made on first use)",
+    )
     parser.add_argument("--out", default="bench_results/scheduler.json")
     args = parser.parse_args()
 
-    rows = []
-    for prefix_caching in (False, True):
-        for size in DECODE_SIZES:
-            result = time_decode(size, args.steps, args.repeats, prefix_caching)
-            rows.append(
-                {
-                    "kind": "decode",
-                    "running_seqs": size,
-                    "prefix_caching": prefix_caching,
-                    **result,
-                    "us_per_seq": result["us_per_step"] / size,
-                }
-            )
-    prefill = time_prefill(num_prompts=64, prompt_len=256, repeats=args.repeats)
-    rows.append(
-        {
-            "kind": "prefill",
-            "running_seqs": 64,
-            "prefix_caching": True,
-            **prefill,
-            "us_per_seq": prefill["us_per_step"] / 64,
-        }
-    )
+    python = ensure_vllm_venv() if args.peer == "vllm" else None
+    load_before = os.getloadavg()
+    samples: dict[tuple, dict[str, list[float]]] = {}
+    for round_index in range(args.rounds):
+        contenders = [("lockstep", None), ("vllm", python)] if python else [("lockstep", None)]
+        if round_index % 2:
+            contenders.reverse()
+        for name, peer_python in contenders:
+            if peer_python is None:
+                rows = time_ours(DECODE_SIZES, args.steps, args.repeats)
+            else:
+                rows = time_peer(peer_python, DECODE_SIZES, args.steps, args.repeats)
+            for row in rows:
+                samples.setdefault(_key(row), {}).setdefault(name, []).append(row["us_per_step"])
+            print(f"round {round_index + 1}: {name} done", flush=True)
 
-    print(f"{'kind':8} {'seqs':>6} {'prefix$':>8} {'us/step':>10} {'us/seq':>8}")
+    rows = []
+    for key, by_name in samples.items():
+        kind, seqs, prefix_caching = key
+        row = {"kind": kind, "running_seqs": seqs, "prefix_caching": prefix_caching}
+        for name, values in by_name.items():
+            row[name] = {"us_per_step": statistics.median(values), "rounds_us": values}
+        if "vllm" in row:
+            row["ratio"] = row["lockstep"]["us_per_step"] / row["vllm"]["us_per_step"]
+        rows.append(row)
+
+    print(
+        "| kind | sequences | prefix cache | Lockstep µs per step (range) | µs per sequence "
+        "| vLLM µs per step (range) | Lockstep / vLLM |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for row in rows:
+        ours = row["lockstep"]
+        peer = row.get("vllm")
+        peer_cell = f"{_fmt(peer['us_per_step'])} ({_range(peer['rounds_us'])})" if peer else "-"
+        ratio = f"{row['ratio']:.3f}" if peer else "-"
         print(
-            f"{row['kind']:8} {row['running_seqs']:>6} {row['prefix_caching']!s:>8} "
-            f"{row['us_per_step']:>10.1f} {row['us_per_seq']:>8.2f}"
+            f"| {row['kind']} | {row['running_seqs']} | {'on' if row['prefix_caching'] else 'off'} "
+            f"| {_fmt(ours['us_per_step'])} ({_range(ours['rounds_us'])}) "
+            f"| {ours['us_per_step'] / row['running_seqs']:.2f} | {peer_cell} | {ratio} |"
         )
-    by_size = {
-        r["running_seqs"]: r["us_per_step"]
+    decode = {
+        r["running_seqs"]: r["lockstep"]["us_per_step"]
         for r in rows
         if r["kind"] == "decode" and not r["prefix_caching"]
     }
-    ratio = by_size[1024] / by_size[256]
-    print(
-        f"decode 1024/256 ratio: {ratio:.2f} (target <= 4.5); "
-        f"256 seqs: {by_size[256]:.0f} us (target <= 250)"
-    )
+    ratio = decode[1024] / decode[256]
+    print(f"Lockstep decode 1024 / 256: {ratio:.2f} (linear: 4)")
+    load_after = os.getloadavg()
+    print(f"load average before: {load_before[0]:.2f}; after: {load_after[0]:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -139,13 +196,27 @@ def main() -> None:
             {
                 "rows": rows,
                 "ratio_1024_over_256": ratio,
+                "peer": args.peer,
+                "rounds": args.rounds,
+                "repeats": args.repeats,
+                "steps": args.steps,
+                "processor": processor(),
                 "python": platform.python_version(),
-                "machine": platform.machine(),
+                "load_average_before": load_before,
+                "load_average_after": load_after,
             },
             indent=2,
         )
     )
     print(f"wrote {out}")
+
+
+def _fmt(us: float) -> str:
+    return f"{us:,.1f}"
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):,.1f}-{max(values):,.1f}"
 
 
 if __name__ == "__main__":
