@@ -26,6 +26,7 @@ from bench_vs_vllm import ensure_vllm_venv, processor
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 
 DECODE_SIZES = (64, 256, 1024)
+ARRIVAL_EVERY = 4
 
 
 def _decode_scheduler(num_seqs: int, prompt_len: int, prefix_caching: bool) -> Scheduler:
@@ -66,6 +67,44 @@ def time_decode(num_seqs: int, steps: int, repeats: int, prefix_caching: bool) -
     return {"us_per_step": statistics.median(samples), "samples_us": samples}
 
 
+def time_arrivals(num_seqs: int, steps: int, repeats: int) -> dict:
+    """``num_seqs`` decoding under the default policy (`deadline`, mixed steps), and a new
+    64-token prompt (4 output tokens) arriving every ARRIVAL_EVERY steps: the steps that take
+    it in, whole or in chunks, are mixed steps, the others decode."""
+    samples = []
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    for _ in range(repeats):
+        config = SchedulerConfig(
+            max_num_seqs=num_seqs + 64,
+            max_num_batched_tokens=max(2048, num_seqs * 32),
+            max_model_len=4096,
+            block_size=16,
+            num_blocks=num_seqs * 64 + 1,
+        )
+        sched = Scheduler(config)
+        params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        for index in range(num_seqs):
+            sched.add_sequence(Sequence(f"r{index}", [index % 97 + 1] * 32, params))
+        arrivals = 0
+
+        def step(index: int, sched: Scheduler = sched) -> int:
+            nonlocal arrivals
+            if index % ARRIVAL_EVERY == 0:
+                arrivals += 1
+                sched.add_sequence(Sequence(f"a{arrivals}", [arrivals % 89 + 3] * 64, short))
+            outputs = sched.schedule()
+            sched.process_outputs(outputs, [7] * len(outputs.scheduled_seqs))
+            return outputs.num_decode_seqs if outputs.is_prefill else outputs.num_seqs
+
+        for index in range(40):  # admission and warm-up
+            step(index)
+        start = time.perf_counter()
+        decoded = [step(index) for index in range(40, 40 + steps)]
+        samples.append((time.perf_counter() - start) / steps * 1e6)
+        assert min(decoded) >= num_seqs, "a step left a running sequence out"
+    return {"us_per_step": statistics.median(samples), "samples_us": samples}
+
+
 def time_prefill(num_prompts: int, prompt_len: int, repeats: int) -> dict:
     """Steps that admit ``num_prompts`` new prompts each, with prefix caching on."""
     samples = []
@@ -101,6 +140,10 @@ def time_ours(sizes: tuple[int, ...], steps: int, repeats: int) -> list[dict]:
             rows.append(
                 {"kind": "decode", "running_seqs": size, "prefix_caching": prefix_caching, **result}
             )
+    arrivals = time_arrivals(256, steps, repeats)
+    rows.append(
+        {"kind": "decode + arrivals", "running_seqs": 256, "prefix_caching": False, **arrivals}
+    )
     prefill = time_prefill(num_prompts=64, prompt_len=256, repeats=repeats)
     rows.append({"kind": "prefill", "running_seqs": 64, "prefix_caching": True, **prefill})
     return rows
@@ -108,7 +151,9 @@ def time_ours(sizes: tuple[int, ...], steps: int, repeats: int) -> list[dict]:
 
 def time_peer(python: Path, sizes: tuple[int, ...], steps: int, repeats: int) -> list[dict]:
     """vLLM's Scheduler on the same cases, in its interpreter (vllm_scheduler_worker.py)."""
-    request = json.dumps({"sizes": list(sizes), "steps": steps, "repeats": repeats})
+    request = json.dumps(
+        {"sizes": list(sizes), "steps": steps, "repeats": repeats, "every": ARRIVAL_EVERY}
+    )
     done = subprocess.run(
         [str(python), str(Path(__file__).with_name("vllm_scheduler_worker.py")), request],
         capture_output=True,

@@ -164,6 +164,41 @@ def time_decode(
     return {"us_per_step": statistics.median(samples), "samples_us": samples}
 
 
+def time_arrivals(model_dir: str, num_seqs: int, steps: int, repeats: int, every: int) -> dict:
+    """bench_scheduler's `decode + arrivals`: a 64-token prompt (4 output tokens) arriving every
+    `every` steps among `num_seqs` decoding; vLLM takes it into the next step with the decodes."""
+    samples = []
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+    for _ in range(repeats):
+        peer = Peer(
+            model_dir,
+            max_num_seqs=num_seqs + 64,
+            max_num_batched_tokens=max(2048, num_seqs * 32),
+            max_model_len=4096,
+            num_blocks=num_seqs * 64 + 1,
+            prefix_caching=False,
+        )
+        params = SamplingParams(max_tokens=100_000, ignore_eos=True)
+        for index in range(num_seqs):
+            peer.add(f"r{index}", [index % 97 + 1] * 32, params)
+        arrivals = 0
+
+        def step(index: int, peer: Peer = peer) -> int:
+            nonlocal arrivals
+            if index % every == 0:
+                arrivals += 1
+                peer.add(f"a{arrivals}", [arrivals % 89 + 3] * 64, short)
+            return len(peer.step().num_scheduled_tokens)
+
+        for index in range(40):
+            step(index)
+        start = time.perf_counter()
+        scheduled = [step(index) for index in range(40, 40 + steps)]
+        samples.append((time.perf_counter() - start) / steps * 1e6)
+        assert min(scheduled) >= num_seqs, "a step left a running request out"
+    return {"us_per_step": statistics.median(samples), "samples_us": samples}
+
+
 def time_prefill(model_dir: str, num_prompts: int, prompt_len: int, repeats: int) -> dict:
     samples = []
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -207,6 +242,10 @@ def main() -> None:
                         **result,
                     }
                 )
+        arrivals = time_arrivals(model_dir, 256, args["steps"], args["repeats"], args["every"])
+        rows.append(
+            {"kind": "decode + arrivals", "running_seqs": 256, "prefix_caching": False, **arrivals}
+        )
         prefill = time_prefill(model_dir, 64, 256, args["repeats"])
         rows.append({"kind": "prefill", "running_seqs": 64, "prefix_caching": True, **prefill})
     print(json.dumps({"rows": rows}))
