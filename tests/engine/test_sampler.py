@@ -555,3 +555,22 @@ def test_zeroing_below_a_threshold_is_the_masked_fill_exactly(same_threshold):
     assert torch.equal(got.isnan(), expected.isnan())
     assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0))
     assert (got[:, 0] == threshold).all() and (got[:, 2] == 0).all()
+
+
+def test_the_cpus_integer_sort_gives_the_float_sorts_values_exactly():
+    """`_sorted_descending` sorts non-negative float32 rows as int32 on the CPU: the same values,
+    in the same order, as the float sort, with ties, zeros, subnormals and the largest floats;
+    a row holding a NaN of either sign falls back to the float sort and matches it too."""
+    tiny = torch.finfo(torch.float32).tiny
+    generator = torch.Generator().manual_seed(11)
+    probs = torch.rand(5, 700, generator=generator).pow(6)
+    probs[:, :4] = torch.tensor([0.0, tiny / 8, tiny, torch.finfo(torch.float32).max])
+    probs[:, 4:40] = probs[:, 40:76]  # ties
+    probs[1, 9] = float("nan")
+    probs[2, 17] = -float("nan")
+    probs[2, 3] = float("inf")
+    got = sampler_module._sorted_descending(probs)
+    expected = probs.sort(dim=-1, descending=True).values
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0))
+    assert torch.equal(got[[0, 3, 4]], expected[[0, 3, 4]])
