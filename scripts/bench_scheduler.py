@@ -188,14 +188,14 @@ def main() -> None:
     load_before = os.getloadavg()
     samples: dict[tuple, dict[str, list[float]]] = {}
     for round_index in range(args.rounds):
-        contenders = [("lockstep", None), ("vllm", python)] if python else [("lockstep", None)]
+        contenders = ["lockstep", "vllm"] if python else ["lockstep"]
         if round_index % 2:
             contenders.reverse()
-        for name, peer_python in contenders:
-            if peer_python is None:
+        for name in contenders:
+            if name == "lockstep":
                 rows = time_ours(DECODE_SIZES, args.steps, args.repeats)
             else:
-                rows = time_peer(peer_python, DECODE_SIZES, args.steps, args.repeats)
+                rows = time_peer(python, DECODE_SIZES, args.steps, args.repeats)
             for row in rows:
                 samples.setdefault(_key(row), {}).setdefault(name, []).append(row["us_per_step"])
             print(f"round {round_index + 1}: {name} done", flush=True)

@@ -3,7 +3,8 @@
 Runs in vLLM's virtual environment (`.venv-vllm`, made by `scripts/bench_vs_vllm.py` on first
 use); `bench_scheduler.py --peer vllm` starts it once per round and reads one JSON line:
 
-    .venv-vllm/bin/python scripts/vllm_scheduler_worker.py '{"steps": 300, "repeats": 1}'
+    .venv-vllm/bin/python scripts/vllm_scheduler_worker.py \
+        '{"sizes": [64, 256, 1024], "steps": 300, "repeats": 1, "every": 4}'
 
 The scheduler is `vllm.v1.core.sched.scheduler.Scheduler`, built as vLLM's engine core builds
 it (a `VllmConfig`, a one-group full-attention `KVCacheConfig`, the structured-output manager,
