@@ -213,7 +213,12 @@ class Scheduler:
                 # Vote 2: if no rank assembled anything, a prefill step would be empty
                 # everywhere and the next step would vote again: the empty-prefill livelock.
                 # Decode instead.
-                any_scheduled = (yield [0 if batch.seqs else 1])[0] == 0
+                try:
+                    any_scheduled = (yield [0 if batch.seqs else 1])[0] == 0
+                except BaseException:  # the vote failed: put back what was assembled
+                    decode_seqs = decode.scheduled_seqs if decode is not None else []
+                    self._undo_assembly(decode_seqs, batch.seqs)
+                    raise
                 if any_scheduled:
                     outputs = self._prefill_outputs(batch, decode)
                 else:
@@ -254,6 +259,52 @@ class Scheduler:
             self.drain_step = decided_on + remaining if decoding else None
             if not prefill:
                 self.next_vote = self._policy.next_vote(decided_on, view, self._shared_state())
+
+    def abandon(self, outputs: SchedulerOutputs) -> None:
+        """Undo a step whose forward did not complete (a collective of it failed): every
+        sequence it scheduled is back where it was before the step, keeping its KV blocks
+        (what the step wrote into them past the committed tokens is written again by the
+        next step that computes those positions). Decode sequences stay running with their
+        committed tokens; prompts go back to the head of `waiting`, in their order, a prompt
+        the step had just admitted keeping its blocks as one whose prefill is under way.
+        Sequences the step's assembly preempted stay preempted (a valid state). The
+        step-policy state is not undone: a group that goes on after a failure starts it
+        afresh on every rank (`restart_policy`)."""
+        seqs = outputs.scheduled_seqs
+        num_prompt = len(seqs) - outputs.num_decode_seqs if outputs.is_prefill else 0
+        self._undo_assembly(seqs[num_prompt:], seqs[:num_prompt])
+
+    def _undo_assembly(self, decode_seqs: list[Sequence], prompt_seqs: list[Sequence]) -> None:
+        for seq in decode_seqs:
+            seq.in_flight = False
+            if seq.status is _RUNNING:
+                seq.num_tokens = seq.previous_num_tokens
+        for seq in reversed(prompt_seqs):
+            seq.in_flight = False
+            if seq.is_finished:  # ended while in flight: its release was deferred to now
+                self.kv.release(seq)
+                continue
+            seq.num_tokens = seq.previous_num_tokens
+            seq.chunked_rest_len = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def restart_policy(self, step_index: int) -> None:
+        """Start the step-policy state that every rank of a group shares afresh, as a new
+        group's ranks have it, at ``step_index`` (the group agrees on it: the highest of its
+        ranks', so that every queued sequence's `queued_step` stays in the past). The ranks
+        of a group re-formed after a failure (survivors and replacements alike) call this
+        before their first step together."""
+        if step_index < self.step_index:
+            raise ValueError(f"step index {step_index} is before this rank's {self.step_index}")
+        self.decode_step = 0
+        self.step_index = step_index
+        self.group_idle = False
+        self.drain_step = None
+        self.next_vote = 0
+        self.prefill_run = 0
+        self._ready_seq = None
+        self._ready_wait = 0
 
     def next_point(self) -> AttemptPoint:
         """The attempt point of the next ``schedule()``, from the state every rank shares."""
