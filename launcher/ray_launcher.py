@@ -84,16 +84,19 @@ class RankActor:
 
         host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
         # TCPStore itself listens on every interface; a socket bound here first does not.
-        self._listener = socket.create_server((host, 0), backlog=128)
-        port = self._listener.getsockname()[1]
+        listener = socket.create_server((host, 0), backlog=128)
+        port = listener.getsockname()[1]
         world = self.config.parallel.dp_size
+        # The store owns the socket from here (it closes it when it goes): a Python socket
+        # object left to close it too closed the number twice, and a heal's second store
+        # had been given that number meanwhile (a rank aborted on it).
         self.store = dist.TCPStore(
             host,
             port,
             world,
             is_master=True,
             wait_for_workers=False,
-            master_listen_fd=self._listener.fileno(),
+            master_listen_fd=listener.detach(),
         )
         return host, port
 
