@@ -17,7 +17,7 @@ from moe.eplb import (
     rebalance_gain,
     worth_adopting,
 )
-from moe.exchange import Exchange, GroupExchange
+from moe.exchange import Exchange, GroupExchange, Unjoined
 from moe.experts import (
     ExpertImpl,
     LocalExperts,
@@ -61,6 +61,7 @@ __all__ = [
     "RoutingResult",
     "SlotMoves",
     "StagedPlacement",
+    "Unjoined",
     "balancedness",
     "choose_replicas",
     "combine",

@@ -53,6 +53,29 @@ class GroupExchange:
         )
 
 
+class Unjoined:
+    """The `Exchange` of a rank whose group does not exist yet: a replacement rank loads its
+    share of the experts before it joins the group it replaces a rank of. It knows its rank
+    and the group's size (a layer checks its placement against them) and refuses to swap rows
+    until the layer is given the real exchange (`MoELayer.join`)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+    ) -> None:
+        raise RuntimeError(
+            f"rank {self.rank} has not joined its group of {self.size} yet: no rows can be "
+            "exchanged"
+        )
+
+
 def as_exchange(group: dist.ProcessGroup | Exchange) -> Exchange:
     """A process group wrapped in `GroupExchange`; an `Exchange` as is."""
     if isinstance(group, dist.ProcessGroup):

@@ -155,6 +155,21 @@ class MoELayer(nn.Module):
         for each in DispatchMode if mode is None else (mode,):
             self.expert_impls[each] = impl
 
+    def join(self, group: dist.ProcessGroup | Exchange) -> None:
+        """Swap rows through `group` from now on: a group re-formed after a failure (the
+        same rank and size, new processes or connections). Call it where no forward runs."""
+        exchange = as_exchange(group)
+        if self.exchange is None or (exchange.rank, exchange.size) != (
+            self.exchange.rank,
+            self.exchange.size,
+        ):
+            now = "none" if self.exchange is None else (self.exchange.rank, self.exchange.size)
+            raise ValueError(
+                f"a layer placed for (rank, size) {now} cannot join a group as "
+                f"{(exchange.rank, exchange.size)}"
+            )
+        self.exchange = exchange
+
     def count_load_into(self, counts: torch.Tensor) -> None:
         """Count routed pairs into `counts` ([E] int64 on the layer's device, e.g. one row of a
         [L, E] tensor that holds every layer's) from now on, so one op reads or resets every

@@ -65,6 +65,28 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def rank_device(backend: str, rank: int, local_rank: int | None = None) -> torch.device:
+    """The device a rank computes on: its GPU under NCCL (``local_rank``, else the rank
+    modulo the GPUs it sees), the CPU under gloo. ``backend``: a resolved one."""
+    if backend == "nccl":
+        return torch.device(
+            "cuda", rank % torch.cuda.device_count() if local_rank is None else local_rank
+        )
+    return torch.device("cpu")
+
+
+def leave_group(ctx: DistContext) -> None:
+    """Drop this process's part of a failed group, so that it can join a new one
+    (`init_distributed` again, with a new store): its shared-memory exchange is closed (its
+    peers were told by `abort` when the failure was seen) and every process group is
+    destroyed. Nothing here waits for a peer."""
+    shared = ctx.shared_memory
+    if shared is not None:
+        shared.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed(
     rank: int,
     world_size: int,
@@ -103,13 +125,9 @@ def init_distributed(
         )
     moe_backend = resolve_backend(backend)
     moe_group = dist.new_group(backend=moe_backend, timeout=timeout)
-    if moe_backend == "nccl":
-        device = torch.device(
-            "cuda", rank % torch.cuda.device_count() if local_rank is None else local_rank
-        )
+    device = rank_device(moe_backend, rank, local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if moe_backend == "nccl" and moe_exchange == "shared_memory":
         raise ValueError("parallel.moe_exchange 'shared_memory' needs the gloo backend")
     shared = None

@@ -28,13 +28,13 @@ from dist_engine.attention.kv_cache import (
 )
 from dist_engine.autotune import TuneShapes
 from dist_engine.backends import Backends, resolve_backends
-from dist_engine.distributed.groups import DistContext
+from dist_engine.distributed.groups import DistContext, rank_device, resolve_backend
 from dist_engine.distributed.plain_data import broadcast_json
 from dist_engine.distributed.step_sync import TorchVote, agree_settings, find_failed_ranks
 from dist_engine.distributed.wake import LocalWake, StoreWake
 from dist_engine.engine.config import EngineConfig, model_identity
 from dist_engine.engine.dtype import DtypeChoice, checkpoint_dtype, resolve_auto_dtype
-from dist_engine.engine.eplb import ExpertBalancer, count_nodes, initial_placement
+from dist_engine.engine.eplb import ExpertBalancer, count_nodes, initial_placement, moe_layers
 from dist_engine.engine.host_memory import retain_freed_memory
 from dist_engine.engine.messages import (
     INBOX_MESSAGES,
@@ -56,7 +56,7 @@ from dist_engine.models.config import ModelConfig, read_hf_config
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import load_model
 from dist_engine.models.registry import load_config
-from moe import DispatchMode
+from moe import DispatchMode, Unjoined
 from scheduler import (
     AttemptPoint,
     GroupView,
@@ -69,6 +69,9 @@ from scheduler import (
 )
 
 OutputCallback = Callable[[RequestOutput], None]
+# Given the failed group's context, leaves it and returns the re-formed group's (None: there
+# will be none); blocks until then. Set by whoever hosts the engine (launcher/clients.py).
+Rejoin = Callable[[DistContext | None], "DistContext | None"]
 _SLEEP_POLL_S = 60.0
 # The dispatch mode a step runs, as the lock-step check compares it (the last: no forward).
 _MODE_CODES = {mode: code for code, mode in enumerate([*DispatchMode, None])}
@@ -110,12 +113,19 @@ class DPEngine:
         model: MoECausalLM | None = None,
         on_output: OutputCallback | None = None,
         trace_limit: int = 1_000_000,
+        join_as: tuple[int, int] | None = None,
     ) -> None:
+        """join_as: (rank, group size) of a rank built before its group exists (a replacement
+        for a failed rank): it loads everything, takes no collective, and runs only once
+        `join_group` has taken it into the re-formed group."""
         # A hub model's snapshot is the driver's directory; on another host, this host's copy.
         self.config = config = config.with_local_model()
         self.dist = dist_ctx
-        self.rank = dist_ctx.rank if dist_ctx else 0
-        self.world_size = dist_ctx.world_size if dist_ctx else 1
+        if join_as is not None and (dist_ctx is not None or config.moe.enable_eplb):
+            raise ValueError("join_as is for a rank without a group yet, and without EPLB")
+        self.rank, self.world_size = join_as or (
+            (dist_ctx.rank, dist_ctx.world_size) if dist_ctx else (0, 1)
+        )
         if self.world_size != config.parallel.dp_size:
             raise ValueError(
                 f"parallel.dp_size is {config.parallel.dp_size} but the group has "
@@ -130,6 +140,8 @@ class DPEngine:
         )
         check_max_model_len(sched_config.max_model_len, self.model_config)
         device = dist_ctx.device if dist_ctx else None
+        if join_as is not None:
+            device = rank_device(resolve_backend(config.parallel.backend), self.rank)
         if device is None or device.type == "cpu":
             retained = retain_freed_memory()
             self.log.debug("host malloc keeps freed memory: %s", retained)
@@ -171,6 +183,13 @@ class DPEngine:
             else LocalWake()
         )
         self.on_output = on_output
+        # Set by the engine's host where a failed group may be re-formed around this rank
+        # (Ray, `on_rank_failure: heal`): the loop then abandons the failed step, keeps its
+        # requests and KV, and goes on in the new group (`_rejoin_after`).
+        self.rejoin: Rejoin | None = None
+        self.on_joined: Callable[[], None] | None = None  # called once it joined a new group
+        self._in_flight: SchedulerOutputs | None = None  # the step whose forward is running
+        self.left_because: str | None = None  # why it left its group, while it waits for one
         self.trace: collections.deque[StepTrace] = collections.deque(maxlen=trace_limit)
         self.step_counters = StepCounters()  # outlives the trace's limit; read by stats()
         self._inbox: collections.deque[InboxMessage] = collections.deque()
@@ -285,10 +304,13 @@ class DPEngine:
 
     def _load_model(self, device: object, sched_config) -> MoECausalLM:
         num_experts = self.model_config.num_experts
+        group = None
+        if self.world_size > 1:  # a rank built before its group gets the group's at the join
+            group = self.dist.moe_exchange if self.dist else Unjoined(self.rank, self.world_size)
         context = ExpertParallelContext(
             placement=initial_placement(self.config.moe, num_experts, self.world_size),
             rank=self.rank,
-            group=self.dist.moe_exchange if self.dist and self.world_size > 1 else None,
+            group=group,
             ll_max_tokens_per_rank=self.config.ll_capacity,
         )
         return load_model(
@@ -376,23 +398,104 @@ class DPEngine:
             # `stopped`, so an item posted just before is answered there.)
             self._reject_inbox()
             return
-        self.wake.bump()
+        try:
+            self.wake.bump()
+        except Exception:
+            # A failed group's store may be gone with its rank 0. A rank that will go on in a
+            # re-formed group takes its inbox at its next step there; else the caller learns.
+            if self.rejoin is None:
+                raise
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
         """Step until the group shuts down. Raises after failing every outstanding request if
-        a collective fails or the ranks diverge."""
+        a collective fails or the ranks diverge, unless the group is re-formed around this
+        rank (`rejoin`): then it goes on there with its requests."""
+        while True:
+            try:
+                while not self.stopped:
+                    self.step()
+                return
+            except BaseException as error:
+                if self.dist is not None and self.dist.shared_memory is not None:
+                    # Peers blocked in a shared-memory vote or all-to-all learn of it at once.
+                    self.dist.shared_memory.abort()
+                failure = error
+            try:
+                if self._rejoin_after(failure):
+                    continue
+            except BaseException as join_error:  # the new group could not be joined
+                failure = join_error
+            self._fail_outstanding(failure)
+            if self.error is failure:
+                raise failure
+            raise self.error from failure
+
+    def _rejoin_after(self, error: BaseException) -> bool:
+        """After a failed collective: abandon the step it was in (no token of it is committed
+        or emitted here; its KV writes past the committed tokens are rewritten later), keep
+        every request and its KV, wait for the group to be re-formed (`rejoin`) and join it.
+        False where this rank cannot go on (no rejoin, an interrupt, no new group)."""
+        if self.rejoin is None or self.stopped:
+            return False
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            return False
+        abandoned = self._in_flight
+        if abandoned is not None:
+            self.scheduler.abandon(abandoned)
+            self._in_flight = None
+        first_line = (str(error).strip().splitlines() or [repr(error)])[0]
+        self.log.error(
+            "the group failed at step %d (%s: %s); %s, keeping %d request(s) and their KV, "
+            "waiting for the group to be re-formed",
+            self.scheduler.step_index, type(error).__name__, first_line,
+            "abandoned that step" if abandoned is not None else "between steps",
+            self.scheduler.num_unfinished,
+        )  # fmt: skip
+        self.left_because = f"{type(error).__name__}: {first_line}"
         try:
-            while not self.stopped:
-                self.step()
-        except BaseException as error:
-            if self.dist is not None and self.dist.shared_memory is not None:
-                # Peers blocked in a shared-memory vote or all-to-all learn of it at once.
-                self.dist.shared_memory.abort()
-            self._fail_outstanding(error)
-            if self.error is error:
-                raise
-            raise self.error from error
+            ctx = self.rejoin(self.dist)
+        finally:
+            self.left_because = None
+        if ctx is None:
+            return False
+        self.join_group(ctx)
+        if self.on_joined is not None:
+            self.on_joined()
+        return True
+
+    def join_group(self, ctx: DistContext) -> None:
+        """Take this rank into a group re-formed after a failure (new processes for the
+        failed ranks, new process groups, a new store): a surviving rank from its loop, a
+        replacement (`join_as`) before its first step. Collective: every rank of the new group
+        calls it once, and they then agree on the settings and on where the step policy starts
+        (the highest step index among them), as a new group's ranks would."""
+        if (ctx.rank, ctx.world_size) != (self.rank, self.world_size):
+            raise ValueError(
+                f"rank {self.rank} of {self.world_size} cannot join as rank {ctx.rank} of "
+                f"{ctx.world_size}"
+            )
+        old_vote = self.vote
+        self.dist = ctx
+        self.vote = TorchVote(ctx.vote_group, ctx.shared_memory)
+        if old_vote is not None:
+            self.vote.num_calls = old_vote.num_calls
+        self.scheduler.vote = self.vote
+        self._votes = self.vote
+        for layer in moe_layers(self.model):
+            layer.join(ctx.moe_exchange)
+        agree_settings(
+            ctx.vote_group,
+            {
+                **self.config.group_agreed(model_identity(self.config.model)),
+                "scheduler.max_model_len (resolved)": self.scheduler.config.max_model_len,
+            },
+        )
+        step_index = -self.vote.allreduce_min([-self.scheduler.step_index])[0]
+        self.scheduler.restart_policy(step_index)
+        self.wake = StoreWake(ctx.store, self._new_namespace(), ctx.connect_store)
+        self._sleep_epoch = 0
+        self.log.info("joined the re-formed group at step %d", step_index)
 
     def step(self) -> StepTrace:
         start = time.perf_counter()
@@ -400,12 +503,14 @@ class DPEngine:
         self._intake()
         sched = self.scheduler
         outputs = self._schedule(sched.plan(wake_epoch=seen_epoch, shutdown=self._shutting_down))
+        self._in_flight = outputs  # until its tokens are committed: undone if a collective fails
         self._emit_all(outputs.ignored_seqs)
         view = outputs.group
         kind = outputs.kind
         if self.config.check_lockstep and self.vote is not None:
             self.vote.check_lockstep(outputs.step_index, kind, _MODE_CODES[dispatch_mode(kind)])
         if view is not None and view.shutdown:
+            self._in_flight = None
             self._stop("engine shut down", ErrorKind.ENGINE_STOPPED)
             return self._record(outputs, kind, start, 0.0, 0.0)
         forward_start = time.perf_counter()
@@ -414,6 +519,7 @@ class DPEngine:
         for seq, reason in failures:  # one request's fault ends that request, not the group
             self.log.warning("request %s failed: %s", seq.request_id, reason)
             self._end_with_error(seq.request_id, reason, ErrorKind.REQUEST_FAILED)
+        self._in_flight = None
         finished = sched.process_outputs(outputs, tokens)
         self._advance_grammars(outputs.scheduled_seqs)
         self._emit_stream(outputs.scheduled_seqs)
@@ -435,7 +541,13 @@ class DPEngine:
         try:
             vector = next(plan)
             while True:
-                vector = plan.send(self._votes.allreduce_min(vector))
+                try:
+                    group_min = self._votes.allreduce_min(vector)
+                except BaseException as error:
+                    # Into the plan, which puts back what it assembled, and out again.
+                    plan.throw(error)
+                    raise
+                vector = plan.send(group_min)
         except StopIteration as done:
             return done.value
 
