@@ -9,8 +9,10 @@ has run is a *generation*, and calls that name one (`generation=`) reach that gr
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -68,11 +70,17 @@ class Client(Protocol):
 
     def stats(self, timeout_s: float | None = None) -> list[RankStats]: ...
 
-    def reform(self) -> None:
-        """Replace the group by a new one of the same size: stop every rank that is left,
-        start new ones (each loading its share of the experts), and advance `generation`.
-        Requests the old group held are gone; the caller resubmits them. Raises (and leaves
-        no group running) if the new group cannot start."""
+    def reform(self) -> set[int]:
+        """Replace the failed group's failed ranks, or the whole group, by new ones (each
+        loading its share of the experts), and advance `generation`. Returns the ranks whose
+        requests are gone (the caller resubmits those); the other ranks kept their processes
+        and go on with their requests. Raises (and leaves no group running) if the new group
+        cannot start."""
+        ...
+
+    def kept_since(self, rank: int, generation: int) -> bool:
+        """Whether ``rank`` is the same process as in group ``generation``: its outputs polled
+        from that group still belong to its requests."""
         ...
 
     def silent_ranks(self) -> dict[int, float]:
@@ -93,6 +101,22 @@ class RankFailure(RuntimeError):
         super().__init__(f"DP rank {rank} died: {detail}")
         self.rank = rank
         self.generation = generation
+
+
+class RankLeftGroup(RankFailure):
+    """Rank ``rank`` of group ``generation`` is alive, but its group failed (a collective did):
+    its engine abandoned the step and waits, with its requests and KV, to be taken into a
+    re-formed group (`RayClient.reform`)."""
+
+    def __init__(self, rank: int, detail: str, generation: int = 0) -> None:
+        RuntimeError.__init__(self, f"DP rank {rank} left its failed group: {detail}")
+        self.rank = rank
+        self.generation = generation
+
+
+class GroupLeft(RuntimeError):
+    """What a rank's `take` raises, once its outputs are out, while its engine waits for a
+    re-formed group: the driver learns of the failure even where no rank died."""
 
 
 class StaleGroup(RuntimeError):
@@ -124,6 +148,10 @@ class OutputBuffer:
                 return items
 
 
+# How long an engine whose group failed waits to be taken into a re-formed one.
+_REJOIN_WAIT_S = 900.0
+
+
 class EngineHost:
     """One rank's engine on a thread of its own; used in-process and inside Ray actors.
 
@@ -136,15 +164,36 @@ class EngineHost:
     the caller does on its own threads still costs that.
     """
 
-    def __init__(self, config: EngineConfig, dist_ctx: Any = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        dist_ctx: Any = None,
+        *,
+        rejoinable: bool = False,
+        join_as: tuple[int, int] | None = None,
+    ) -> None:
+        """rejoinable: when the group fails, the engine keeps its requests and waits for a
+        re-formed group (`detach`, then `join`) instead of failing them. join_as: (rank,
+        group size) of a replacement rank, built without a group; it runs once `join`ed."""
         self.outputs = OutputBuffer()
         self.error: str | None = None
         self.engine: DPEngine | None = None
         self.num_threads = 0  # torch threads of the engine thread, once built
         self._build_error: BaseException | None = None
+        self._rejoinable = rejoinable or join_as is not None
+        # The re-formed group's context, handed from `join` to the engine thread (None: none
+        # will come); `_waiting` is set while the engine thread waits for one, `_joined` once it
+        # joined (or failed to: `_join_error`).
+        self._groups: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._waiting = threading.Event()
+        self._joined = threading.Event()
+        self._join_error: BaseException | None = None
         built = threading.Event()
         self.thread = threading.Thread(
-            target=self._main, args=(config, dist_ctx, built), name="lockstep-engine", daemon=True
+            target=self._main,
+            args=(config, dist_ctx, built, join_as),
+            name="lockstep-engine",
+            daemon=True,
         )
         self.thread.start()
         built.wait()
@@ -152,23 +201,94 @@ class EngineHost:
             self.thread.join()
             raise self._build_error
 
-    def _main(self, config: EngineConfig, dist_ctx: Any, built: threading.Event) -> None:
+    def _main(
+        self,
+        config: EngineConfig,
+        dist_ctx: Any,
+        built: threading.Event,
+        join_as: tuple[int, int] | None,
+    ) -> None:
         try:
             # Set on this thread even when unchanged: MKL keeps its thread count per thread,
             # and a new thread otherwise takes OMP_NUM_THREADS (Ray actors and torchrun set it
             # to 1) whatever torch.get_num_threads() says.
             torch.set_num_threads(config.parallel.threads_per_rank or torch.get_num_threads())
             self.num_threads = torch.get_num_threads()
-            self.engine = DPEngine(config, dist_ctx, on_output=self.outputs.put)
+            self.engine = DPEngine(config, dist_ctx, on_output=self.outputs.put, join_as=join_as)
+            if self._rejoinable:
+                self.engine.rejoin = self._await_group
+                self.engine.on_joined = self._joined.set
         except BaseException as error:  # raised again on the caller's thread
             self._build_error = error
             return
         finally:
             built.set()
         try:
+            if join_as is not None:
+                ctx = self._await_group(None)
+                if ctx is None:
+                    self.error = "no group to join came"
+                    return
+                self.engine.join_group(ctx)
+                self._joined.set()
             self.engine.run()
         except BaseException as error:  # reported through status(); the outputs carry it too
             self.error = f"{type(error).__name__}: {error}"
+            self._join_error = self._join_error or error
+            self._joined.set()  # a `join` waiting for this thread learns it failed
+
+    # -- healing in place (launcher/ray_launcher.py drives it) ------------------------------
+    def _await_group(self, old_ctx: Any) -> Any:
+        """On the engine thread, after its group failed: wait for `join` to hand over the
+        re-formed group's context (None: there will be none)."""
+        self._joined.clear()
+        self._join_error = None
+        self._waiting.set()
+        try:
+            return self._groups.get(timeout=_REJOIN_WAIT_S)
+        except queue.Empty:
+            return None
+        finally:
+            self._waiting.clear()
+
+    def detach(self, timeout_s: float) -> str:
+        """Wait (up to ``timeout_s``) for the engine to leave its failed group: "detached" once
+        it waits for a new one with its requests, "stopped" if its loop ended, "running" if
+        it has not noticed the failure (its next collective will fail). A sleeping loop is
+        woken, so that it notices."""
+        if not self._rejoinable:
+            return "stopped" if not self.thread.is_alive() else "running"
+        if not self._waiting.is_set():
+            # A sleeping loop wakes on the store, which may be gone or held by a stopped rank
+            # (a call into it would then block): bumped on a thread of its own.
+            threading.Thread(target=self._bump, name="lockstep-detach", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._waiting.is_set():
+                return "detached"
+            if not self.thread.is_alive():
+                return "stopped"
+            self._waiting.wait(0.05)
+        return "detached" if self._waiting.is_set() else "running"
+
+    def _bump(self) -> None:
+        with contextlib.suppress(Exception):  # the loop notices the failure anyway
+            self.engine.wake.bump()
+
+    def join(self, ctx: Any, timeout_s: float) -> None:
+        """Hand the re-formed group's context to the waiting engine thread and wait until it
+        has joined (`DPEngine.join_group`); raises what went wrong."""
+        if not self._waiting.wait(timeout_s):
+            raise RuntimeError("the engine is not waiting for a group to join")
+        self._groups.put(ctx)
+        if not self._joined.wait(timeout_s):
+            raise RuntimeError(f"the engine did not join within {timeout_s:.0f} s")
+        if self._join_error is not None:
+            raise RuntimeError(f"joining failed: {self._join_error}") from self._join_error
+
+    def leave(self) -> None:
+        """Tell a waiting engine that no group will come: it fails its requests and stops."""
+        self._groups.put(None)
 
     def submit(self, batch: list[Submission]) -> None:
         for item in batch:
@@ -186,14 +306,24 @@ class EngineHost:
         self.engine.abort(request_id)
 
     def take(self, timeout_s: float) -> list[RequestOutput]:
-        return self.outputs.take(timeout_s)
+        """The engine's outputs, waiting up to ``timeout_s`` for one; raises `GroupLeft`, once
+        they are all out, while the engine waits for a re-formed group."""
+        outputs = self.outputs.take(0.0 if self._waiting.is_set() else timeout_s)
+        if not outputs and self._waiting.is_set():
+            raise GroupLeft(self.engine.left_because or "its group failed")
+        return outputs
 
     def stats(self) -> RankStats:
         """The rank's queues, KV pool and counters, with the loop's error if it failed."""
         return self.engine.stats(self.error)
 
     def shutdown(self, timeout_s: float) -> str | None:
-        self.engine.shutdown()
+        if self._rejoinable and self._waiting.is_set():
+            # Waiting for a re-formed group: none will come (the failed group's store, which
+            # a shutdown message would wake it through, may be gone).
+            self._groups.put(None)
+        else:
+            self.engine.shutdown()
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             return "engine loop did not stop"
@@ -226,11 +356,14 @@ class LocalClient:
     def poll(self, timeout_s: float, generation: int | None = None) -> list[RequestOutput]:
         return self.host.take(timeout_s)
 
-    def reform(self) -> None:
+    def reform(self) -> set[int]:
         raise RuntimeError(
             "a group of one in this process cannot be re-formed (parallel.launcher local): "
             "its rank is this process"
         )
+
+    def kept_since(self, rank: int, generation: int) -> bool:
+        return True  # never re-formed
 
     def stats(self, timeout_s: float | None = None) -> list[RankStats]:
         """A snapshot taken on the caller's thread: it never waits on the engine's loop."""

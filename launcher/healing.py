@@ -4,8 +4,8 @@ in a new group as if nothing had happened. Pure logic: no Ray, no threads.
 
     submit: ResumeLedger.add -> Submission (seed fixed here for a request that gives none)
     outputs: ResumeLedger.take(output) -> what the caller sees (None: held for it)
-    failure: RecoveryBudget.available? -> client.reform() -> ResumeLedger.resume()
-             -> resubmissions (+ poison requests ended alone)
+    failure: RecoveryBudget.available? -> client.reform() (-> the ranks replaced)
+             -> ResumeLedger.resume(ranks) -> resubmissions (+ poison requests ended alone)
 
 Why a resubmission gives a fault-free run's tokens: a request's draw for output token i is a
 pure function of its seed and i (dist_engine/engine/sampler.py), greedy is deterministic, and
@@ -222,10 +222,12 @@ class ResumeLedger:
             output, arrival_time=tracked.arrival_time, first_token_time=tracked.first_token_time
         )
 
-    def resume(self, fault: GroupFault) -> Resumption:
-        """The group failed (and is being replaced): each unfinished request is resubmitted
-        from the tokens its front end has, or, outstanding in too many failures in a row, ended
-        alone with an error naming it."""
+    def resume(self, fault: GroupFault, ranks: set[int] | None = None) -> Resumption:
+        """The group failed and ``ranks`` were replaced (None: all of them): each unfinished
+        request routed to one of them is resubmitted from the tokens its front end has; the
+        other ranks kept their processes, so their requests go on there untouched. A request
+        of any rank outstanding in too many failures in a row is ended alone with an error
+        naming it (the caller aborts it on its rank if that rank was kept)."""
         submissions: list[Submission] = []
         ended: list[RequestOutput] = []
         for request_id, tracked in list(self._open.items()):
@@ -235,6 +237,8 @@ class ResumeLedger:
                 del self._open[request_id]
                 ended.append(self._poisoned(tracked, fault))
                 continue
+            if ranks is not None and tracked.rank not in ranks:
+                continue  # its rank was kept: it goes on there
             tracked.resubmitted = True
             submissions.append(
                 dataclasses.replace(first, stream=True, resumed_token_ids=tuple(tracked.committed))

@@ -570,7 +570,8 @@ class LLM:
     def _recover(
         self, fault: GroupFault, ledger: ResumeLedger, failed: dict[int, str]
     ) -> tuple[list[RequestOutput], GroupFault | None]:
-        """Heal the group after ``fault`` and resubmit every unfinished request: returns the
+        """Heal the group after ``fault`` and resubmit the requests of the ranks it replaced
+        (the kept ranks' requests go on there, a poison one aborted): returns the
         poison requests' terminal outputs and a failure of the new group's submissions, if
         any. Where it may not heal (or the new group does not start), records the failure in
         ``failed`` instead, for `_run` to fail the requests as `on_rank_failure: fail` does."""
@@ -585,28 +586,33 @@ class LLM:
             "DP group failure seen: %s; re-forming the group (%d unfinished request(s))",
             fault.reason, len(ledger),
         )  # fmt: skip
-        resumption = ledger.resume(fault)
-        for output in resumption.ended:
-            log.error("%s", output.finish_reason)
         while True:  # a new group that fails to start (a rank dies meanwhile) is tried again
             try:
-                self.client.reform()
+                replaced = self.client.reform()
                 break
             except Exception as error:
                 reason = f"re-forming the DP group failed ({type(error).__name__}: {error})"
                 if not self._may_heal():
                     failed[-1] = reason
                     log.error("%s; not trying again: %s", reason, self._recoveries.describe())
-                    return resumption.ended, None
+                    return [], None
                 log.error("%s; trying again", reason)
                 self._recoveries.spend(time.monotonic())
+        resumption = ledger.resume(fault, replaced)
+        abort_fault = None
+        for output in resumption.ended:
+            log.error("%s", output.finish_reason)
+            if output.dp_rank not in replaced:  # still held by its rank, which was kept
+                abort_fault = abort_fault or self._abort(output.request_id, self.client.generation)
+        kept = sorted(set(range(self.client.num_ranks)) - replaced)
         log.warning(
-            "DP group re-formed in %.1f s; %d request(s) resumed: %d from their streamed "
-            "tokens, %d from their prompts",
-            time.monotonic() - start, len(resumption.submissions), resumption.num_from_tokens,
+            "DP group re-formed in %.1f s (rank(s) %s replaced, %s kept with their requests); "
+            "%d request(s) resumed: %d from their streamed tokens, %d from their prompts",
+            time.monotonic() - start, sorted(replaced), kept or "none",
+            len(resumption.submissions), resumption.num_from_tokens,
             len(resumption.submissions) - resumption.num_from_tokens,
         )  # fmt: skip
-        return resumption.ended, self._submit(resumption.submissions)
+        return resumption.ended, self._submit(resumption.submissions) or abort_fault
 
     @property
     def _failure_grace_s(self) -> float:

@@ -22,11 +22,14 @@ answered for `collective_timeout_s + RANK_SILENCE_MARGIN_S`, and killed, whichev
 notices it. Stats are asked with a short timeout of their own and never fail a rank: a silent
 rank's last stats come back with how long it has been silent.
 
-After a failure `reform` replaces the whole group (`on_rank_failure: heal`, driven by the
-front end, launcher/healing.py): every actor of the old one is killed, its placement group
-removed, and a new group of the same size placed and started as at start-up (new actors, a
-new store under a new namespace, each rank loading its share of the experts). Each group is
-a generation; a call that names one reaches it or nothing.
+After a failure `reform` heals the group (`on_rank_failure: heal`, driven by the front end,
+launcher/healing.py). In place where it can: the surviving ranks' engines have abandoned the
+failed step and wait with their requests and KV; the failed ranks' actors are killed and new
+ones started in their bundles, each loading its share of the experts, and every rank joins a
+new group (a new store on rank 0 under a new namespace). Otherwise (EPLB on, or no rank to
+replace) every actor is killed, the placement group removed, and a new group placed and
+started as at start-up. Each group is a generation; a call that names one reaches it or
+nothing, and a kept rank is the same actor in the next generation (`kept_since`).
 """
 
 from __future__ import annotations
@@ -53,7 +56,14 @@ from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
 from dist_engine.log import get_logger
-from launcher.clients import EngineHost, RankFailure, StaleGroup, Submission
+from launcher.clients import (
+    EngineHost,
+    GroupLeft,
+    RankFailure,
+    RankLeftGroup,
+    StaleGroup,
+    Submission,
+)
 
 log = get_logger()
 
@@ -114,49 +124,98 @@ class RankActor:
         """
         import torch.distributed as dist
 
+        if cpu_slot is not None:
+            self._pin(cpu_slot)
+        if self.store is None:
+            self.store = dist.TCPStore(host, port, self.config.parallel.dp_size, is_master=False)
+        ctx = self._join_group(host, port, namespace, loopback)
+        self.host = EngineHost(self.config, ctx, rejoinable=_heals_in_place(self.config))
+        return self._started(ctx)
+
+    def _pin(self, cpu_slot: tuple[int, int]) -> None:
         from dist_engine.backends import may_use_native
         from dist_engine.distributed.cpu_binding import bind_process
-        from dist_engine.distributed.groups import describe_exchange, init_distributed
         from dist_engine.kernels import compute
         from dist_engine.log import get_logger
 
-        if cpu_slot is not None:
-            # Build (or load) the CPU kernels before pinning: a first build compiles its files
-            # in parallel, and a pinned rank would have only its own cores for it: a fresh
-            # machine's first start-up was much slower that way (docs/benchmark_notes.md,
-            # "Start-up and failure detection").
-            if may_use_native(self.config.backend_settings):
-                compute.prepare()
-            threads = self.config.parallel.threads_per_rank
-            assert threads is not None, "RayClient fills in threads_per_rank"
-            cores = bind_process(*cpu_slot, threads)
-            get_logger(self.rank).info("pinned to cores %s", cores or "none (they do not fit)")
+        # Build (or load) the CPU kernels before pinning: a first build compiles its files
+        # in parallel, and a pinned rank would have only its own cores for it: a fresh
+        # machine's first start-up was much slower that way (docs/benchmark_notes.md,
+        # "Start-up and failure detection").
+        if may_use_native(self.config.backend_settings):
+            compute.prepare()
+        threads = self.config.parallel.threads_per_rank
+        assert threads is not None, "RayClient fills in threads_per_rank"
+        cores = bind_process(*cpu_slot, threads)
+        get_logger(self.rank).info("pinned to cores %s", cores or "none (they do not fit)")
 
-        world = self.config.parallel.dp_size
+    def _join_group(self, host: str, port: int, namespace: str, loopback: bool) -> Any:
+        import torch.distributed as dist
+
+        from dist_engine.distributed.groups import init_distributed
+
         if loopback:
             os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # read when the gloo groups are created
-        if self.store is None:
-            self.store = dist.TCPStore(host, port, world, is_master=False)
 
         def connect_store() -> dist.Store:
             return dist.PrefixStore(namespace, dist.TCPStore(host, port, is_master=False))
 
-        ctx = init_distributed(
+        return init_distributed(
             self.rank,
-            world,
+            self.config.parallel.dp_size,
             dist.PrefixStore(namespace, self.store),
             backend=self.config.parallel.backend,
             timeout_s=self.config.parallel.collective_timeout_s,
             moe_exchange=self.config.parallel.moe_exchange,
             connect_store=connect_store,
         )
-        self.host = EngineHost(self.config, ctx)
+
+    def _started(self, ctx: Any) -> tuple[int, str, str, str]:
+        from dist_engine.distributed.groups import describe_exchange
+
         return (
             os.getpid(),
             ray.get_runtime_context().get_node_id(),
             describe_exchange(ctx),
             self.host.engine.describe_compute(),
         )
+
+    # -- healing in place: survivors `detach` then `rejoin`; a replacement `prepare`s first ---
+    def prepare(self, cpu_slot: tuple[int, int] | None) -> None:
+        """A replacement for a failed rank: load this rank's share of the model without a
+        group (`DPEngine(join_as=...)`); `rejoin` takes it into the re-formed group."""
+        if cpu_slot is not None:
+            self._pin(cpu_slot)
+        world = self.config.parallel.dp_size
+        self.host = EngineHost(self.config, join_as=(self.rank, world))
+
+    def detach(self, timeout_s: float) -> str:
+        """Whether this rank's engine has left its failed group and waits for a new one with
+        its requests ("detached"), stopped, or still runs (`EngineHost.detach`)."""
+        return self.host.detach(timeout_s) if self.host is not None else "stopped"
+
+    def rejoin(
+        self, host: str, port: int, namespace: str, loopback: bool, timeout_s: float
+    ) -> tuple[int, str, str, str]:
+        """Join the re-formed group whose store is at (host, port): leave the failed group's
+        process groups (a survivor), join the new ones, and wait for the engine to join."""
+        import torch.distributed as dist
+
+        from dist_engine.distributed.groups import leave_group
+
+        engine = self.host.engine
+        if engine.dist is not None:
+            leave_group(engine.dist)
+        if self.rank != 0:  # rank 0 made the new store (`create_store`) just before
+            self.store = dist.TCPStore(host, port, self.config.parallel.dp_size, is_master=False)
+        ctx = self._join_group(host, port, namespace, loopback)
+        self.host.join(ctx, timeout_s)
+        return self._started(ctx)
+
+    def leave(self) -> None:
+        """No group will come: a detached engine fails its requests and stops."""
+        if self.host is not None:
+            self.host.leave()
 
     def submit(self, batch: list[Submission]) -> None:
         self.host.submit(batch)
@@ -189,6 +248,13 @@ class RankActor:
             "num_preemptions": stats.num_preemptions,
             "prefix_hits": stats.num_prefix_cache_hit_tokens,
         }
+
+
+def _heals_in_place(config: EngineConfig) -> bool:
+    """Whether a rank survives its group's failure with its requests and KV, to be taken into
+    the re-formed group (`RayClient.reform`): under `on_rank_failure: heal`, without EPLB (a
+    replacement could not yet be given the placement the survivors adopted)."""
+    return config.parallel.on_rank_failure == "heal" and not config.moe.enable_eplb
 
 
 def start_reaper() -> subprocess.Popen:
@@ -261,13 +327,22 @@ def _reload_auth_settings() -> None:
 @dataclass(eq=False)
 class _Group:
     """One generation of the group: its placement group, its actors, and what the driver
-    knows of each rank. A reform replaces the whole object, so a call that captured an old
-    one can only reach (dead) old actors."""
+    knows of each rank. A reform of the whole group replaces the whole object, so a call
+    that captured an old one can only reach (dead) old actors; a heal in place keeps it,
+    replacing the failed ranks' actors and advancing `generation`."""
 
     generation: int
     pg: Any
     actors: list[Any] = field(default_factory=list)
-    takes: dict[int, Any] = field(default_factory=dict)  # rank -> its outstanding `take`
+    # rank -> (the actor asked, its outstanding `take`, the generation it was asked in): an
+    # answer from an actor since replaced is not that rank's any more, and a survivor's
+    # "left the group" from before a heal is old news.
+    takes: dict[int, tuple[Any, Any, int]] = field(default_factory=dict)
+    # Outputs polled from live ranks in a poll that then found a rank failed: the next poll
+    # returns them (a heal in place keeps the survivors').
+    stash: list[RequestOutput] = field(default_factory=list)
+    # rank -> the generation its actor started in (a survivor keeps its own).
+    since: dict[int, int] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)  # rank -> why; never asked again
     heard: dict[int, float] = field(default_factory=dict)  # rank -> when it last answered
     last_stats: dict[int, RankStats] = field(default_factory=dict)
@@ -390,6 +465,7 @@ class RayClient:
             self._kill_group(group)
             raise
         group.heard = dict.fromkeys(range(world), time.monotonic())
+        group.since = dict.fromkeys(range(world), generation)
         group.pids = {rank: pid for rank, (pid, *_) in enumerate(started)}
         group.node_ids = {rank: node for rank, (_, node, *_) in enumerate(started)}
         group.moe_exchange = started[0][2]  # a group decision: the same on every rank
@@ -398,18 +474,130 @@ class RayClient:
             log.info("DP rank %d: pid %d, Ray node %s", rank, pid, group.node_ids[rank][:12])
         return group
 
-    def reform(self) -> None:
-        """Kill every rank of the current group at once (the survivors' requests go with
-        them: the caller resubmits them all), free its placement group, and start a new group
-        of the same size (`_start_group`): a replacement for the dead rank wherever the
-        cluster has room, new actors for the others, a new store and namespace. The time is
-        the group's start-up time (model load included)."""
+    def reform(self) -> set[int]:
+        """Replace the failed ranks and return the ranks whose requests are gone (the caller
+        resubmits those; the others' requests go on where they were).
+
+        In place where it can (`_heal_in_place`): the survivors keep their processes,
+        requests and KV, and only the failed ranks are started again. Otherwise (EPLB on, no
+        rank failed but the group did, or the heal in place failed) every rank of the group
+        is killed, its placement group freed, and a new group of the same size started
+        (`_start_group`): new actors, a new store and namespace; every rank is returned. The
+        time is a rank's start-up time (model load included) either way."""
         with self._reform_lock:
             old = self._group
+            if _heals_in_place(self._config):
+                try:
+                    return self._heal_in_place(old)
+                except Exception as error:
+                    log.error(
+                        "the survivors cannot be kept (%s: %s); replacing every rank",
+                        type(error).__name__, error,
+                    )  # fmt: skip
             self._kill_group(old)
             group = self._start_group(old.generation + 1)
             with self._lock:
                 self._group = group
+            return set(range(self.num_ranks))
+
+    def _heal_in_place(self, group: _Group) -> set[int]:
+        """Keep the ranks that survived the failure and replace the others, in `group`:
+
+        1. every rank not yet declared failed is asked to `detach` (its engine abandons the
+           step the failure hit and waits, keeping its requests and KV); one that does not
+           within the collective timeout + 5 s is failed too;
+        2. the failed ranks' actors are killed and new ones started in their bundles, each
+           loading its share of the model without a group (`prepare`);
+        3. rank 0 makes a new store, and every rank joins a new group under a new namespace
+           (`rejoin`): new process groups and exchange, settings agreed, the step policy
+           restarted at the highest step index, as a new group's.
+
+        Raises (leaving the group to be replaced whole) if no rank failed or none survived."""
+        world = self.num_ranks
+        # A live rank leaves its failed group within the collective timeout of the failure
+        # (its collective fails at once on a dead peer, after T on a stopped one).
+        limit = self._config.parallel.collective_timeout_s + 2.0
+        live = [rank for rank in range(world) if rank not in group.failed]
+        asked = {rank: group.actors[rank].detach.remote(limit) for rank in live}
+        states: dict[int, str] = {}
+        deadline = time.monotonic() + limit + 3.0
+        for rank, ref in asked.items():  # one deadline for all: they wait together
+            try:
+                states[rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as error:  # gone, or silent
+                states[rank] = f"no answer ({type(error).__name__})"
+        survivors = [rank for rank in live if states[rank] == "detached"]
+        replaced = {rank for rank in range(world) if rank not in survivors}
+        if not survivors:
+            raise LockstepError(f"no rank survived to be kept ({states})")
+        if not replaced:
+            raise LockstepError("every rank is alive and detached: no rank to replace")
+        for rank in replaced:
+            self._declare_failed(group, rank, group.failed.get(rank) or states.get(rank, ""))
+            ray.kill(group.actors[rank], no_restart=True)
+        log.warning(
+            "healing in place: keeping rank(s) %s with their requests, replacing %s",
+            survivors, sorted(replaced),
+        )  # fmt: skip
+        config = self._config
+        actors = list(group.actors)
+        for rank in replaced:
+            actors[rank] = RankActor.options(
+                num_cpus=1,
+                num_gpus=1 if self._use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group.pg, placement_group_bundle_index=rank
+                ),
+            ).remote(config, rank)
+        try:
+            hosts = _rank_hosts(group.pg, world)
+            loopback = len(set(hosts.values())) == 1
+            pin = config.parallel.cpu_binding and not self._use_gpu
+            slots = _cpu_slots(hosts) if pin else {}
+            ray.get(
+                [actors[rank].prepare.remote(slots.get(rank)) for rank in replaced],
+                timeout=_STARTUP_TIMEOUT_S,
+            )
+            host, port = ray.get(
+                actors[0].create_store.remote(loopback), timeout=_STARTUP_TIMEOUT_S
+            )
+            namespace = f"lockstep/{secrets.token_hex(16)}/"
+            started = ray.get(
+                [
+                    actor.rejoin.remote(host, port, namespace, loopback, _STARTUP_TIMEOUT_S)
+                    for actor in actors
+                ],
+                timeout=_STARTUP_TIMEOUT_S + 10.0,
+            )
+        except BaseException:
+            for rank in replaced:  # the caller kills the rest with the group
+                ray.kill(actors[rank], no_restart=True)
+            raise
+        now = time.monotonic()
+        with self._lock:
+            group.generation += 1
+            group.actors = actors
+            group.failed.clear()
+            for rank in replaced:
+                group.takes.pop(rank, None)
+                group.last_stats.pop(rank, None)
+                group.since[rank] = group.generation
+            group.stash = [out for out in group.stash if out.dp_rank not in replaced]
+            group.heard = dict.fromkeys(range(world), now)
+            group.store_address = (host, port)
+            for rank in replaced:
+                group.pids[rank], group.node_ids[rank] = started[rank][0], started[rank][1]
+        for rank in sorted(replaced):
+            log.info(
+                "DP rank %d replaced: pid %d, Ray node %s",
+                rank, group.pids[rank], group.node_ids[rank][:12],
+            )  # fmt: skip
+        return replaced
+
+    def kept_since(self, rank: int, generation: int) -> bool:
+        """Whether ``rank``'s process is the one it was in group ``generation`` (it survived
+        every heal since): its outputs from then are still its requests'."""
+        return self._group.since.get(rank, -1) <= generation
 
     def _current(self, generation: int | None) -> _Group:
         group = self._group
@@ -466,23 +654,46 @@ class RayClient:
             group = self._current(generation)
         except StaleGroup:
             return []
+        with self._lock:
+            stashed, group.stash = group.stash, []
+        if stashed:
+            return stashed
         for rank, actor in enumerate(group.actors):
             if rank not in group.takes and rank not in group.failed:
-                group.takes[rank] = actor.take.remote(_TAKE_S)
+                group.takes[rank] = (actor, actor.take.remote(_TAKE_S), group.generation)
         takes = dict(group.takes)
         if not takes:
             return []
-        ready, _ = ray.wait(list(takes.values()), num_returns=1, timeout=timeout_s)
+        ready, _ = ray.wait([ref for _, ref, _ in takes.values()], num_returns=1, timeout=timeout_s)
         outputs: list[RequestOutput] = []
-        for rank, ref in takes.items():
-            if ref in ready:
-                group.takes.pop(rank, None)
-                outputs.extend(self._get(group, rank, ref))
-        now = time.monotonic()
-        for rank in list(group.takes):
-            silent_s = now - group.heard[rank]
-            if silent_s > self._silence_limit_s:
-                self._fail_silent(group, rank, silent_s)
+        failure: RankFailure | None = None
+        for rank, (actor, ref, asked_in) in takes.items():
+            if ref not in ready:
+                continue
+            with self._lock:
+                if group.takes.get(rank, (None, None, None))[1] is not ref:
+                    continue  # another poll took it, or its rank has been replaced
+                del group.takes[rank]
+            try:
+                outputs.extend(self._get(group, rank, ref, actor, asked_in))
+            except RankFailure as error:
+                failure = failure or error
+        if failure is None:
+            now = time.monotonic()
+            for rank in list(group.takes):
+                silent_s = now - group.heard[rank]
+                if silent_s > self._silence_limit_s:
+                    try:
+                        self._fail_silent(group, rank, silent_s)
+                    except RankFailure as error:
+                        failure = error
+                        break
+        if failure is not None:
+            # The live ranks' outputs are theirs whatever happens next: a heal in place
+            # keeps those ranks, so the next poll hands them out.
+            with self._lock:
+                group.stash = outputs + group.stash
+            raise failure
         return outputs
 
     def silent_ranks(self) -> dict[int, float]:
@@ -500,12 +711,26 @@ class RayClient:
             raise RankFailure(rank, group.failed[rank], group.generation)
         return group.actors[rank]
 
-    def _get(self, group: _Group, rank: int, ref: Any) -> Any:
+    def _get(
+        self, group: _Group, rank: int, ref: Any, actor: Any = None, asked_in: int | None = None
+    ) -> Any:
         """A rank's answer, waiting at most the silence limit; a rank that has not answered
-        anything for that long is failed (and killed), whichever call noticed."""
+        anything for that long is failed (and killed), whichever call noticed; a rank whose
+        engine left its failed group raises `RankLeftGroup` (it is not failed: a heal in
+        place keeps it). ``actor`` and ``asked_in``: the one asked for a `take` and the
+        generation then: if the rank has been replaced since, its death is old news, and if
+        the group has been healed since, so is its leaving; either answers nothing."""
+        healed_since = asked_in is not None and asked_in != group.generation
         try:
             value = ray.get(ref, timeout=self._silence_limit_s)
+        except GroupLeft as error:
+            group.heard[rank] = time.monotonic()
+            if healed_since:
+                return []
+            raise RankLeftGroup(rank, str(error), group.generation) from error
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
+            if actor is not None and group.actors[rank] is not actor:
+                return []
             self._declare_failed(group, rank, f"its Ray actor is gone ({type(error).__name__})")
             raise RankFailure(rank, group.failed[rank], group.generation) from error
         except ray.exceptions.GetTimeoutError:

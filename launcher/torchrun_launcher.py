@@ -154,11 +154,14 @@ class TorchrunClient:
     def poll(self, timeout_s: float, generation: int | None = None) -> list[RequestOutput]:
         return self.host.take(timeout_s)
 
-    def reform(self) -> None:
+    def reform(self) -> set[int]:
         raise RuntimeError(
             "a torchrun group cannot be re-formed from inside: every process is a rank; "
             "torchrun --max-restarts restarts the job"
         )
+
+    def kept_since(self, rank: int, generation: int) -> bool:
+        return True  # never re-formed
 
     def stats(self, timeout_s: float | None = None) -> list[RankStats]:
         """This process's rank only: the others are other processes' to report."""

@@ -24,15 +24,18 @@ what `max_pending_requests` counts.
 A failed group (`RankFailure` from the client, a rank ending its requests because its group
 failed, or a rank reporting its loop failed) is healed under `on_rank_failure: heal` while
 the recovery budget lasts (launcher/healing.py): the client re-forms the group on a thread of
-its own, every open request is resubmitted with the tokens it has streamed (a poison request
-is ended alone), and new requests wait for the new group; `/health` says `degraded` until it
-is up. Otherwise the failure ends every open request with an error naming the rank, refuses
-new ones, and shuts the remaining ranks down; `/health` then says why.
+its own, keeping the ranks that survived with their requests; the replaced ranks' open
+requests are resubmitted with the tokens they have streamed (a poison request of any rank is
+ended alone), and new requests wait for the new group; `/health` says `degraded` until it is
+up. Otherwise the failure ends every open request with an error naming the rank, refuses new
+ones, and shuts the remaining ranks down; `/health` then says why.
 
 Each group the client runs is a generation. Commands carry the generation they are for and
-outputs the generation they came from; those of a replaced group are dropped (the heal
-resubmits what they were about), so nothing of the old group reaches the new one or a caller
-once the failure is seen.
+outputs the generation they came from. Once a failure is seen, the old group's outputs are
+held until the heal says which ranks it kept: a kept rank's are delivered (it goes on with
+its requests), a replaced rank's dropped (the heal resubmits what they were about); a command
+not yet carried to a kept rank is carried to it in the new group. Nothing of a replaced rank
+reaches the new group or a caller.
 """
 
 from __future__ import annotations
@@ -167,8 +170,11 @@ class EngineFrontend:
         self._generation = client.generation
         self._ready = threading.Event()  # clear while healing: the threads hold their calls
         self._ready.set()
-        self._awaiting: dict[str, Submission] = {}  # resubmissions held for the new group
         self._heal_started = 0.0
+        self._heal_fault: GroupFault | None = None  # the failure being healed
+        # Outputs of the failed group that came in while it was healed: a kept rank's are
+        # still its requests' (`_healed`).
+        self._held: list[RequestOutput] = []
         self.latest_stats: list[RankStats] = []
         self._open: dict[str, _Open] = {}
         self._num_admitted = 0  # requests being read and tokenized (see `admission`)
@@ -305,10 +311,8 @@ class EngineFrontend:
         if reason is not None:
             entry.abort_reason = reason
         entry.aborted = True
-        if self._awaiting.pop(request_id, None) is not None:
-            # It waits for the new group: no rank holds it, so it ends here.
-            self._end_here(request_id)
-            return
+        # While the group is healed, the courier holds it: `_healed` ends it here if its
+        # rank was replaced (no rank holds it then), else it goes to the kept rank.
         self._commands[entry.rank].put(_Abort(request_id, self._generation))
 
     @property
@@ -351,9 +355,16 @@ class EngineFrontend:
 
     # -- outputs and failures (event loop thread) -------------------------------------------
     def _deliver(self, outputs: list[RequestOutput], generation: int) -> None:
-        """Outputs polled from group ``generation``; dropped once that group has failed."""
+        """Outputs polled from group ``generation``. Once that group has failed, they are
+        held while it is healed (a rank it keeps goes on with its requests: `_healed`
+        delivers its outputs) and dropped after."""
         if generation != self._generation:
+            if self.healing is not None and generation == self._generation - 1:
+                self._held.extend(outputs)
             return
+        self._take(outputs, generation)
+
+    def _take(self, outputs: list[RequestOutput], generation: int) -> None:
         fault: GroupFault | None = None
         for output in outputs:
             entry = self._open.get(output.request_id)
@@ -377,7 +388,6 @@ class EngineFrontend:
     def _close(self, request_id: str) -> None:
         del self._open[request_id]
         self._ledger.forget(request_id)
-        self._awaiting.pop(request_id, None)
         self.router.finished(request_id)
         if not self._open:
             self._idle.set()
@@ -441,31 +451,46 @@ class EngineFrontend:
             "DP group failure seen: %s; re-forming the group (%d open request(s))",
             fault.reason, len(self._open),
         )  # fmt: skip
-        resumption = self._ledger.resume(fault)
-        for output in resumption.ended:
-            log.error("%s", output.finish_reason)
-            self._end_here(output.request_id, output)
-        self._awaiting = {s.request_id: s for s in resumption.submissions}
+        self._heal_fault = fault
+        self._held = []
         threading.Thread(target=self._reform, name="lockstep-heal", daemon=True).start()
 
     def _reform(self) -> None:
         """On a thread of its own: replace the group (the client's start-up time)."""
         try:
-            self.client.reform()
+            replaced = self.client.reform()
         except Exception as error:
             reason = f"re-forming the DP group failed: {type(error).__name__}: {error}"
             self._from_thread(self._heal_failed, reason)
         else:
-            self._from_thread(self._healed)
+            self._from_thread(self._healed, replaced)
 
-    def _healed(self) -> None:
-        """The new group is up: resubmit what waited for it, then let the threads go on."""
+    def _healed(self, replaced: set[int]) -> None:
+        """The new group is up: the kept ranks' outputs held meanwhile are delivered, the
+        replaced ranks' requests resubmitted (a poison request of any rank ended alone, and
+        aborted on its rank if that was kept), then the threads go on."""
         assert self.client.generation == self._generation, (
             self.client.generation,
             self._generation,
         )
+        fault, self._heal_fault = self._heal_fault, None
+        assert fault is not None
         seconds = time.monotonic() - self._heal_started
-        awaiting, self._awaiting = self._awaiting, {}
+        held, self._held = self._held, []
+        self._take([o for o in held if o.dp_rank not in replaced], self._generation)
+        resumption = self._ledger.resume(fault, replaced)
+        for output in resumption.ended:
+            log.error("%s", output.finish_reason)
+            if output.request_id not in self._open:
+                continue
+            if output.dp_rank not in replaced:  # its rank still holds it
+                self._commands[output.dp_rank].put(_Abort(output.request_id, self._generation))
+            self._end_here(output.request_id, output)
+        for request_id, entry in self._open.items():
+            if entry.aborted and entry.rank not in replaced:
+                # Asked while the group was healed: again, in case it went to the failed one.
+                self._commands[entry.rank].put(_Abort(request_id, self._generation))
+        awaiting = {s.request_id: s for s in resumption.submissions}
         num_resumed = num_from_tokens = 0
         for request_id, submission in awaiting.items():
             entry = self._open.get(request_id)
@@ -481,10 +506,12 @@ class EngineFrontend:
         self._ready.set()
         if self._heal_metrics is not None:
             self._heal_metrics.recovered(seconds, num_resumed)
+        kept = sorted(set(range(self.num_ranks)) - replaced)
         log.warning(
-            "DP group re-formed in %.1f s; %d request(s) resumed: %d from their streamed "
-            "tokens, %d from their prompts",
-            seconds, num_resumed, num_from_tokens, num_resumed - num_from_tokens,
+            "DP group re-formed in %.1f s (rank(s) %s replaced, %s kept with their requests); "
+            "%d request(s) resumed: %d from their streamed tokens, %d from their prompts",
+            seconds, sorted(replaced), kept or "none", num_resumed, num_from_tokens,
+            num_resumed - num_from_tokens,
         )  # fmt: skip
 
     def _heal_failed(self, reason: str) -> None:
@@ -496,7 +523,8 @@ class EngineFrontend:
             return
         log.error("%s; not trying again: %s", reason, self._budget.describe())
         self.healing = None
-        self._awaiting = {}
+        self._heal_fault = None
+        self._held = []
         self._fail_group(reason)
         self._ready.set()  # the threads find the failure and stop
 
@@ -602,13 +630,22 @@ class EngineFrontend:
         # Submissions first, then aborts: an abort in this batch may be for a request
         # submitted in it, never the other way round.
         submissions = [c.submission for c in batch if isinstance(c, _Submit)]
+        aborts = [c for c in batch if isinstance(c, _Abort)]
         try:
             if submissions:
                 self.client.submit(rank, submissions, generation=generation)
-            for command in batch:
-                if isinstance(command, _Abort):
-                    self.client.abort(rank, command.request_id, generation=generation)
+                submissions = []
+            while aborts:
+                self.client.abort(rank, aborts[0].request_id, generation=generation)
+                aborts.pop(0)
         except StaleGroup:
+            # Replaced meanwhile. A rank the heal kept is the same process in the new group,
+            # so what was not carried is still for its requests: carry it there. A replaced
+            # rank's open requests are resubmitted by the heal.
+            if self.client.kept_since(rank, generation) and generation < self.client.generation:
+                rest = [_Submit(s, self.client.generation) for s in submissions]
+                rest += [_Abort(c.request_id, self.client.generation) for c in aborts]
+                self._carry(rank, rest, self.client.generation)
             return
         except RankFailure as failure:
             fault = GroupFault(str(failure), failure.rank)

@@ -107,6 +107,34 @@ def test_a_request_in_failures_in_a_row_without_progress_is_ended_alone():
     assert "r" not in ledger and "busy" in ledger
 
 
+def test_only_the_replaced_ranks_requests_are_resubmitted():
+    """A heal that keeps rank 0 (its process, requests and KV): only rank 1's request is
+    resubmitted; rank 0's is left to its rank, still tracked, and ends there as usual."""
+    ledger = ResumeLedger(poison_failure_threshold=3)
+    ledger.add("r", PROMPT, PARAMS, seed=1, stream=True, rank=1)
+    ledger.add("kept", PROMPT, PARAMS, seed=2, stream=True, rank=0)
+    ledger.take(output([4], 1, request_id="kept", dp_rank=0))
+    resumption = ledger.resume(FAULT, {1})
+    assert [s.request_id for s in resumption.submissions] == ["r"] and resumption.ended == []
+    assert "kept" in ledger
+    # The kept rank goes on with its request: its outputs pass through untouched.
+    final = ledger.take(output([4, 5], 1, finished=True, request_id="kept", dp_rank=0))
+    assert final.output_token_ids == [4, 5] and final.new_token_ids == [5]
+
+
+def test_a_kept_ranks_request_in_failures_in_a_row_is_ended_alone_too():
+    """A poison request need not sit on the rank that died: one on a kept rank, outstanding
+    in K failures in a row with no token, is ended (its caller aborts it on its rank)."""
+    ledger = ResumeLedger(poison_failure_threshold=2)
+    ledger.add("stuck", PROMPT, PARAMS, seed=1, stream=True, rank=0)
+    first = ledger.resume(FAULT, {1})
+    assert first.ended == [] and first.submissions == []
+    second = ledger.resume(FAULT, {1})
+    (ended,) = second.ended
+    assert ended.request_id == "stuck" and ended.dp_rank == 0 and second.submissions == []
+    assert ended.error_kind is ErrorKind.REQUEST_FAILED and "stuck" not in ledger
+
+
 def test_group_failure_outputs_are_recognised_by_their_kind():
     failed = RequestOutput.failed("r", PROMPT, "DP group failed", 0, 0.0, ErrorKind.GROUP_FAILED)
     assert is_group_failure(failed)
