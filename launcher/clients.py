@@ -83,6 +83,11 @@ class Client(Protocol):
         from that group still belong to its requests."""
         ...
 
+    def give_up(self) -> None:
+        """The failed group will not be re-formed: ranks waiting to be taken into a new one
+        fail their requests now (`ErrorKind.GROUP_FAILED`) instead of waiting on."""
+        ...
+
     def silent_ranks(self) -> dict[int, float]:
         """Live ranks that have not answered lately: rank -> seconds."""
         ...
@@ -364,6 +369,9 @@ class LocalClient:
 
     def kept_since(self, rank: int, generation: int) -> bool:
         return True  # never re-formed
+
+    def give_up(self) -> None:
+        pass  # its engine never waits for a new group
 
     def stats(self, timeout_s: float | None = None) -> list[RankStats]:
         """A snapshot taken on the caller's thread: it never waits on the engine's loop."""

@@ -578,6 +578,7 @@ class LLM:
         if not self._may_heal():
             if self.config.parallel.on_rank_failure == "heal" and self.client.can_reform:
                 log.error("not healing the DP group: %s", self._recoveries.describe())
+                self.client.give_up()  # the survivors end their requests now
             failed[fault.rank if fault.rank is not None else -1] = fault.reason
             return [], None
         start = time.monotonic()
@@ -595,6 +596,7 @@ class LLM:
                 if not self._may_heal():
                     failed[-1] = reason
                     log.error("%s; not trying again: %s", reason, self._recoveries.describe())
+                    self.client.give_up()
                     return [], None
                 log.error("%s; trying again", reason)
                 self._recoveries.spend(time.monotonic())

@@ -250,6 +250,15 @@ class RankActor:
         }
 
 
+# How many times a heal in place starts a failed rank's replacement (one that dies as it
+# loads, say) before the whole group is replaced instead.
+_IN_PLACE_TRIES = 2
+
+
+class _ReplacementFailed(LockstepError):
+    """A replacement rank did not start; the survivors still wait, untouched."""
+
+
 def _heals_in_place(config: EngineConfig) -> bool:
     """Whether a rank survives its group's failure with its requests and KV, to be taken into
     the re-formed group (`RayClient.reform`): under `on_rank_failure: heal`, without EPLB (a
@@ -479,21 +488,29 @@ class RayClient:
         resubmits those; the others' requests go on where they were).
 
         In place where it can (`_heal_in_place`): the survivors keep their processes,
-        requests and KV, and only the failed ranks are started again. Otherwise (EPLB on, no
-        rank failed but the group did, or the heal in place failed) every rank of the group
+        requests and KV, and only the failed ranks are started again (a replacement that
+        does not start is started once more). Otherwise (EPLB on, no rank failed but the
+        group did, or the heal in place failed) every rank of the group
         is killed, its placement group freed, and a new group of the same size started
         (`_start_group`): new actors, a new store and namespace; every rank is returned. The
         time is a rank's start-up time (model load included) either way."""
         with self._reform_lock:
             old = self._group
-            if _heals_in_place(self._config):
+            tries = _IN_PLACE_TRIES if _heals_in_place(self._config) else 0
+            for attempt in range(1, tries + 1):
                 try:
                     return self._heal_in_place(old)
+                except _ReplacementFailed as error:
+                    if attempt < tries:  # the survivors wait untouched: start it again
+                        log.error("%s; starting the replacement again", error)
+                        continue
+                    log.error("%s; replacing every rank", error)
                 except Exception as error:
                     log.error(
                         "the survivors cannot be kept (%s: %s); replacing every rank",
                         type(error).__name__, error,
                     )  # fmt: skip
+                break
             self._kill_group(old)
             group = self._start_group(old.generation + 1)
             with self._lock:
@@ -554,10 +571,16 @@ class RayClient:
             loopback = len(set(hosts.values())) == 1
             pin = config.parallel.cpu_binding and not self._use_gpu
             slots = _cpu_slots(hosts) if pin else {}
-            ray.get(
-                [actors[rank].prepare.remote(slots.get(rank)) for rank in replaced],
-                timeout=_STARTUP_TIMEOUT_S,
-            )
+            try:
+                ray.get(
+                    [actors[rank].prepare.remote(slots.get(rank)) for rank in replaced],
+                    timeout=_STARTUP_TIMEOUT_S,
+                )
+            except Exception as error:  # no survivor has been touched yet
+                raise _ReplacementFailed(
+                    f"a replacement for rank(s) {sorted(replaced)} did not start "
+                    f"({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]})"
+                ) from error
             host, port = ray.get(
                 actors[0].create_store.remote(loopback), timeout=_STARTUP_TIMEOUT_S
             )
@@ -766,6 +789,12 @@ class RayClient:
             self._reaper.terminate()
             self._reaper.wait(timeout=10)
             self._reaper = None
+
+    def give_up(self) -> None:
+        group = self._group
+        for rank, actor in enumerate(group.actors):
+            if rank not in group.failed:
+                actor.leave.remote()  # not waited on: a stopped rank would not answer
 
     def stop_ranks(self) -> None:
         """Stop every rank, then kill the actors and free the placement group; Ray itself

@@ -163,6 +163,9 @@ class TorchrunClient:
     def kept_since(self, rank: int, generation: int) -> bool:
         return True  # never re-formed
 
+    def give_up(self) -> None:
+        pass  # its engine never waits for a new group
+
     def stats(self, timeout_s: float | None = None) -> list[RankStats]:
         """This process's rank only: the others are other processes' to report."""
         return [self.host.stats()]

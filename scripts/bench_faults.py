@@ -18,14 +18,19 @@ EOS ignored, `--max-tokens` each) once without a fault (the reference, and a war
 again, SIGKILLing rank 1 once a third of the tokens have arrived. Every token is timestamped
 as it reaches the driver, with the group generation it came from. Reported:
   start-up s      — the LLM's start (placement, actors, model load), for comparison;
-  fault->token s  — from the kill to the first token of the re-formed group;
+  fault->token s  — from the kill to the first token of the re-formed group (in the JSON,
+                    `fault_to_resumed_token_s`: to the first token of a request the killed
+                    rank held, which is re-prefilled on its replacement);
   tok/s before / during / after — tokens reaching the driver per second from the first token
                     to the kill, from the kill to the new group's first token, and from then
                     to the end (which includes re-prefilling the resumed requests);
-  resumed, same   — requests resubmitted, and whether every request's tokens equal the
-                    fault-free run's; the JSON's `differing` lists each request that does not,
-                    with the first position that differs, how many of its tokens came from the
-                    old group, and both token lists.
+  resumed/open    — requests resubmitted (a heal in place: the killed rank's only), of those
+                    unfinished at the kill;
+  kept            — the ranks whose process survived the heal (their requests went on);
+  same            — whether every request's tokens equal the fault-free run's; the JSON's
+                    `differing` lists each request that does not, with the first position
+                    that differs, how many of its tokens came from the old group, and both
+                    token lists.
 A difference is not by itself a healing fault: fp32 GEMMs give a row bits that depend on the
 batch's row count (on the AVX2 host, M < 4 and M >= 4 differ by ~6e-5), so any change of
 schedule (a resumed prefill, another arrival order) can flip an MoE router's top-k where two
@@ -83,28 +88,39 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 
 def stream(llm: LLM, prompts: list[list[int]], params: SamplingParams, kill_at_tokens: int | None):
     """Stream the prompts; returns (token arrivals [(time, generation)], tokens per prompt,
-    the kill's time or None, the requests unfinished then, the tokens each prompt had then).
-    Kills rank 1 once
+    the kill's time or None, (the requests unfinished then, those of them on the killed rank),
+    the tokens each prompt had then, the group each token came from). Kills rank 1 once
     ``kill_at_tokens`` tokens have arrived."""
     index_of = {tuple(p): i for i, p in enumerate(prompts)}
     arrivals: list[tuple[float, int]] = []
     tokens: list[list[int]] = [[] for _ in prompts]
     generations: list[list[int]] = [[] for _ in prompts]  # the group each token came from
     finished: set[int] = set()
-    killed_at, unfinished, at_kill = None, 0, None
+    rank_of: dict[int, int] = {}
+    killed_at, unfinished, at_kill, resumed_at = None, (0, 0), None, None
+    killed_in = -1  # the group generation the kill hit
     for completion in llm.generate_stream(prompts, params):
         now, generation = time.monotonic(), llm.client.generation
         index = index_of[tuple(completion.prompt_token_ids)]
         arrivals += [(now, generation)] * len(completion.new_token_ids)
         tokens[index] += completion.new_token_ids
         generations[index] += [generation] * len(completion.new_token_ids)
+        rank_of.setdefault(index, completion.dp_rank)
+        if (
+            resumed_at is None and killed_at is not None and generation > killed_in
+            and rank_of[index] == 1 and completion.new_token_ids
+        ):  # fmt: skip
+            resumed_at = now  # a token of a request the killed rank held, from the new group
         if completion.finished:
             finished.add(index)
         if killed_at is None and kill_at_tokens is not None and len(arrivals) >= kill_at_tokens:
             os.kill(llm.client.pids[1], signal.SIGKILL)
-            killed_at, unfinished = time.monotonic(), len(prompts) - len(finished)
+            open_ = [i for i in range(len(prompts)) if i not in finished]
+            on_killed = sum(1 for i in open_ if rank_of.get(i) == 1)
+            killed_at, unfinished = time.monotonic(), (len(open_), on_killed)
+            killed_in = generation
             at_kill = [len(t) for t in tokens]
-    return arrivals, tokens, killed_at, unfinished, at_kill, generations
+    return arrivals, tokens, killed_at, unfinished, at_kill, generations, resumed_at
 
 
 def rate(arrivals: list[tuple[float, int]], start: float, end: float) -> float:
@@ -123,11 +139,14 @@ def measure(name: str, dp_size: int, args: argparse.Namespace) -> dict[str, Any]
     start = time.monotonic()
     with LLM(model=str(directory), launcher="ray", dp_size=dp_size, **settings) as llm:
         startup_s = time.monotonic() - start
-        _, reference, _, _, _, _ = stream(llm, prompts, params, None)
+        _, reference, *_ = stream(llm, prompts, params, None)
         generation = llm.client.generation
         total = args.requests * args.max_tokens
+        pids = dict(llm.client.pids)
         faulted = stream(llm, prompts, params, total // 3)
-    arrivals, tokens, killed_at, unfinished, at_kill, generations = faulted
+        after = dict(llm.client.pids)
+    kept = sorted(rank for rank in pids if rank != 1 and after.get(rank) == pids[rank])
+    arrivals, tokens, killed_at, unfinished, at_kill, generations, resumed_at = faulted
     assert killed_at is not None, "the workload ended before the kill"
     old = [g.count(generation) for g in generations]
     first = arrivals[0][0]
@@ -137,10 +156,15 @@ def measure(name: str, dp_size: int, args: argparse.Namespace) -> dict[str, Any]
         "dp": dp_size,
         "startup_s": startup_s,
         "fault_to_token_s": healed_at - killed_at,
+        # From the kill to the first token of a request the killed rank held (its resumption).
+        "fault_to_resumed_token_s": resumed_at - killed_at if resumed_at else None,
         "tok_s_before": rate(arrivals, first, killed_at),
         "tok_s_during": rate(arrivals, killed_at, healed_at),
         "tok_s_after": rate(arrivals, healed_at, arrivals[-1][0]),
-        "resumed": unfinished,
+        "unfinished": unfinished[0],
+        # A heal in place resubmits only the killed rank's requests; the others go on.
+        "resumed": unfinished[1] if kept else unfinished[0],
+        "kept_ranks": kept,
         "same_tokens": tokens == reference,
         "differing": differing(reference, tokens, at_kill, old),
         "tokens": len(arrivals),
@@ -164,13 +188,15 @@ def differing(reference, tokens, at_kill: list[int], from_old_group: list[int]):
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = ("model", "DP", "start-up s", "fault->token s", "before", "during", "after",
-              "resumed", "same")  # fmt: skip
+              "resumed/open", "kept", "same")  # fmt: skip
     print(f"{header[0]:<7}{header[1]:>4}" + "".join(f"{h:>15}" for h in header[2:]))
     for row in rows:
         print(
             f"{row['model']:<7}{row['dp']:>4}{row['startup_s']:>15.2f}"
             f"{row['fault_to_token_s']:>15.2f}{row['tok_s_before']:>15.1f}"
-            f"{row['tok_s_during']:>15.1f}{row['tok_s_after']:>15.1f}{row['resumed']:>15}"
+            f"{row['tok_s_during']:>15.1f}{row['tok_s_after']:>15.1f}"
+            f"{str(row['resumed']) + '/' + str(row['unfinished']):>15}"
+            f"{','.join(map(str, row['kept_ranks'])) or '-':>15}"
             f"{row['same_tokens']!s:>15}"
         )
     print("(before / during / after: tokens/s reaching the driver)")

@@ -32,6 +32,8 @@ import pytest
 import ray
 
 from dist_engine.engine.eplb import STOP_IN_STAGING_ENV
+from dist_engine.engine.outputs import ErrorKind
+from dist_engine.errors import GroupFailedError
 from launcher import LLM, SamplingParams
 from launcher.server.app import LockstepServer
 from launcher.server.config import ServerConfig
@@ -126,6 +128,43 @@ def test_a_dp4_stream_heals_a_kill_then_a_stop(model_dir):
         assert {o.dp_rank for o in outputs} == {0, 1, 2, 3}
         reference = [o.output_token_ids for o in outputs]
         _kill_then_stop(llm4, reference, kill_rank=3, stop_rank=1, params=LONG_PARAMS)
+
+
+def test_a_failure_past_the_recovery_budget_ends_the_survivors_requests_at_once(model_dir):
+    """max_recoveries_per_hour 1, on a group of its own: the first kill heals, the second is
+    not healed. The dead rank's requests fail naming it; the survivor, waiting to be taken
+    into a new group, is told none will come and ends its requests at once, not after the
+    driver's grace (the collective timeout + 10 s: 40 s here)."""
+    settings = {**SETTINGS, "max_recoveries_per_hour": 1, "collective_timeout_s": 30}
+    with LLM(model=model_dir, dp_size=2, launcher="ray", **settings) as llm2:
+        reference = [o.output_token_ids for o in llm2.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        seen: list = []
+
+        def kill_at_six(completion) -> None:
+            if not seen and len(completion.output_token_ids) >= 6:
+                seen.append(time.monotonic())
+                os.kill(llm2.client.pids[1], signal.SIGKILL)
+
+        ends = {}
+        for completion in llm2.generate_stream(PROMPTS, PARAMS):  # heals: budget 1 of 1
+            kill_at_six(completion)
+            if completion.finished:
+                ends[PROMPT_INDEX[tuple(completion.prompt_token_ids)]] = completion
+        assert [ends[i].output_token_ids for i in range(len(PROMPTS))] == reference
+        seen.clear()
+        ends = {}
+        with pytest.raises(GroupFailedError) as raised:
+            for completion in llm2.generate_stream(PROMPTS, PARAMS):
+                kill_at_six(completion)
+                if completion.finished:
+                    ends[completion.dp_rank, tuple(completion.prompt_token_ids)] = completion
+        waited_s = time.monotonic() - seen[0]
+        assert raised.value.failed_ranks == [1]
+        assert waited_s < 20, waited_s  # the grace would be 40 s
+        survivors = [c for (rank, _), c in ends.items() if rank == 0]
+        assert survivors and all(c.finish_reason == "length" or c.error_kind is not None
+                                 for c in survivors)  # fmt: skip
+        assert any(c.error_kind is ErrorKind.GROUP_FAILED for c in survivors)
 
 
 def _kill_then_stop(llm, reference, kill_rank: int, stop_rank: int, params=PARAMS) -> None:
@@ -235,13 +274,14 @@ def _rank_processes() -> list[tuple[int, str]]:
 
 
 def test_a_rank_killed_while_the_group_re_forms(llm, reference):
-    """SIGKILL rank 1 mid-run, then its replacement while it is still starting: the heal in
-    place fails, the group is replaced whole, and every request still ends once with the
-    fault-free tokens, no token missing or repeated."""
+    """SIGKILL rank 1 mid-run, then its replacement while it is still starting: the heal
+    starts another replacement while rank 0 waits with its requests, and every request
+    still ends once with the fault-free tokens, no token missing or repeated."""
     generation = llm.client.generation
     # Every rank process there is now (the new group's ranks come later; an idle Ray worker
     # taking a new rank's actor is retitled then, so it is not excluded here).
     known = {pid for pid, _ in _rank_processes()}
+    survivor = llm.client.pids[0]
     killed: dict = {}
     lines: list[str] = []
     handler = logging.Handler()
@@ -264,12 +304,12 @@ def test_a_rank_killed_while_the_group_re_forms(llm, reference):
             watcher.join(60)
     assert "during_start" in killed, "no rank of the new group was seen starting"
     assert killed["during_start"] not in llm.client.pids.values()
-    # The heal in place failed with its replacement; the whole group was replaced instead
-    # (or, where that start failed too, tried again).
-    assert any(("survivors cannot be kept" in line and "replacing every rank" in line)
-               or ("re-forming the DP group failed" in line and "trying again" in line)
+    # The replacement was started again while rank 0 waited with its requests: still the
+    # process it was, in the one group that came up.
+    assert any("did not start" in line and "starting the replacement again" in line
                for line in lines), lines  # fmt: skip
-    assert llm.client.generation == generation + 1  # one group came up, after the failed one
+    assert llm.client.generation == generation + 1
+    assert llm.client.pids[0] == survivor
     for index, expected in enumerate(reference):
         (final,) = ends[index]
         assert final.finish_reason == "length", final.finish_reason
