@@ -328,9 +328,10 @@ def _get(url: str) -> tuple[int, str]:
 
 
 def test_serve_heals_concurrent_streams(llm, reference):
-    """The server over the same group: 6 streaming clients on both ranks, rank 1 killed while
-    every stream is mid-run; /health says degraded while the group re-forms, ok after; rank
-    0's streams go on in the process they started in."""
+    """The server over the same group: 6 streaming clients on both ranks, rank 1 SIGKILLed
+    while every stream is mid-run, then (6 new streams) rank 0 SIGSTOPped; each time /health
+    says degraded while the group re-forms, ok after, and the other rank's streams go on in
+    the process they started in."""
     server = LockstepServer(llm.client, llm.config, ServerConfig(port=0, served_model_name="t"))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -339,6 +340,48 @@ def test_serve_heals_concurrent_streams(llm, reference):
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     count = 6
+    try:
+        for heals, (rank, signum) in enumerate(((1, signal.SIGKILL), (0, signal.SIGSTOP)), 1):
+            other = 1 - rank
+            survivor, faulted = llm.client.pids[other], llm.client.pids[rank]
+            try:
+                health, results = _serve_round(client, url, count, faulted, signum)
+            finally:
+                if signum == signal.SIGSTOP and psutil.pid_exists(faulted):
+                    os.kill(faulted, signal.SIGCONT)
+            assert (200, "degraded") in health and health <= {(200, "degraded"), (200, "ok")}
+            status, body = _get(f"{url}/health")
+            assert status == 200 and '"status": "ok"' in body
+            for index in range(count):
+                assert not isinstance(results[index], Exception), (index, results[index])
+                tokens, reasons = results[index]
+                assert tokens == reference[index] and reasons == ["length"], index
+            # Healed in place: the other rank kept its process and its streams; only the
+            # faulted rank's streams were resumed.
+            assert llm.client.pids[other] == survivor and llm.client.pids[rank] != faulted
+            _, metrics = _get(f"{url}/metrics")
+            for series, value in (
+                ("rank_failures_total", heals), ("recoveries_total", heals),
+                ("resumed_requests_total", heals * count // 2),
+                ("recovery_seconds_count", heals),
+            ):  # fmt: skip
+                assert f'lockstep:{series}{{model_name="t"}} {value:.1f}' in metrics, series
+        for rank, index in ((0, 0), (1, 2)):  # both ranks of the new group serve (greedy)
+            reply = client.completions.create(
+                model="t", prompt=PROMPTS[index], max_tokens=32, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True, "dp_rank": rank},
+            )  # fmt: skip
+            assert reply.choices[0].token_ids == reference[index]
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(5.0), loop).result(120)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+
+
+def _serve_round(client, url: str, count: int, pid: int, signum: int):
+    """Stream PROMPTS[:count] (prompt i on rank i % 2), send ``signum`` to ``pid`` once every
+    stream has had tokens; returns the /health answers seen meanwhile and each stream's
+    (tokens, finish reasons) or error."""
     started = threading.Barrier(count + 1)
     results: dict[int, object] = {}
 
@@ -356,45 +399,20 @@ def test_serve_heals_concurrent_streams(llm, reference):
                 if number == 1:
                     started.wait(60)
             results[index] = (tokens, [r for r in reasons if r])
-        except Exception as error:  # reported below, naming the stream
+        except Exception as error:  # reported by the caller, naming the stream
             results[index] = error
 
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(count)]
-    try:
-        for worker in threads:
-            worker.start()
-        started.wait(60)  # every stream has had tokens, none has ended
-        survivor = llm.client.pids[0]
-        os.kill(llm.client.pids[1], signal.SIGKILL)
-        health = set()
-        while any(worker.is_alive() for worker in threads):
-            status, body = _get(f"{url}/health")
-            health.add((status, re.search(r'"status": "(\w+)"', body).group(1)))
-            time.sleep(0.05)
-        assert (200, "degraded") in health and health <= {(200, "degraded"), (200, "ok")}
-        assert _get(f"{url}/health")[0] == 200 and '"status": "ok"' in _get(f"{url}/health")[1]
-        for index in range(count):
-            assert not isinstance(results[index], Exception), (index, results[index])
-            tokens, reasons = results[index]
-            assert tokens == reference[index] and reasons == ["length"], index
-        # Healed in place: rank 0 kept its process and its streams; only rank 1's resumed.
-        assert llm.client.pids[0] == survivor
-        _, metrics = _get(f"{url}/metrics")
-        for series, value in (
-            ("rank_failures_total", 1), ("recoveries_total", 1),
-            ("resumed_requests_total", count // 2), ("recovery_seconds_count", 1),
-        ):  # fmt: skip
-            assert f'lockstep:{series}{{model_name="t"}} {value:.1f}' in metrics, series
-        for rank, index in ((0, 0), (1, 2)):  # both ranks of the new group serve (greedy)
-            reply = client.completions.create(
-                model="t", prompt=PROMPTS[index], max_tokens=32, temperature=0,
-                extra_body={"ignore_eos": True, "return_token_ids": True, "dp_rank": rank},
-            )  # fmt: skip
-            assert reply.choices[0].token_ids == reference[index]
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(5.0), loop).result(120)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
+    for worker in threads:
+        worker.start()
+    started.wait(60)  # every stream has had tokens, none has ended
+    os.kill(pid, signum)
+    health = set()
+    while any(worker.is_alive() for worker in threads):
+        status, body = _get(f"{url}/health")
+        health.add((status, re.search(r'"status": "(\w+)"', body).group(1)))
+        time.sleep(0.05)
+    return health, results
 
 
 # -- a rank killed during an EPLB weight transfer -------------------------------------------
