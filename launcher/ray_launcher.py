@@ -261,9 +261,9 @@ class _ReplacementFailed(LockstepError):
 
 def _heals_in_place(config: EngineConfig) -> bool:
     """Whether a rank survives its group's failure with its requests and KV, to be taken into
-    the re-formed group (`RayClient.reform`): under `on_rank_failure: heal`, without EPLB (a
-    replacement could not yet be given the placement the survivors adopted)."""
-    return config.parallel.on_rank_failure == "heal" and not config.moe.enable_eplb
+    the re-formed group (`RayClient.reform`): under `on_rank_failure: heal` (with EPLB on, a
+    replacement takes the survivors' placement as it joins, `ExpertBalancer.join`)."""
+    return config.parallel.on_rank_failure == "heal"
 
 
 def start_reaper() -> subprocess.Popen:
@@ -489,8 +489,8 @@ class RayClient:
 
         In place where it can (`_heal_in_place`): the survivors keep their processes,
         requests and KV, and only the failed ranks are started again (a replacement that
-        does not start is started once more). Otherwise (EPLB on, no rank failed but the
-        group did, or the heal in place failed) every rank of the group
+        does not start is started once more). Otherwise (no rank failed but the group did,
+        or the heal in place failed) every rank of the group
         is killed, its placement group freed, and a new group of the same size started
         (`_start_group`): new actors, a new store and namespace; every rank is returned. The
         time is a rank's start-up time (model load included) either way."""

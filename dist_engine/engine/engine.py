@@ -121,8 +121,8 @@ class DPEngine:
         # A hub model's snapshot is the driver's directory; on another host, this host's copy.
         self.config = config = config.with_local_model()
         self.dist = dist_ctx
-        if join_as is not None and (dist_ctx is not None or config.moe.enable_eplb):
-            raise ValueError("join_as is for a rank without a group yet, and without EPLB")
+        if join_as is not None and dist_ctx is not None:
+            raise ValueError("join_as is for a rank without a group yet")
         self.rank, self.world_size = join_as or (
             (dist_ctx.rank, dist_ctx.world_size) if dist_ctx else (0, 1)
         )
@@ -188,6 +188,7 @@ class DPEngine:
         # requests and KV, and goes on in the new group (`_rejoin_after`).
         self.rejoin: Rejoin | None = None
         self.on_joined: Callable[[], None] | None = None  # called once it joined a new group
+        self._replacement = join_as is not None  # until its first join: it holds no request
         self._in_flight: SchedulerOutputs | None = None  # the step whose forward is running
         self.left_because: str | None = None  # why it left its group, while it waits for one
         self.trace: collections.deque[StepTrace] = collections.deque(maxlen=trace_limit)
@@ -493,6 +494,9 @@ class DPEngine:
         )
         step_index = -self.vote.allreduce_min([-self.scheduler.step_index])[0]
         self.scheduler.restart_policy(step_index)
+        if self.balancer is not None:  # the kept ranks' placement, on every rank
+            self.balancer.join(ctx.vote_group, replacement=self._replacement)
+        self._replacement = False
         self.wake = StoreWake(ctx.store, self._new_namespace(), ctx.connect_store)
         self._sleep_epoch = 0
         self.log.info("joined the re-formed group at step %d", step_index)

@@ -373,7 +373,7 @@ class ExpertBalancer:
         proposal.staging_s = time.perf_counter() - start
         proposal.state = _READY
 
-    def _stage_layers(self, proposal: _Proposal) -> list[StagedPlacement]:
+    def _stage_layers(self, proposal: _Proposal, may_stop: bool = True) -> list[StagedPlacement]:
         staged = []
         with CheckpointReader(self.model_dir) as reader:
             for index, layer in enumerate(self.layers):
@@ -391,7 +391,7 @@ class ExpertBalancer:
                     if proposal.cancel.is_set():
                         raise RuntimeError("cancelled")
                     fill_expert(w13[row], w2[row], gate, up, down)
-                if index == 0 and wanted:
+                if index == 0 and wanted and may_stop:
                     _stop_here_if_asked()
                 staged.append(
                     StagedPlacement(
@@ -411,6 +411,70 @@ class ExpertBalancer:
 
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    # -- a re-formed group -------------------------------------------------------------------
+    def join(self, group: dist.ProcessGroup, replacement: bool) -> None:
+        """Take the balancer into a group re-formed after a failure (`DPEngine.join_group`;
+        collective over the new vote group). A proposal being staged is dropped (it was
+        decided in the old group, and a replacement knows nothing of it). Every rank then
+        takes the placement of the lowest kept rank (a replacement started from the initial
+        one; a kept rank may differ only if the failure split a commit), reading the experts
+        new to it from the checkpoint before the group's first step, and the kept rank's
+        forward-step count and group-wide stats, so that the group decides at the same steps
+        and reports as one."""
+        if self.pending is not None:
+            self.pending.cancel.set()
+            self.pending = None
+        self.group = group
+        self.num_nodes = count_nodes(group, self.rank, self.num_ranks)
+        with self._stats_lock:
+            mine = {
+                "kept": not replacement,
+                "forward_steps": self.num_forward_steps,
+                "maps": [layer.placement.phy2log.tolist() for layer in self.layers],
+                "stats": dataclasses.asdict(self.stats),
+            }
+        everyone = all_gather_json(mine, group)
+        kept = [rank for rank, state in enumerate(everyone) if state["kept"]]
+        if not kept:
+            raise RuntimeError("no rank of the re-formed group was kept: nothing to join")
+        source = everyone[kept[0]]
+        self.num_forward_steps = max(everyone[rank]["forward_steps"] for rank in kept)
+        start = time.perf_counter()
+        current = [layer.placement for layer in self.layers]
+        agreed = [
+            ExpertPlacement.from_phy2log(maps, self.config.num_experts, self.num_ranks)
+            for maps in source["maps"]
+        ]
+        moved = 0
+        if any(bool((a.phy2log != c.phy2log).any()) for a, c in zip(agreed, current, strict=True)):
+            proposal = _Proposal(
+                decided_at=self.num_forward_steps, step_index=-1, current=current,
+                proposed=agreed, balancedness_before=[], balancedness_after=[],
+                group_slots=0, decide_s=0.0, next_check=0,
+            )  # fmt: skip
+            for layer, staged in zip(
+                self.layers, self._stage_layers(proposal, may_stop=False), strict=True
+            ):
+                layer.adopt(staged)
+            moved = proposal.staged_bytes
+        if not replacement and kept[0] != self.rank and moved:
+            self.log.warning(
+                "EPLB: this rank's placement differed from rank %d's after the failure (a "
+                "commit the failure split); took rank %d's", kept[0], kept[0],
+            )  # fmt: skip
+        if replacement:
+            # Group-wide fields are every rank's alike; the last rebalance's own costs are
+            # the rank's that paid them, which this one did not.
+            own = {"last_staging_s": 0.0, "last_pause_s": 0.0, "last_bytes": 0,
+                   "last_staged_bytes": 0}  # fmt: skip
+            self._update_stats(**{**source["stats"], **own})
+        self.log.info(
+            "EPLB joined the re-formed group at forward step %d with rank %d's placement "
+            "(%.1f MiB read from the checkpoint here, %.0f ms)",
+            self.num_forward_steps, kept[0], moved / 2**20,
+            1e3 * (time.perf_counter() - start),
+        )  # fmt: skip
 
     # -- outside the loop -------------------------------------------------------------------------
     def _update_stats(self, **changes: object) -> None:

@@ -430,8 +430,10 @@ def _wait_for_a_stopped_rank(llm, limit_s: float) -> int:
 def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path):
     """DP=2 with EPLB on a skewed DeepSeek-V3: a rank stops itself half-way through staging
     the experts a rebalance gave it (`STOP_IN_STAGING_ENV`) and is SIGKILLed there. The group
-    heals as from any rank failure: every request ends once with the fault-free tokens, and
-    the new group serves at full size and rebalances again."""
+    heals in place as from any rank failure: the other rank keeps its process, the
+    replacement takes the placement the group had adopted (a rank holding other experts than
+    its peers expect would change tokens), every request ends once with the fault-free
+    tokens, and the group serves at full size and rebalances again."""
     from model_fixtures import TINY_SIZES, make_hot_experts
 
     from dist_engine.models.make_model import make_tiny_checkpoint
@@ -448,6 +450,7 @@ def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path
         reference = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.expert_stats().num_rebalances >= 1  # the workload does move experts
         generation = llm.client.generation
+        pids = dict(llm.client.pids)
         STOP_FILE.touch()
         results: list = []
         worker = threading.Thread(
@@ -463,10 +466,22 @@ def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path
         assert not worker.is_alive(), "generate did not return after the heal"
         assert not STOP_FILE.exists()  # a rank's staging took it
         assert llm.client.generation == generation + 1
+        (killed,) = [rank for rank, pid in pids.items() if pid == stopped]
+        assert llm.client.pids[1 - killed] == pids[1 - killed]  # kept, with its requests
+        assert llm.client.pids[killed] != stopped
+        joined = llm.expert_stats()
+        assert joined.num_rebalances >= 1  # the replacement reports the group's count
+        assert len({rank.num_rebalances for rank in joined.ranks}) == 1, joined.ranks
         (outputs,) = results
         assert [o.finish_reason for o in outputs] == ["length"] * len(prompts)
         assert [o.output_token_ids for o in outputs] == reference
         again = llm.generate(prompts, params, use_tqdm=False)
         assert [o.output_token_ids for o in again] == reference
         assert {o.dp_rank for o in again} == {0, 1}
-        assert llm.expert_stats().num_rebalances >= 1  # the new group's balancer works
+
+        # The ranks decide at the same forward steps (a decision one rank took alone would
+        # hang its all-reduce), and go on deciding.
+        def decisions(stats) -> int:
+            return stats.num_rebalances + stats.num_skipped + stats.num_failed
+
+        assert decisions(llm.expert_stats()) > decisions(joined)
