@@ -69,6 +69,8 @@ log = get_logger()
 
 _STARTUP_TIMEOUT_S = 300.0
 _TAKE_S = 0.5  # how long a rank's outstanding `take` waits for outputs before returning empty
+# A rank whose take has not come back for this long, as a heal starts, is stopped or hung.
+_SILENT_S = 4 * _TAKE_S
 # A rank not heard from for the collective timeout plus this long is declared failed: by then
 # its peers' collectives have timed out too, so the group is lost either way.
 RANK_SILENCE_MARGIN_S = 10.0
@@ -383,6 +385,9 @@ class RayClient:
         # lock guards the group's bookkeeping and which group is current.
         self._lock = threading.Lock()
         self._reform_lock = threading.Lock()
+        # The last heal in place's wait for the live ranks to detach, in seconds (tests and
+        # bench_faults read it: a stopped rank should not cost the whole detach limit).
+        self.last_detach_wait_s: float | None = None
         self._group = _Group(generation=0, pg=None)
         try:
             self._group = self._start_group(0)
@@ -522,7 +527,8 @@ class RayClient:
 
         1. every rank not yet declared failed is asked to `detach` (its engine abandons the
            step the failure hit and waits, keeping its requests and KV); one that does not
-           within the collective timeout + 5 s is failed too;
+           within the collective timeout + 5 s is failed too, and one that was already
+           silent as the heal began (`_SILENT_S`) as soon as every other has detached;
         2. the failed ranks' actors are killed and new ones started in their bundles, each
            loading its share of the model without a group (`prepare`);
         3. rank 0 makes a new store, and every rank joins a new group under a new namespace
@@ -535,14 +541,13 @@ class RayClient:
         # (its collective fails at once on a dead peer, after T on a stopped one).
         limit = self._config.parallel.collective_timeout_s + 2.0
         live = [rank for rank in range(world) if rank not in group.failed]
+        now = time.monotonic()
+        # A live rank's actor answers its outstanding take within _TAKE_S whatever its engine
+        # does; one silent for several of those as the heal starts is stopped or hung.
+        silent = {rank for rank in live if now - group.heard.get(rank, now) > _SILENT_S}
         asked = {rank: group.actors[rank].detach.remote(limit) for rank in live}
-        states: dict[int, str] = {}
-        deadline = time.monotonic() + limit + 3.0
-        for rank, ref in asked.items():  # one deadline for all: they wait together
-            try:
-                states[rank] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-            except Exception as error:  # gone, or silent
-                states[rank] = f"no answer ({type(error).__name__})"
+        states = self._detach_states(asked, silent, deadline=now + limit + 3.0)
+        self.last_detach_wait_s = time.monotonic() - now
         survivors = [rank for rank in live if states[rank] == "detached"]
         replaced = {rank for rank in range(world) if rank not in survivors}
         if not survivors:
@@ -616,6 +621,33 @@ class RayClient:
                 rank, group.pids[rank], group.node_ids[rank][:12],
             )  # fmt: skip
         return replaced
+
+    @staticmethod
+    def _detach_states(asked: dict[int, Any], silent: set[int], deadline: float) -> dict[int, str]:
+        """Each asked rank's answer to `detach`, waiting for all together until ``deadline``,
+        or less: once every rank that answered has detached and the others are all
+        ``silent``, those are not coming back (a stopped process), so their wait is over."""
+        states: dict[int, str] = {}
+        pending = dict(asked)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            answered = states and all(state == "detached" for state in states.values())
+            if answered and set(pending) <= silent:
+                break
+            refs = list(pending.values())
+            ready, _ = ray.wait(refs, num_returns=1, timeout=min(left, 0.2))
+            for rank, ref in list(pending.items()):
+                if ref in ready:
+                    del pending[rank]
+                    try:
+                        states[rank] = ray.get(ref)
+                    except Exception as error:  # gone
+                        states[rank] = f"no answer ({type(error).__name__})"
+        for rank in pending:
+            states[rank] = "no answer (silent)" if rank in silent else "no answer (timeout)"
+        return states
 
     def kept_since(self, rank: int, generation: int) -> bool:
         """Whether ``rank``'s process is the one it was in group ``generation`` (it survived
@@ -726,7 +758,7 @@ class RayClient:
         return {
             rank: now - heard
             for rank, heard in group.heard.items()
-            if rank not in group.failed and now - heard > 4 * _TAKE_S
+            if rank not in group.failed and now - heard > _SILENT_S
         }
 
     def _actor(self, group: _Group, rank: int) -> Any:

@@ -187,6 +187,7 @@ def _kill_then_stop(llm, reference, kill_rank: int, stop_rank: int, params=PARAM
                 os.kill(killed["stopped"], signal.SIGSTOP)
         elif "stopped" in killed and not healed_after and llm.client.generation > generation + 1:
             healed_after.append(time.monotonic() - killed["at"])
+            killed["detach_wait_s"] = llm.client.last_detach_wait_s
 
     try:
         streamed, ends = _stream(llm, on_output, params)
@@ -201,6 +202,9 @@ def _kill_then_stop(llm, reference, kill_rank: int, stop_rank: int, params=PARAM
     assert streamed == reference  # no token missing or repeated
     # The stop is seen when the peer's collective times out: the heal cannot come sooner.
     assert healed_after[0] > TIMEOUT_S
+    # The others had left the group and the stopped rank was silent: the heal did not wait
+    # for it to detach (the limit would be TIMEOUT_S + 5 s).
+    assert killed["detach_wait_s"] < 3.0, killed["detach_wait_s"]
     deadline = time.monotonic() + 20
     while not _gone(killed["stopped"]):
         assert time.monotonic() < deadline, "the stopped rank was left alive"
@@ -359,6 +363,8 @@ def test_serve_heals_concurrent_streams(llm, reference):
             # Healed in place: the other rank kept its process and its streams; only the
             # faulted rank's streams were resumed.
             assert llm.client.pids[other] == survivor and llm.client.pids[rank] != faulted
+            if signum == signal.SIGSTOP:  # not the detach limit (TIMEOUT_S + 5 s)
+                assert llm.client.last_detach_wait_s < 3.0, llm.client.last_detach_wait_s
             _, metrics = _get(f"{url}/metrics")
             for series, value in (
                 ("rank_failures_total", heals), ("recoveries_total", heals),
