@@ -1,9 +1,9 @@
-"""A group that heals: from a rank's SIGKILL to the first token after it, and throughput
-before / during / after, by DP size and model size.
+"""A group that heals: from a rank's SIGKILL (or SIGSTOP) to the first token after it, and
+throughput before / during / after, by DP size and model size.
 
     .venv/bin/python scripts/bench_faults.py [--dp 2 4] [--models small large]
-        [--requests 32] [--prompt-len 32] [--max-tokens 96] [--cache-dir DIR]
-        [--out bench_results/faults.json]
+        [--faults kill stop] [--collective-timeout 4] [--requests 32] [--prompt-len 32]
+        [--max-tokens 96] [--cache-dir DIR] [--out bench_results/faults.json]
 
 (from the repository root, with the package installed editable)
 
@@ -15,7 +15,9 @@ experts, the part of a recovery that grows with the model, shows.
 Per (model, DP size): an `LLM` on an embedded Ray (`on_rank_failure: heal`, one torch thread
 per rank) streams the workload (`--requests` prompts of `--prompt-len` random tokens, greedy,
 EOS ignored, `--max-tokens` each) once without a fault (the reference, and a warm-up), then
-again, SIGKILLing rank 1 once a third of the tokens have arrived. Every token is timestamped
+again, SIGKILLing rank 1 once a third of the tokens have arrived (`--faults stop`: SIGSTOPping
+it, which its peers see once their collective has waited `--collective-timeout` seconds, the
+group's `collective_timeout_s`). Every token is timestamped
 as it reaches the driver, with the group generation it came from. Reported:
   start-up s      — the LLM's start (placement, actors, model load), for comparison;
   fault->token s  — from the kill to the first token of the re-formed group (in the JSON,
@@ -43,6 +45,7 @@ Figures are this host's under whatever else runs on it, not properties of the co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -86,11 +89,17 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
 
 
-def stream(llm: LLM, prompts: list[list[int]], params: SamplingParams, kill_at_tokens: int | None):
+def stream(
+    llm: LLM,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    kill_at_tokens: int | None,
+    signum: int = signal.SIGKILL,
+):
     """Stream the prompts; returns (token arrivals [(time, generation)], tokens per prompt,
     the kill's time or None, (the requests unfinished then, those of them on the killed rank),
     the tokens each prompt had then, the group each token came from). Kills rank 1 once
-    ``kill_at_tokens`` tokens have arrived."""
+    ``kill_at_tokens`` tokens have arrived (sends it ``signum``)."""
     index_of = {tuple(p): i for i, p in enumerate(prompts)}
     arrivals: list[tuple[float, int]] = []
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -114,7 +123,7 @@ def stream(llm: LLM, prompts: list[list[int]], params: SamplingParams, kill_at_t
         if completion.finished:
             finished.add(index)
         if killed_at is None and kill_at_tokens is not None and len(arrivals) >= kill_at_tokens:
-            os.kill(llm.client.pids[1], signal.SIGKILL)
+            os.kill(llm.client.pids[1], signum)
             open_ = [i for i in range(len(prompts)) if i not in finished]
             on_killed = sum(1 for i in open_ if rank_of.get(i) == 1)
             killed_at, unfinished = time.monotonic(), (len(open_), on_killed)
@@ -128,13 +137,13 @@ def rate(arrivals: list[tuple[float, int]], start: float, end: float) -> float:
     return count / (end - start) if end > start else 0.0
 
 
-def measure(name: str, dp_size: int, args: argparse.Namespace) -> dict[str, Any]:
+def measure(name: str, dp_size: int, fault: str, args: argparse.Namespace) -> dict[str, Any]:
     directory = model_dir(name, Path(args.cache_dir))
     prompts = workload(args, MODELS[name]["vocab_size"])
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     settings = dict(
         threads_per_rank=1, max_num_seqs=args.requests, max_model_len=1024, num_blocks=2048,
-        block_size=16, max_recoveries_per_hour=10,
+        block_size=16, max_recoveries_per_hour=10, collective_timeout_s=args.collective_timeout,
     )  # fmt: skip
     start = time.monotonic()
     with LLM(model=str(directory), launcher="ray", dp_size=dp_size, **settings) as llm:
@@ -143,8 +152,15 @@ def measure(name: str, dp_size: int, args: argparse.Namespace) -> dict[str, Any]
         generation = llm.client.generation
         total = args.requests * args.max_tokens
         pids = dict(llm.client.pids)
-        faulted = stream(llm, prompts, params, total // 3)
+        signum = signal.SIGSTOP if fault == "stop" else signal.SIGKILL
+        try:
+            faulted = stream(llm, prompts, params, total // 3, signum)
+        finally:
+            if fault == "stop":  # the heal kills it; if it did not, let it go on
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pids[1], signal.SIGCONT)
         after = dict(llm.client.pids)
+        detach_wait_s = llm.client.last_detach_wait_s
     kept = sorted(rank for rank in pids if rank != 1 and after.get(rank) == pids[rank])
     arrivals, tokens, killed_at, unfinished, at_kill, generations, resumed_at = faulted
     assert killed_at is not None, "the workload ended before the kill"
@@ -154,6 +170,10 @@ def measure(name: str, dp_size: int, args: argparse.Namespace) -> dict[str, Any]
     return {
         "model": name,
         "dp": dp_size,
+        "fault": fault,
+        "collective_timeout_s": args.collective_timeout,
+        # The heal's wait for the live ranks to leave the failed group.
+        "detach_wait_s": detach_wait_s,
         "startup_s": startup_s,
         "fault_to_token_s": healed_at - killed_at,
         # From the kill to the first token of a request the killed rank held (its resumption).
@@ -187,12 +207,12 @@ def differing(reference, tokens, at_kill: list[int], from_old_group: list[int]):
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = ("model", "DP", "start-up s", "fault->token s", "before", "during", "after",
-              "resumed/open", "kept", "same")  # fmt: skip
-    print(f"{header[0]:<7}{header[1]:>4}" + "".join(f"{h:>15}" for h in header[2:]))
+    header = ("model", "DP", "fault", "start-up s", "fault->token s", "before", "during",
+              "after", "resumed/open", "kept", "same")  # fmt: skip
+    print(f"{header[0]:<7}{header[1]:>4}{header[2]:>6}" + "".join(f"{h:>15}" for h in header[3:]))
     for row in rows:
         print(
-            f"{row['model']:<7}{row['dp']:>4}{row['startup_s']:>15.2f}"
+            f"{row['model']:<7}{row['dp']:>4}{row['fault']:>6}{row['startup_s']:>15.2f}"
             f"{row['fault_to_token_s']:>15.2f}{row['tok_s_before']:>15.1f}"
             f"{row['tok_s_during']:>15.1f}{row['tok_s_after']:>15.1f}"
             f"{str(row['resumed']) + '/' + str(row['unfinished']):>15}"
@@ -216,6 +236,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--faults", nargs="+", choices=("kill", "stop"), default=("kill",))
+    parser.add_argument(
+        "--collective-timeout", type=float, default=4.0,
+        help="the group's collective_timeout_s: how long a stopped rank's peers wait for it",
+    )  # fmt: skip
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "lockstep" / "bench"))
     parser.add_argument("--out", default="bench_results/faults.json")
     args = parser.parse_args()
@@ -223,8 +248,9 @@ def main() -> None:
     rows = []
     for name in args.models:
         for dp_size in args.dp:
-            rows.append(measure(name, dp_size, args))
-            print(json.dumps(rows[-1]), flush=True)
+            for fault in args.faults:
+                rows.append(measure(name, dp_size, fault, args))
+                print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
     cpu = f"{processor()}, {os.cpu_count()} cores"
     print(f"processor: {cpu}; median fault->token "
