@@ -557,8 +557,7 @@ class RayClient:
             raise LockstepError("every rank is alive and detached: no rank to replace")
         for rank in replaced:
             self._declare_failed(group, rank, group.failed.get(rank) or states.get(rank, ""))
-            ray.kill(group.actors[rank], no_restart=True)
-            self._kill_local(group, rank)
+            self._kill(group, rank)
         log.warning(
             "healing in place: keeping rank(s) %s with their requests, replacing %s",
             survivors, sorted(replaced),
@@ -802,8 +801,7 @@ class RayClient:
         raise `RankFailure`."""
         if self._declare_failed(group, rank, f"it stopped answering for {silent_s:.0f} s"):
             log.error("DP rank %d has not answered for %.0f s: killing it", rank, silent_s)
-            ray.kill(group.actors[rank], no_restart=True)
-            self._kill_local(group, rank)
+            self._kill(group, rank)
         raise RankFailure(rank, group.failed[rank], group.generation)
 
     def _declare_failed(self, group: _Group, rank: int, why: str) -> bool:
@@ -853,11 +851,12 @@ class RayClient:
         self._kill_group(group)
 
     @staticmethod
-    def _kill_local(group: _Group, rank: int) -> None:
-        """SIGKILL ``rank``'s process where it runs on the driver's node. A stopped process
-        cannot act on `ray.kill`'s request, and Ray frees its bundle for the replacement only
-        once it has given up asking (about 5 s more of the heal, measured); elsewhere
-        `ray.kill` alone does it."""
+    def _kill(group: _Group, rank: int) -> None:
+        """Kill ``rank``'s actor (`ray.kill`), and SIGKILL its process where it runs on the
+        driver's node: a stopped process cannot act on Ray's request, and Ray frees its
+        bundle for a replacement only once it has given up asking (about 6 s more of a heal,
+        measured); elsewhere `ray.kill` alone does it."""
+        ray.kill(group.actors[rank], no_restart=True)
         pid, node = group.pids.get(rank), group.node_ids.get(rank)
         if pid is None or node != ray.get_runtime_context().get_node_id():
             return
@@ -871,9 +870,8 @@ class RayClient:
             for rank in range(len(group.actors)):
                 group.failed.setdefault(rank, "its group was stopped")
             group.takes.clear()
-        for rank, actor in enumerate(group.actors):
-            ray.kill(actor, no_restart=True)
-            self._kill_local(group, rank)
+        for rank in range(len(group.actors)):
+            self._kill(group, rank)
         group.actors = []
         if group.pg is not None:
             remove_placement_group(group.pg)

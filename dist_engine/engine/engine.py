@@ -188,7 +188,6 @@ class DPEngine:
         # requests and KV, and goes on in the new group (`_rejoin_after`).
         self.rejoin: Rejoin | None = None
         self.on_joined: Callable[[], None] | None = None  # called once it joined a new group
-        self._replacement = join_as is not None  # until its first join: it holds no request
         self._in_flight: SchedulerOutputs | None = None  # the step whose forward is running
         self.left_because: str | None = None  # why it left its group, while it waits for one
         self.trace: collections.deque[StepTrace] = collections.deque(maxlen=trace_limit)
@@ -495,8 +494,8 @@ class DPEngine:
         step_index = -self.vote.allreduce_min([-self.scheduler.step_index])[0]
         self.scheduler.restart_policy(step_index)
         if self.balancer is not None:  # the kept ranks' placement, on every rank
-            self.balancer.join(ctx.vote_group, replacement=self._replacement)
-        self._replacement = False
+            # A replacement (`join_as`) had no group, so no vote, before this join.
+            self.balancer.join(ctx.vote_group, replacement=old_vote is None)
         self.wake = StoreWake(ctx.store, self._new_namespace(), ctx.connect_store)
         self._sleep_epoch = 0
         self.log.info("joined the re-formed group at step %d", step_index)

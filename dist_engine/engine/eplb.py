@@ -422,18 +422,16 @@ class ExpertBalancer:
         new to it from the checkpoint before the group's first step, and the kept rank's
         forward-step count and group-wide stats, so that the group decides at the same steps
         and reports as one."""
-        if self.pending is not None:
-            self.pending.cancel.set()
-            self.pending = None
+        self.close()  # a staging thread still running gives up
+        self.pending = None
         self.group = group
         self.num_nodes = count_nodes(group, self.rank, self.num_ranks)
-        with self._stats_lock:
-            mine = {
-                "kept": not replacement,
-                "forward_steps": self.num_forward_steps,
-                "maps": [layer.placement.phy2log.tolist() for layer in self.layers],
-                "stats": dataclasses.asdict(self.stats),
-            }
+        mine = {
+            "kept": not replacement,
+            "forward_steps": self.num_forward_steps,
+            "maps": [layer.placement.phy2log.tolist() for layer in self.layers],
+            "stats": dataclasses.asdict(self.snapshot()),
+        }
         everyone = all_gather_json(mine, group)
         kept = [rank for rank, state in enumerate(everyone) if state["kept"]]
         if not kept:
