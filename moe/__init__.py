@@ -28,9 +28,11 @@ from moe.experts import (
 from moe.layer import MoELayer, StagedPlacement, dense_reference_moe
 from moe.placement import (
     ExpertPlacement,
+    ExpertTransfer,
     SlotMoves,
     choose_replicas,
     keep_hosted_slots,
+    plan_transfers,
     slot_moves,
 )
 from moe.routing import (
@@ -50,6 +52,7 @@ __all__ = [
     "ExpertImpl",
     "ExpertLoadWindow",
     "ExpertPlacement",
+    "ExpertTransfer",
     "GroupExchange",
     "LocalExperts",
     "LowLatencyDispatchMeta",
@@ -70,6 +73,7 @@ __all__ = [
     "fill_expert",
     "grouped_mm_weighted_sum",
     "keep_hosted_slots",
+    "plan_transfers",
     "rank_loads",
     "rebalance",
     "rebalance_gain",

@@ -211,6 +211,56 @@ def slot_moves(current: ExpertPlacement, new: ExpertPlacement, rank: int) -> Slo
     return SlotMoves(tuple(load), tuple(copy))
 
 
+@dataclass(frozen=True)
+class ExpertTransfer:
+    """One expert a rank takes from a rank that holds it, as EPLB stages a new placement.
+
+    dst, row: the receiving rank and the row of its staging buffers (its
+        `slot_moves(current, new, dst).load` in order); expert: the logical expert.
+    src, src_slot: the rank that sends it and the local slot that holds it there under the
+        current placement. src == dst: the rank held it already, in a slot the move rewrites
+        (a copy within the rank, nothing sent).
+    """
+
+    dst: int
+    row: int
+    expert: int
+    src: int
+    src_slot: int
+
+
+def plan_transfers(current: ExpertPlacement, new: ExpertPlacement) -> tuple[ExpertTransfer, ...]:
+    """Every rank's `load` of `slot_moves(current, new, rank)`, each with the rank it comes
+    from, in one order (by receiving rank, then row) that every rank computes alike. A rank
+    that holds the expert itself is its own source; otherwise the expert comes from the holder
+    that sends the fewest so far (the lowest rank on ties), which spreads the sending over
+    the replicas of a hot expert."""
+    if (current.num_physical, current.num_ranks) != (new.num_physical, new.num_ranks):
+        raise ValueError(
+            f"placements differ in shape: P={current.num_physical} over N={current.num_ranks} "
+            f"now, P={new.num_physical} over N={new.num_ranks} proposed"
+        )
+    holders: dict[int, list[tuple[int, int]]] = {}
+    for rank in range(current.num_ranks):
+        seen = set()
+        for slot, expert in enumerate(current.local_phy2log(rank)):
+            if expert not in seen:  # one slot per rank and expert: the first
+                seen.add(expert)
+                holders.setdefault(expert, []).append((rank, slot))
+    sent = [0] * current.num_ranks
+    transfers = []
+    for dst in range(new.num_ranks):
+        for row, (_, expert) in enumerate(slot_moves(current, new, dst).load):
+            own = [holder for holder in holders[expert] if holder[0] == dst]
+            if own:
+                src, src_slot = own[0]
+            else:
+                src, src_slot = min(holders[expert], key=lambda h: (sent[h[0]], h[0]))
+                sent[src] += 1
+            transfers.append(ExpertTransfer(dst, row, expert, src, src_slot))
+    return tuple(transfers)
+
+
 def choose_replicas(
     topk_ids: torch.Tensor, placement: ExpertPlacement, token_offset: int
 ) -> torch.Tensor:

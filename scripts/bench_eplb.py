@@ -20,18 +20,23 @@ where it applies (num_nodes divides the 8 groups), and eplb_num_redundant_expert
 `rebalance` call for all L layers, one torch thread, on this machine's processor (printed).
 A pair's k choices are drawn independently (not forced distinct): only the counts matter here.
 
-    .venv/bin/python scripts/bench_eplb.py --live [--dp 2 4] [--out bench_results/eplb_live.json]
+    .venv/bin/python scripts/bench_eplb.py --live [--dp 2 4] [--sources checkpoint peer] [--fp8]
+        [--live-out bench_results/eplb_live.json]
 
 The live part: a DP group of real ranks (spawned processes, gloo, one torch thread each) serves
-the same greedy requests twice on a skewed DeepSeek-V3-shaped checkpoint (its selection bias
-raised for a few experts, so they are chosen by most tokens): once without EPLB, once with it
-(decisions every --interval forward steps over a window of as many; one redundant slot per
-rank). It reports balancedness as the engine measures it (the first decision's window under
-the starting placement, the prediction for the new one on that window, and the last window
-measured), the slowest rank's expert CPU time per decode step before and after the first
-rebalance (`run_local_experts`, thread CPU time, so ranks sharing cores do not count each
-other's time), the rebalance's cost (time the steps paused, background staging, bytes moved),
-and whether every request's tokens are the same with and without EPLB.
+the same greedy requests on a skewed DeepSeek-V3-shaped checkpoint (its selection bias raised
+for a few experts, so they are chosen by most tokens; --fp8: a block-FP8 release, as
+DeepSeek's): once without EPLB, then with it once per expert source (`moe.eplb_expert_source`:
+new experts read from the checkpoint, or sent by a peer that holds them; decisions every
+--interval forward steps over a window of as many; one redundant slot per rank). It reports
+the rates the group measured as it formed (one expert from a peer and from the checkpoint,
+the slowest rank's: what "auto" chooses by), and for each run balancedness as the engine
+measures it (the first decision's window under the starting placement, the prediction for
+the new one on that window, and the last window measured), the slowest rank's expert CPU
+time per decode step before and after the first rebalance (`run_local_experts`, thread CPU
+time, so ranks sharing cores do not count each other's time), the rebalance's cost (time
+the steps paused, background staging: the slowest rank's, bytes moved, of them bytes peers
+sent), and whether every request's tokens are the same with and without EPLB.
 """
 
 from __future__ import annotations
@@ -80,6 +85,14 @@ def parse_args() -> argparse.Namespace:
     live.add_argument("--requests-per-rank", type=int, default=48)
     live.add_argument("--max-tokens", type=int, default=48)
     live.add_argument("--interval", type=int, default=16, help="eplb_interval_steps = window")
+    live.add_argument(
+        "--sources",
+        nargs="+",
+        default=["checkpoint", "peer"],
+        choices=["checkpoint", "peer"],
+        help="moe.eplb_expert_source per run",
+    )
+    live.add_argument("--fp8", action="store_true", help="a block-FP8 checkpoint")
     live.add_argument("--live-out", default="bench_results/eplb_live.json")
     return parser.parse_args()
 
@@ -277,13 +290,13 @@ HOT_BIAS = {2: 0.3, 5: 0.3, 6: 0.15}
 LIVE_TIMEOUT_S = 60.0
 
 
-def make_skewed_checkpoint(out: Path) -> Path:
+def make_skewed_checkpoint(out: Path, fp8: bool = False) -> Path:
     """The live part's checkpoint: random weights, the bias of HOT_BIAS's experts raised."""
     from safetensors.torch import load_file, save_file
 
     from dist_engine.models.make_model import make_tiny_checkpoint
 
-    make_tiny_checkpoint("deepseek_v3", out, seed=3, **LIVE_MODEL)
+    make_tiny_checkpoint("deepseek_v3", out, seed=3, fp8=fp8, **LIVE_MODEL)
     for path in out.glob("*.safetensors"):
         tensors = load_file(path)
         for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
@@ -293,7 +306,8 @@ def make_skewed_checkpoint(out: Path) -> Path:
     return out
 
 
-def _live_config(model_dir: str, world: int, args: argparse.Namespace, eplb: bool):
+def _live_config(model_dir: str, world: int, args: argparse.Namespace, source: str | None):
+    """source: the EPLB run's `moe.eplb_expert_source`; None: EPLB off."""
     from dist_engine.engine.config import EngineConfig
 
     settings = {
@@ -301,6 +315,7 @@ def _live_config(model_dir: str, world: int, args: argparse.Namespace, eplb: boo
         "eplb_num_redundant_experts": world,
         "eplb_window_steps": args.interval,
         "eplb_interval_steps": args.interval,
+        "eplb_expert_source": source,
     }
     return EngineConfig.from_dict(
         {
@@ -315,7 +330,7 @@ def _live_config(model_dir: str, world: int, args: argparse.Namespace, eplb: boo
                 "block_size": 16,
                 "num_blocks": 512,
             },
-            "moe": settings if eplb else {},
+            "moe": settings if source is not None else {},
         }
     )
 
@@ -354,7 +369,8 @@ class _ExpertClock:
 
 
 def _live_rank(rank: int, world: int, model_dir: str, args: argparse.Namespace) -> list[dict]:
-    """One rank: the workload without EPLB, then with it (a fresh engine and model each)."""
+    """One rank: the workload without EPLB, then with it per source (a fresh engine and
+    model each)."""
     import torch.distributed as dist
 
     from dist_engine.distributed.groups import init_distributed
@@ -370,7 +386,7 @@ def _live_rank(rank: int, world: int, model_dir: str, args: argparse.Namespace) 
     ]
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     runs = []
-    for job, eplb in enumerate((False, True)):
+    for job, source in enumerate((None, *args.sources)):
         finals: dict[str, Any] = {}
         done = threading.Event()
 
@@ -380,7 +396,7 @@ def _live_rank(rank: int, world: int, model_dir: str, args: argparse.Namespace) 
                 if len(finals) == len(prompts):
                     done.set()
 
-        engine = DPEngine(_live_config(model_dir, world, args, eplb), ctx, on_output=collect)
+        engine = DPEngine(_live_config(model_dir, world, args, source), ctx, on_output=collect)
         clock = _ExpertClock(engine)
         thread = threading.Thread(target=engine.run, daemon=True)
         thread.start()
@@ -407,14 +423,23 @@ def _live_rank(rank: int, world: int, model_dir: str, args: argparse.Namespace) 
     return runs
 
 
-def run_live(args: argparse.Namespace, world: int, model_dir: str) -> dict[str, Any]:
+def run_live(args: argparse.Namespace, world: int, model_dir: str) -> list[dict[str, Any]]:
     from dist_engine.distributed.spawn import run_multirank
 
     per_rank = run_multirank(
         world, _live_rank, (model_dir, args), timeout_s=1800, group_timeout_s=LIVE_TIMEOUT_S,
         num_threads=1,
     )  # fmt: skip
-    off, on = [ranks[0] for ranks in per_rank], [ranks[1] for ranks in per_rank]
+    off = [ranks[0] for ranks in per_rank]
+    return [
+        _live_row(args, world, source, off, [ranks[job] for ranks in per_rank])
+        for job, source in enumerate(args.sources, start=1)
+    ]
+
+
+def _live_row(
+    args: argparse.Namespace, world: int, source: str, off: list[dict], on: list[dict]
+) -> dict[str, Any]:
     trace = on[0]["trace"]
     adopted = [step for step, _, _, event in trace if event == "adopted"]
     first = adopted[0] if adopted else None
@@ -433,6 +458,7 @@ def run_live(args: argparse.Namespace, world: int, model_dir: str) -> dict[str, 
     group = stats[0]
     return {
         "dp": world,
+        "source": source,
         "num_rebalances": group.num_rebalances,
         "num_skipped": group.num_skipped,
         "first_adopted_step": first,
@@ -448,6 +474,10 @@ def run_live(args: argparse.Namespace, world: int, model_dir: str) -> dict[str, 
         "pause_ms": 1e3 * max(s.last_pause_s for s in stats),
         "staging_ms": 1e3 * max(s.last_staging_s for s in stats),
         "bytes_moved": sum(s.last_bytes for s in stats),
+        "bytes_from_peers": sum(s.last_received_bytes for s in stats),
+        # Measured as the group formed (only where a peer group exists: the peer runs).
+        "probe_peer_mb_s": group.peer_bytes_per_s / 1e6,
+        "probe_checkpoint_mb_s": group.checkpoint_bytes_per_s / 1e6,
         "tokens_unchanged": all(a["tokens"] == b["tokens"] for a, b in zip(off, on, strict=True)),
     }
 
@@ -462,29 +492,40 @@ def _full_decode_steps(runs: list[dict], batch: int) -> list[int]:
     ]
 
 
-def print_live(rows: list[dict[str, Any]], cpu: dict) -> None:
+def print_live(rows: list[dict[str, Any]], cpu: dict, fp8: bool) -> None:
     print(
-        f"EPLB live: DeepSeek-V3-shaped, {LIVE_MODEL['num_experts']} experts top-"
+        f"EPLB live: DeepSeek-V3-shaped ({'block-FP8' if fp8 else 'bfloat16'} checkpoint, "
+        f"served in float32), {LIVE_MODEL['num_experts']} experts top-"
         f"{LIVE_MODEL['top_k']}, 3 MoE layers, biased experts {sorted(HOT_BIAS)}; one redundant "
         f"slot per rank; balancedness = mean / max tokens per rank (mean over layers); expert "
         f"time = the slowest rank's CPU time in the expert compute per full decode step"
     )
     print(
-        "| DP | rebalances (skipped) | balancedness before → predicted | last window "
-        "| slowest rank expert ms/step: no EPLB, before → after | pause ms | staging ms "
-        "| bytes moved | tokens unchanged |"
+        "| DP | experts from | rebalances (skipped) | balancedness before → predicted "
+        "| last window | slowest rank expert ms/step: no EPLB, before → after | pause ms "
+        "| staging ms | MiB moved (from peers) | tokens unchanged |"
     )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for row in rows:
         print(
-            f"| {row['dp']} | {row['num_rebalances']} ({row['num_skipped']}) "
+            f"| {row['dp']} | {row['source']} | {row['num_rebalances']} ({row['num_skipped']}) "
             f"| {row['balancedness_last_before']:.3f} → {row['balancedness_last_predicted']:.3f} "
             f"| {row['balancedness_last_window']:.3f} "
             f"| {row['slowest_expert_ms_without_eplb']:.2f}: "
             f"{_ms(row['slowest_expert_ms_before'])} → {_ms(row['slowest_expert_ms_after'])} "
-            f"| {row['pause_ms']:.1f} | {row['staging_ms']:.1f} | {row['bytes_moved']} "
+            f"| {row['pause_ms']:.1f} | {row['staging_ms']:.1f} "
+            f"| {row['bytes_moved'] / 2**20:.1f} ({row['bytes_from_peers'] / 2**20:.1f}) "
             f"| {row['tokens_unchanged']} |"
         )
+    for row in rows:
+        if row["probe_peer_mb_s"]:
+            peer, checkpoint = row["probe_peer_mb_s"], row["probe_checkpoint_mb_s"]
+            auto = "peer" if peer > checkpoint else "checkpoint"
+            print(
+                f"DP={row['dp']}: one expert at start-up, slowest rank: {peer:.0f} "
+                f"MB/s from a peer, {checkpoint:.0f} MB/s from the checkpoint "
+                f"(eplb_expert_source=auto takes the {auto})"
+            )
     print(
         f"processor: {cpu['model']}, AVX-512 {','.join(cpu['avx512']) or 'none'}; one torch "
         f"thread per rank; load average {os.getloadavg()[0]:.2f}"
@@ -498,10 +539,10 @@ def _ms(value: float | None) -> str:
 def main_live(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_skewed_checkpoint(Path(tmp) / "deepseek-v3-skewed"))
-        rows = [run_live(args, world, model_dir) for world in args.dp]
+        model_dir = str(make_skewed_checkpoint(Path(tmp) / "deepseek-v3-skewed", args.fp8))
+        rows = [row for world in args.dp for row in run_live(args, world, model_dir)]
     cpu = processor()
-    print_live(rows, cpu)
+    print_live(rows, cpu, args.fp8)
     out = Path(args.live_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -41,12 +41,16 @@ NormBackend = Literal["auto", "native", "torch"]
 LinearBackend = Literal["auto", "torch", "onednn", "onednn_t"]
 # What the driver does when a rank dies or stops answering (launcher/healing.py).
 OnRankFailure = Literal["heal", "fail"]
+# Where EPLB reads the experts new to a rank: a rank that holds them, the checkpoint, or
+# whichever the group measured faster as it formed (dist_engine/engine/eplb.py).
+ExpertSource = Literal["auto", "peer", "checkpoint"]
 
 LAUNCHERS = get_args(Launcher)
 BACKENDS = get_args(Backend)
 PLACEMENT_STRATEGIES = get_args(PlacementStrategy)
 MOE_EXCHANGES = get_args(MoEExchange)
 ON_RANK_FAILURE = get_args(OnRankFailure)
+EXPERT_SOURCES = get_args(ExpertSource)
 DTYPES = get_args(Dtype)
 BACKEND_CHOICES = {
     "attention_backend": get_args(AttentionBackend),
@@ -59,6 +63,7 @@ EPLB_KEYS = (
     "eplb_num_redundant_experts",
     "eplb_window_steps",
     "eplb_interval_steps",
+    "eplb_expert_source",
 )
 # generation_config: the model's generation_config.json ("auto"), none ("vllm"), or a directory
 # holding one (vLLM's --generation-config; launcher/generation_config.py reads it).
@@ -136,6 +141,10 @@ class MoEConfig:
     eplb_num_redundant_experts: int = 0
     eplb_window_steps: int = 1000
     eplb_interval_steps: int = 3000
+    # Where a rank gets the experts a new placement gives it: "peer" (sent by a rank that
+    # holds them, over a gloo group of EPLB's own), "checkpoint" (read from the model's
+    # files), "auto" (the one measured faster, on every rank, as the group forms).
+    eplb_expert_source: ExpertSource = "auto"
 
     def __post_init__(self) -> None:
         if self.ll_max_tokens_per_rank is not None:
@@ -149,6 +158,11 @@ class MoEConfig:
             )
         _positive_int("moe.eplb_window_steps", self.eplb_window_steps)
         _positive_int("moe.eplb_interval_steps", self.eplb_interval_steps)
+        if self.eplb_expert_source not in EXPERT_SOURCES:
+            raise ValueError(
+                f"moe.eplb_expert_source must be one of {', '.join(EXPERT_SOURCES)}, got "
+                f"{self.eplb_expert_source!r}"
+            )
         if self.eplb_num_redundant_experts and not self.enable_eplb:
             raise ValueError(
                 f"moe.eplb_num_redundant_experts is {self.eplb_num_redundant_experts}, but "

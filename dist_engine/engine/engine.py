@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from dist_engine.attention.kv_cache import (
     NUM_RESERVED_BLOCKS,
     bytes_per_block,
@@ -28,7 +30,7 @@ from dist_engine.attention.kv_cache import (
 )
 from dist_engine.autotune import TuneShapes
 from dist_engine.backends import Backends, resolve_backends
-from dist_engine.distributed.groups import DistContext, rank_device, resolve_backend
+from dist_engine.distributed.groups import DistContext, rank_device, resolve_backend, side_group
 from dist_engine.distributed.plain_data import broadcast_json
 from dist_engine.distributed.step_sync import TorchVote, agree_settings, find_failed_ranks
 from dist_engine.distributed.wake import LocalWake, StoreWake
@@ -323,7 +325,8 @@ class DPEngine:
         )
 
     def _make_balancer(self) -> ExpertBalancer:
-        """EPLB on this rank (engine/eplb.py); collective (the nodes the group spans)."""
+        """EPLB on this rank (engine/eplb.py); collective (the nodes the group spans, the
+        expert source)."""
         group = self.dist.vote_group if self.dist is not None else None
         return ExpertBalancer(
             self.config.moe,
@@ -334,7 +337,14 @@ class DPEngine:
             group,
             self.log,
             num_nodes=count_nodes(group, self.rank, self.world_size),
+            transfer_group=self._transfer_group(self.dist),
         )
+
+    def _transfer_group(self, ctx: DistContext | None) -> dist.ProcessGroup | None:
+        """EPLB's group for peer transfers (collective), where peers may send experts."""
+        if ctx is None or ctx.world_size == 1 or self.config.moe.eplb_expert_source == "checkpoint":
+            return None
+        return side_group(ctx, "eplb_transfer")
 
     # -- called from any thread -------------------------------------------------------------
     def submit(
@@ -495,7 +505,11 @@ class DPEngine:
         self.scheduler.restart_policy(step_index)
         if self.balancer is not None:  # the kept ranks' placement, on every rank
             # A replacement (`join_as`) had no group, so no vote, before this join.
-            self.balancer.join(ctx.vote_group, replacement=old_vote is None)
+            self.balancer.join(
+                ctx.vote_group,
+                replacement=old_vote is None,
+                transfer_group=self._transfer_group(ctx),
+            )
         self.wake = StoreWake(ctx.store, self._new_namespace(), ctx.connect_store)
         self._sleep_epoch = 0
         self.log.info("joined the re-formed group at step %d", step_index)

@@ -18,12 +18,18 @@ the same on every rank, and so is everything below that is scheduled by it.
   proposal reordered within each rank so that kept experts keep their slots
   (`keep_hosted_slots`), and `worth_adopting` — or the proposal is skipped. All of it is a
   function of the summed load and the current maps, so every rank decides alike.
-- **Staging**, on a thread of its own: this rank reads the experts new to it from the
-  checkpoint (models/loader.py `read_experts`, block-FP8 dequantized there) into spare buffers
-  [M, D, 2I] and [M, I, D] per layer, and puts the new maps on the device. It runs no
-  collective and writes nothing a step reads. Extra memory: the staged experts, M <= S per
-  layer, so at most one more copy of this rank's expert weights (usually far less), held from
-  the decision to the commit.
+- **Staging**, on a thread of its own: this rank takes the experts new to it into spare
+  buffers [M, D, 2I] and [M, I, D] per layer, and puts the new maps on the device. They come
+  from the group's *expert source* (`moe.eplb_expert_source`): "peer", a rank that holds them
+  sends them (`moe.plan_transfers`: one plan every rank computes alike, each expert from the
+  holder that sends least, layer by layer over a gloo group of EPLB's own,
+  `distributed/groups.side_group`, so the step's collectives never wait behind a transfer);
+  "checkpoint", the rank reads them (models/loader.py `read_experts`, block-FP8 dequantized
+  there); "auto", the one the group measured faster as it formed (one expert each way on
+  every rank; the slowest rank's rates decide). Staging writes nothing a step reads. Extra
+  memory: the staged experts, M <= S per layer, so at most one more copy of this rank's
+  expert weights (usually far less), held from the decision to the commit; a sender sends
+  from its live slots (on a GPU through a host copy of one expert at a time).
 - **Commit check**, at F = decision + 1, then after gaps of 2, 4, 8, ... forward steps (at
   most `_MAX_CHECK_GAP`): one MIN all-reduce of each rank's staging state. All ready: every
   layer adopts at this step boundary (`MoELayer.adopt`: the changed slots' weights copied in
@@ -62,11 +68,13 @@ from dist_engine.models.loader import CheckpointReader, read_experts
 from moe import (
     ExpertLoadWindow,
     ExpertPlacement,
+    ExpertTransfer,
     MoELayer,
     StagedPlacement,
     balancedness,
     fill_expert,
     keep_hosted_slots,
+    plan_transfers,
     rebalance,
     rebalance_gain,
     slot_moves,
@@ -83,6 +91,11 @@ _FAILED, _STAGING, _READY = -1, 0, 1
 # Commit checks back off (gaps of 1, 2, 4, ... forward steps) up to this gap: a fast staging
 # commits at once, a slow one costs one small collective per gap.
 _MAX_CHECK_GAP = 64
+# Gloo tags are C ints: the tags of proposal k's transfers start at k * (2 P L), k taken
+# modulo this many (a wrap comes back to tags last used some 30,000 proposals ago).
+_TAG_LIMIT = 2**30
+# The start-up measurement of each expert source: the fastest of this many tries.
+_PROBE_TRIES = 3
 
 
 def initial_placement(settings: MoEConfig, num_experts: int, num_ranks: int) -> ExpertPlacement:
@@ -145,6 +158,7 @@ class _Proposal:
 
     decided_at: int
     step_index: int
+    number: int  # proposals decided in this group before it, plus one (the transfers' tags)
     current: list[ExpertPlacement]
     proposed: list[ExpertPlacement]
     balancedness_before: list[float]
@@ -158,7 +172,8 @@ class _Proposal:
     staged: list[StagedPlacement] = field(default_factory=list)
     staging_s: float = 0.0
     num_bytes: int = 0  # expert weights this rank writes into its slots
-    staged_bytes: int = 0  # of which read from the checkpoint into spare buffers
+    staged_bytes: int = 0  # of which written into spare buffers
+    received_bytes: int = 0  # of which sent by peers
     error: str = ""
 
 
@@ -177,6 +192,7 @@ class ExpertBalancer:
         group: dist.ProcessGroup | None,
         log: logging.Logger,
         num_nodes: int = 1,
+        transfer_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.layers = moe_layers(model)
         if not self.layers:
@@ -219,6 +235,11 @@ class ExpertBalancer:
         self.pending: _Proposal | None = None
         self.stats = RankExpertStats()
         self._stats_lock = threading.Lock()
+        self.transfer = transfer_group
+        self.source = "checkpoint"
+        self.num_proposals = 0
+        if group is not None:  # a replacement built before its group chooses at the join
+            self._choose_source()
 
     # -- the step -----------------------------------------------------------------------------
     def after_forward(self, step_index: int, votes: Vote) -> str:
@@ -269,9 +290,11 @@ class ExpertBalancer:
         changed = sum(
             int((p.phy2log != c.phy2log).sum()) for p, c in zip(proposed, current, strict=True)
         )
+        self.num_proposals += 1
         proposal = _Proposal(
             decided_at=forward_step,
             step_index=step_index,
+            number=self.num_proposals,
             current=current,
             proposed=proposed,
             balancedness_before=before,
@@ -325,14 +348,15 @@ class ExpertBalancer:
             last_pause_s=proposal.decide_s + commit_s,
             last_bytes=proposal.num_bytes,
             last_staged_bytes=proposal.staged_bytes,
+            last_received_bytes=proposal.received_bytes,
         )
         if self.rank == 0:
             bytes_per_slot = self.layers[0].experts.bytes_per_slot
             self.log.info(
                 "EPLB rebalance %d (decided at step %d): balancedness %.3f -> %.3f on its "
                 "window (mean of %d MoE layers; worst layer %.3f -> %.3f); %d expert slots "
-                "rewritten over the group (%.1f MiB); staging %.0f ms here, steps paused "
-                "%.1f ms",
+                "rewritten over the group (%.1f MiB), new experts from the %s; staging %.0f ms "
+                "here, steps paused %.1f ms",
                 self.stats.num_rebalances,
                 proposal.step_index,
                 statistics.fmean(proposal.balancedness_before),
@@ -342,6 +366,7 @@ class ExpertBalancer:
                 min(proposal.balancedness_after),
                 proposal.group_slots,
                 proposal.group_slots * bytes_per_slot / 2**20,
+                "peers" if self.source == "peer" else "checkpoint",
                 1e3 * proposal.staging_s,
                 1e3 * (proposal.decide_s + commit_s),
             )
@@ -373,25 +398,39 @@ class ExpertBalancer:
         proposal.staging_s = time.perf_counter() - start
         proposal.state = _READY
 
-    def _stage_layers(self, proposal: _Proposal, may_stop: bool = True) -> list[StagedPlacement]:
+    def _stage_layers(
+        self, proposal: _Proposal, may_stop: bool = True, source: str | None = None
+    ) -> list[StagedPlacement]:
+        """Every layer's `StagedPlacement`, its new experts from `source` (the group's by
+        default: a peer transfer is collective over the transfer group, layer by layer)."""
+        from_peers = (source or self.source) == "peer"
         staged = []
-        with CheckpointReader(self.model_dir) as reader:
+        with contextlib.ExitStack() as stack:
+            reader = None if from_peers else stack.enter_context(CheckpointReader(self.model_dir))
             for index, layer in enumerate(self.layers):
+                if proposal.cancel.is_set():
+                    raise RuntimeError("cancelled")
                 current, proposed = proposal.current[index], proposal.proposed[index]
                 moves = slot_moves(current, proposed, self.rank)
                 experts = layer.experts
                 shape13, shape2 = experts.w13.shape[1:], experts.w2.shape[1:]
                 w13 = torch.empty(len(moves.load), *shape13, dtype=self.dtype, device=self.device)
                 w2 = torch.empty(len(moves.load), *shape2, dtype=self.dtype, device=self.device)
-                wanted = [expert for _, expert in moves.load]
-                read = read_experts(
-                    reader, self.config, self.layer_indices[index], wanted, self.dtype
-                )
-                for row, (_, gate, up, down) in enumerate(read):
-                    if proposal.cancel.is_set():
-                        raise RuntimeError("cancelled")
-                    fill_expert(w13[row], w2[row], gate, up, down)
-                if index == 0 and wanted and may_stop:
+                if from_peers:
+                    plan = plan_transfers(current, proposed)
+                    tag = self._tag_base(proposal.number, index)
+                    received = self._transfer(layer, plan, w13, w2, tag)
+                    proposal.received_bytes += received * experts.bytes_per_slot
+                else:
+                    wanted = [expert for _, expert in moves.load]
+                    read = read_experts(
+                        reader, self.config, self.layer_indices[index], wanted, self.dtype
+                    )
+                    for row, (_, gate, up, down) in enumerate(read):
+                        if proposal.cancel.is_set():
+                            raise RuntimeError("cancelled")
+                        fill_expert(w13[row], w2[row], gate, up, down)
+                if index == 0 and moves.load and may_stop:
                     _stop_here_if_asked()
                 staged.append(
                     StagedPlacement(
@@ -409,11 +448,145 @@ class ExpertBalancer:
                 proposal.staged_bytes += len(moves.load) * experts.bytes_per_slot
         return staged
 
+    def _tag_base(self, number: int, layer_index: int) -> int:
+        span = 2 * self.num_physical  # a layer's plan has at most P transfers, 2 tags each
+        per_proposal = span * len(self.layers)
+        return (number % (_TAG_LIMIT // per_proposal)) * per_proposal + layer_index * span
+
+    def _transfer(
+        self,
+        layer: MoELayer,
+        plan: tuple[ExpertTransfer, ...],
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        tag: int,
+    ) -> int:
+        """This rank's part of one layer's `plan`: it receives its rows of `w13` [M, D, 2I]
+        and `w2` [M, I, D] from their sources, copies those it holds itself, and sends what
+        others take from it, from its live slots (unchanged until the commit, which waits for
+        every rank's staging). Collective over the transfer group for the ranks the plan
+        names; raises if a peer fails or the group's timeout passes. Returns the experts
+        received from peers."""
+        experts, me = layer.experts, self.rank
+        on_host = self.device.type == "cpu"
+        works, arrived, sending, received = [], [], [], 0
+        for index, move in enumerate(plan):
+            tags = (tag + 2 * index, tag + 2 * index + 1)
+            if move.dst == me and move.src == me:
+                w13[move.row].copy_(experts.w13[move.src_slot])
+                w2[move.row].copy_(experts.w2[move.src_slot])
+            elif move.dst == me:
+                received += 1
+                for tensor, each in zip((w13[move.row], w2[move.row]), tags, strict=True):
+                    buffer = tensor if on_host else torch.empty(tensor.shape, dtype=tensor.dtype)
+                    works.append(self.transfer.recv([buffer], move.src, each))
+                    if not on_host:
+                        arrived.append((tensor, buffer))
+            elif move.src == me:
+                for weights, each in zip((experts.w13, experts.w2), tags, strict=True):
+                    buffer = weights[move.src_slot].contiguous().cpu()  # no copy on the CPU
+                    sending.append(buffer)  # alive until its send is done
+                    works.append(self.transfer.send([buffer], move.dst, each))
+        for work in works:
+            work.wait()
+        for tensor, buffer in arrived:
+            tensor.copy_(buffer)
+        return received
+
+    # -- the expert source --------------------------------------------------------------------
+    def _choose_source(self) -> None:
+        """Settle where new experts come from (`moe.eplb_expert_source`): under "auto" and
+        "peer" every rank times one expert sent by a peer (a ring: each rank receives the
+        previous rank's first slot of the first MoE layer) and one read from the checkpoint,
+        and the slowest rank's times decide, alike on every rank. Collective over the vote
+        group and the transfer group."""
+        wanted = self.settings.eplb_expert_source
+        if self.transfer is None or wanted == "checkpoint":
+            self.source = "checkpoint"
+            self._update_stats(
+                expert_source="checkpoint", peer_bytes_per_s=0.0, checkpoint_bytes_per_s=0.0
+            )
+            return
+        mine = [self._time_peer(), self._time_checkpoint()]
+        everyone = all_gather_json(mine, self.group)
+        peer_s = max(times[0] for times in everyone)
+        checkpoint_s = max(times[1] for times in everyone)
+        self.source = "peer" if wanted == "peer" or peer_s < checkpoint_s else "checkpoint"
+        size = self.layers[0].experts.bytes_per_slot
+        self._update_stats(
+            expert_source=self.source,
+            peer_bytes_per_s=size / peer_s,
+            checkpoint_bytes_per_s=size / checkpoint_s,
+        )
+        if self.rank == 0:
+            self.log.info(
+                "EPLB: experts new to a rank come from the %s (%s): %.0f MB/s from a peer, "
+                "%.0f MB/s from the checkpoint (one %.2f MiB expert, the slowest rank)",
+                "peers" if self.source == "peer" else "checkpoint",
+                "moe.eplb_expert_source=peer" if wanted == "peer" else "measured",
+                size / peer_s / 1e6,
+                size / checkpoint_s / 1e6,
+                size / 2**20,
+            )
+
+    def _scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        experts = self.layers[0].experts
+        shape13, shape2 = experts.w13.shape[1:], experts.w2.shape[1:]
+        return (
+            torch.empty(1, *shape13, dtype=self.dtype, device=self.device),
+            torch.empty(1, *shape2, dtype=self.dtype, device=self.device),
+        )
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _time_peer(self) -> float:
+        """Seconds one expert takes from a peer (the fastest of a few tries). Collective."""
+        placement = self.layers[0].placement
+        ring = []  # rank r takes the first slot of rank r - 1
+        for rank in range(self.num_ranks):
+            src = (rank - 1) % self.num_ranks
+            expert = placement.local_phy2log(src)[0]
+            ring.append(ExpertTransfer(dst=rank, row=0, expert=expert, src=src, src_slot=0))
+        w13, w2 = self._scratch()
+        times = []
+        for _ in range(_PROBE_TRIES):
+            self._sync()
+            start = time.perf_counter()
+            self._transfer(self.layers[0], tuple(ring), w13, w2, self._tag_base(0, 0))
+            self._sync()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def _time_checkpoint(self) -> float:
+        """Seconds one expert takes from the checkpoint (the fastest of a few tries)."""
+        expert = self.layers[0].placement.local_phy2log(self.rank)[0]
+        w13, w2 = self._scratch()
+        times = []
+        with CheckpointReader(self.model_dir) as reader:
+            for _ in range(_PROBE_TRIES):
+                self._sync()
+                start = time.perf_counter()
+                read = read_experts(
+                    reader, self.config, self.layer_indices[0], [expert], self.dtype
+                )
+                for _, gate, up, down in read:
+                    fill_expert(w13[0], w2[0], gate, up, down)
+                self._sync()
+                times.append(time.perf_counter() - start)
+        return min(times)
+
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     # -- a re-formed group -------------------------------------------------------------------
-    def join(self, group: dist.ProcessGroup, replacement: bool) -> None:
+    def join(
+        self,
+        group: dist.ProcessGroup,
+        replacement: bool,
+        transfer_group: dist.ProcessGroup | None = None,
+    ) -> None:
         """Take the balancer into a group re-formed after a failure (`DPEngine.join_group`;
         collective over the new vote group). A proposal being staged is dropped (it was
         decided in the old group, and a replacement knows nothing of it). Every rank then
@@ -421,10 +594,13 @@ class ExpertBalancer:
         one; a kept rank may differ only if the failure split a commit), reading the experts
         new to it from the checkpoint before the group's first step, and the kept rank's
         forward-step count and group-wide stats, so that the group decides at the same steps
-        and reports as one."""
+        and reports as one. The expert source is then chosen anew for the new group (over
+        `transfer_group`, EPLB's gloo group of it)."""
         self.close()  # a staging thread still running gives up
         self.pending = None
         self.group = group
+        self.transfer = transfer_group  # a thread still waiting on the old one gives up there
+        self.num_proposals = 0
         self.num_nodes = count_nodes(group, self.rank, self.num_ranks)
         mine = {
             "kept": not replacement,
@@ -447,13 +623,13 @@ class ExpertBalancer:
         moved = 0
         if any(bool((a.phy2log != c.phy2log).any()) for a, c in zip(agreed, current, strict=True)):
             proposal = _Proposal(
-                decided_at=self.num_forward_steps, step_index=-1, current=current,
+                decided_at=self.num_forward_steps, step_index=-1, number=0, current=current,
                 proposed=agreed, balancedness_before=[], balancedness_after=[],
                 group_slots=0, decide_s=0.0, next_check=0,
             )  # fmt: skip
-            for layer, staged in zip(
-                self.layers, self._stage_layers(proposal, may_stop=False), strict=True
-            ):
+            # From the checkpoint: a peer sends only while a proposal stages.
+            staged_layers = self._stage_layers(proposal, may_stop=False, source="checkpoint")
+            for layer, staged in zip(self.layers, staged_layers, strict=True):
                 layer.adopt(staged)
             moved = proposal.staged_bytes
         if not replacement and kept[0] != self.rank and moved:
@@ -467,6 +643,7 @@ class ExpertBalancer:
             own = {"last_staging_s": 0.0, "last_pause_s": 0.0, "last_bytes": 0,
                    "last_staged_bytes": 0}  # fmt: skip
             self._update_stats(**{**source["stats"], **own})
+        self._choose_source()
         self.log.info(
             "EPLB joined the re-formed group at forward step %d with rank %d's placement "
             "(%.1f MiB read from the checkpoint here, %.0f ms)",

@@ -76,8 +76,9 @@ class RankExpertStats:
     # in the background and time its steps paused for it (computing the placement, and
     # writing the weights in at the commit; not the two small collectives, a SUM of the
     # [L, E] counts and a one-integer MIN), the expert weights it wrote into its slots, and
-    # of those the bytes it staged (read from the checkpoint into spare buffers: the extra
-    # memory it held until the commit).
+    # of those the bytes it staged (into spare buffers: the extra memory it held until the
+    # commit), and of those the bytes peers sent it (the rest it read from the checkpoint or
+    # copied from a slot of its own).
     last_decided_step: int | None = None
     last_adopted_step: int | None = None
     last_balancedness_before: list[float] = field(default_factory=list)
@@ -86,6 +87,13 @@ class RankExpertStats:
     last_pause_s: float = 0.0
     last_bytes: int = 0
     last_staged_bytes: int = 0
+    last_received_bytes: int = 0
+    # Where the experts new to a rank come from ("peer" or "checkpoint", the group's choice:
+    # `moe.eplb_expert_source`), and the rates the group measured as it formed (bytes per
+    # second of expert weights, the slowest rank's; 0 where not measured).
+    expert_source: str = "checkpoint"
+    peer_bytes_per_s: float = 0.0
+    checkpoint_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,8 @@ class ExpertStats:
     last_rebalance_pause_s: float = 0.0
     last_rebalance_bytes: int = 0
     last_staged_bytes: int = 0
+    last_received_bytes: int = 0  # sent by peers, summed over the ranks
+    expert_source: str = "checkpoint"
     ranks: list[RankExpertStats] = field(default_factory=list)
 
 
@@ -134,6 +144,8 @@ def group_expert_stats(stats: list[RankStats]) -> ExpertStats:
         last_rebalance_pause_s=max(rank.last_pause_s for rank in ranks),
         last_rebalance_bytes=sum(rank.last_bytes for rank in ranks),
         last_staged_bytes=max(rank.last_staged_bytes for rank in ranks),
+        last_received_bytes=sum(rank.last_received_bytes for rank in ranks),
+        expert_source=first.expert_source,
         ranks=ranks,
     )
 

@@ -61,6 +61,10 @@ def test_nested_sections_and_flat_overrides():
             "moe.eplb_interval_steps must be an int >= 1, got 2.5",
         ),
         (
+            {"model": "/m", "moe": {"enable_eplb": True, "eplb_expert_source": "disk"}},
+            "moe.eplb_expert_source must be one of auto, peer, checkpoint, got 'disk'",
+        ),
+        (
             {"model": "/m", "moe": {"enable_eplb": True, "eplb_num_redundant_experts": -1}},
             "moe.eplb_num_redundant_experts must be an int >= 0, got -1",
         ),
@@ -112,6 +116,7 @@ def test_group_agreed_settings_and_model_identity(tmp_path):
         "moe.eplb_num_redundant_experts",
         "moe.eplb_window_steps",
         "moe.eplb_interval_steps",
+        "moe.eplb_expert_source",
     } <= set(agreed)
 
 

@@ -227,13 +227,16 @@ def build_scenarios(world: int) -> list[Scenario]:
     return scenarios + [deadline_twin(s) for s in scenarios]
 
 
-def eplb_settings(world: int, window_steps: int, interval_steps: int) -> dict:
+def eplb_settings(
+    world: int, window_steps: int, interval_steps: int, source: str = "auto"
+) -> dict:
     """EPLB with one redundant slot per rank (8 experts + world slots split evenly)."""
     return {
         "enable_eplb": True,
         "eplb_num_redundant_experts": world,
         "eplb_window_steps": window_steps,
         "eplb_interval_steps": interval_steps,
+        "eplb_expert_source": source,
     }
 
 
@@ -359,18 +362,21 @@ def hot_deepseek_dir(tmp_path_factory) -> str:
 
 def eplb_scenarios(world: int, model_dir: str, rank1_copy: str | None) -> list[Scenario]:
     """On `model_dir`, the same requests without EPLB, with it (decisions every 4 forward
-    steps, while every request is decoding), and (given a copy of the checkpoint for rank 1
-    to lose) with rank 1's staging failing."""
+    steps, while every request is decoding) with new experts read from the checkpoint and
+    with them sent by peers, and (given a copy of the checkpoint for rank 1 to lose) with
+    rank 1's staging failing."""
     rng = random.Random(300 + world)
     events = tuple(
         _add(r, 0, f"ep-{r}-{i}", rng, length=(4, 24), max_tokens=24)
         for r in range(world)
         for i in range(3)
     ) + tuple(_add(r, 10, f"ep-late-{r}", rng, max_tokens=10) for r in range(world))
-    eplb = eplb_settings(world, window_steps=8, interval_steps=4)
+    eplb = eplb_settings(world, window_steps=8, interval_steps=4, source="checkpoint")
+    peers = eplb_settings(world, window_steps=8, interval_steps=4, source="peer")
     scenarios = [
         Scenario("eplb_off", events, model_dir=model_dir),
         Scenario("eplb_on", events, moe=eplb, model_dir=model_dir),
+        Scenario("eplb_on_peer", events, moe=peers, model_dir=model_dir),
     ]
     if rank1_copy is not None:
         scenarios.append(
@@ -447,19 +453,28 @@ def test_eplb_rebalances_mid_stream_with_unchanged_tokens(group_runs, hot_deepse
     walls = {s.name: round(results[0][s.name]["wall_s"], 1) for s in scenarios}
     print(f"DP={world}: EPLB scenarios {walls} s")
     initial = [ExpertPlacement.with_redundancy(8, world, world).phy2log.tolist()] * 2
-    on = results[0]["eplb_on"]
-    adopted = [i for i, event in enumerate(on["eplb"]) if event == "adopted"]
-    assert adopted, on["eplb"]
-    assert on["phy2log"] != initial
-    # Mid-stream: every rank still had requests running in the step after the first swap.
-    for r in range(world):
-        assert results[r]["eplb_on"]["trace"][adopted[0] + 1][5] > 0, r
-    stats = [r["eplb_on"]["expert_stats"] for r in results]
-    assert all(s.num_rebalances == stats[0].num_rebalances >= 1 for s in stats), stats
-    first = stats[0]
-    before, after = first.last_balancedness_before, first.last_balancedness_after
-    assert sum(after) > sum(before), first
-    assert sum(s.last_bytes for s in stats) > 0 and first.last_pause_s > 0.0
+    for name, source in (("eplb_on", "checkpoint"), ("eplb_on_peer", "peer")):
+        on = results[0][name]
+        adopted = [i for i, event in enumerate(on["eplb"]) if event == "adopted"]
+        assert adopted, (name, on["eplb"])
+        assert on["phy2log"] != initial
+        # Mid-stream: every rank still had requests running in the step after the first swap.
+        for r in range(world):
+            assert results[r][name]["trace"][adopted[0] + 1][5] > 0, (name, r)
+        stats = [r[name]["expert_stats"] for r in results]
+        assert all(s.num_rebalances == stats[0].num_rebalances >= 1 for s in stats), stats
+        first = stats[0]
+        before, after = first.last_balancedness_before, first.last_balancedness_after
+        assert sum(after) > sum(before), first
+        assert sum(s.last_bytes for s in stats) > 0 and first.last_pause_s > 0.0
+        assert all(s.expert_source == source for s in stats), stats
+        received = sum(s.last_received_bytes for s in stats)
+        # Peers sent every expert new to a rank; the checkpoint's ranks received nothing.
+        if source == "peer":
+            assert received == sum(s.last_staged_bytes for s in stats) > 0, stats
+            assert all(s.peer_bytes_per_s > 0 and s.checkpoint_bytes_per_s > 0 for s in stats)
+        else:
+            assert received == 0, stats
     if world == 2:
         failing = [r["eplb_staging_fails"] for r in results]
         assert failing[0]["phy2log"] == initial  # nothing was ever adopted

@@ -436,9 +436,11 @@ def _wait_for_a_stopped_rank(llm, limit_s: float) -> int:
     pytest.fail(f"no rank stopped in its EPLB staging within {limit_s} s")
 
 
-def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path):
+@pytest.mark.parametrize("source", ["checkpoint", "peer"])
+def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path, source):
     """DP=2 with EPLB on a skewed DeepSeek-V3: a rank stops itself half-way through staging
-    the experts a rebalance gave it (`STOP_IN_STAGING_ENV`) and is SIGKILLed there. The group
+    the experts a rebalance gave it (`STOP_IN_STAGING_ENV`), read from the checkpoint or
+    sent by its peer (whose staging then waits on it), and is SIGKILLed there. The group
     heals in place as from any rank failure: the other rank keeps its process, the
     replacement takes the placement the group had adopted (a rank holding other experts than
     its peers expect would change tokens), every request ends once with the fault-free
@@ -452,12 +454,13 @@ def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path
     )
     make_hot_experts(model, {6: 0.3, 7: 0.15})
     eplb = dict(enable_eplb=True, eplb_num_redundant_experts=2, eplb_window_steps=8,
-                eplb_interval_steps=4)  # fmt: skip
+                eplb_interval_steps=4, eplb_expert_source=source)  # fmt: skip
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompts = PROMPTS[:8]
     with LLM(model=str(model), dp_size=2, launcher="ray", **SETTINGS, **eplb) as llm:
         reference = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.expert_stats().num_rebalances >= 1  # the workload does move experts
+        assert llm.expert_stats().expert_source == source
         generation = llm.client.generation
         pids = dict(llm.client.pids)
         STOP_FILE.touch()
@@ -480,6 +483,7 @@ def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path
         assert llm.client.pids[killed] != stopped
         joined = llm.expert_stats()
         assert joined.num_rebalances >= 1  # the replacement reports the group's count
+        assert {rank.expert_source for rank in joined.ranks} == {source}
         assert len({rank.num_rebalances for rank in joined.ranks}) == 1, joined.ranks
         (outputs,) = results
         assert [o.finish_reason for o in outputs] == ["length"] * len(prompts)

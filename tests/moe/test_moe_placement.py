@@ -10,7 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe import ExpertPlacement, choose_replicas, keep_hosted_slots, slot_moves
+from moe import (
+    ExpertPlacement,
+    choose_replicas,
+    keep_hosted_slots,
+    plan_transfers,
+    slot_moves,
+)
 
 
 def test_even_placement_is_contiguous_blocks() -> None:
@@ -169,3 +175,56 @@ def test_moves_between_placements_hand_worked() -> None:
     assert slot_moves(current, aligned, 1).copy == ((0, 2),)  # 1 again, from its kept slot
     with pytest.raises(ValueError, match=r"placements differ in shape"):
         keep_hosted_slots(current, ExpertPlacement.even(4, 2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    num_ranks=st.sampled_from([1, 2, 3, 4]),
+    spare=st.integers(0, 3),
+    aligned=st.booleans(),
+)
+def test_transfer_plan_takes_every_load_from_a_rank_that_holds_it(
+    seed: int, num_ranks: int, spare: int, aligned: bool
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    num_experts = 2 * num_ranks
+    num_physical = num_experts + spare * num_ranks
+
+    def random_placement() -> ExpertPlacement:
+        extra = torch.randint(0, num_experts, (num_physical - num_experts,), generator=generator)
+        order = torch.randperm(num_physical, generator=generator)
+        phy2log = torch.cat([torch.arange(num_experts), extra])[order]
+        return ExpertPlacement.from_phy2log(phy2log.tolist(), num_experts, num_ranks)
+
+    current, new = random_placement(), random_placement()
+    if aligned:
+        new = keep_hosted_slots(current, new)
+    plan = plan_transfers(current, new)
+    assert plan == plan_transfers(current, new)  # every rank computes the same plan
+    for dst in range(num_ranks):
+        mine = [t for t in plan if t.dst == dst]
+        loads = slot_moves(current, new, dst).load
+        assert [(t.row, t.expert) for t in mine] == [(row, e) for row, (_, e) in enumerate(loads)]
+        for transfer in mine:
+            # The source holds the expert in that slot under the current placement; a rank
+            # that holds it itself copies it, and only then.
+            assert current.local_phy2log(transfer.src)[transfer.src_slot] == transfer.expert
+            assert (transfer.src == dst) == (transfer.expert in current.local_phy2log(dst))
+    if aligned:  # kept experts keep their slots: nothing a rank holds is loaded
+        assert all(t.src != t.dst for t in plan)
+
+
+def test_transfer_plan_spreads_a_hot_expert_over_its_replicas() -> None:
+    # Expert 0 is on ranks 0 and 1; ranks 2 and 3 each take a replica of it, rank 3 also
+    # expert 4, which only rank 2 holds.
+    current = ExpertPlacement.from_phy2log([0, 1, 0, 2, 3, 4, 1, 2], num_experts=5, num_ranks=4)
+    new = ExpertPlacement.from_phy2log([0, 1, 0, 2, 3, 0, 4, 0], num_experts=5, num_ranks=4)
+    plan = plan_transfers(current, new)
+    assert [(t.dst, t.row, t.expert, t.src, t.src_slot) for t in plan] == [
+        (2, 0, 0, 0, 0),  # rank 2's new 0 from rank 0 ...
+        (3, 0, 4, 2, 1),
+        (3, 1, 0, 1, 0),  # ... rank 3's from rank 1, which had sent none
+    ]
+    with pytest.raises(ValueError, match=r"placements differ in shape"):
+        plan_transfers(current, ExpertPlacement.even(4, 2))
