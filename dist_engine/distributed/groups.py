@@ -87,14 +87,14 @@ def leave_group(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
-def side_group(ctx: DistContext, name: str) -> dist.ProcessGroup:
+def side_group(ctx: DistContext, namespace: str) -> dist.ProcessGroup:
     """A gloo group of the same ranks for traffic off the step's path (EPLB's expert
-    transfers): its own connections, rendezvous under `name` in the group's store. It is not
+    transfers): its own connections, rendezvous under `namespace` in the group's store. It is not
     registered with torch.distributed, so `leave_group` does not destroy it while a thread
     still waits on it; an operation waits at most the group's timeout, and fails at once when
-    the peer's process is gone. Collective: every rank calls it with the same name, once per
-    group."""
-    store = dist.PrefixStore(f"lockstep/{name}/", ctx.connect_store())
+    the peer's process is gone. Collective: every rank calls it with the same `namespace`, a
+    store key prefix no other group of this store used (gloo's rendezvous keys are there)."""
+    store = dist.PrefixStore(f"{namespace}/", ctx.connect_store())
     return dist.ProcessGroupGloo(store, ctx.rank, ctx.world_size, timedelta(seconds=ctx.timeout_s))
 
 

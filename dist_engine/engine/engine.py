@@ -344,7 +344,8 @@ class DPEngine:
         """EPLB's group for peer transfers (collective), where peers may send experts."""
         if ctx is None or ctx.world_size == 1 or self.config.moe.eplb_expert_source == "checkpoint":
             return None
-        return side_group(ctx, "eplb_transfer")
+        # A namespace of its own: engines that a group starts in turn each make one.
+        return side_group(ctx, f"{self._new_namespace()}/eplb_transfer")
 
     # -- called from any thread -------------------------------------------------------------
     def submit(
