@@ -227,9 +227,7 @@ def build_scenarios(world: int) -> list[Scenario]:
     return scenarios + [deadline_twin(s) for s in scenarios]
 
 
-def eplb_settings(
-    world: int, window_steps: int, interval_steps: int, source: str = "auto"
-) -> dict:
+def eplb_settings(world: int, window_steps: int, interval_steps: int, source: str = "auto") -> dict:
     """EPLB with one redundant slot per rank (8 experts + world slots split evenly)."""
     return {
         "enable_eplb": True,
