@@ -13,7 +13,9 @@ Model: a random-weight Qwen3-MoE written by transformers (vocab 2048, hidden 256
 a Mixtral of shapes nothing here was tuned on (vocab 32000, hidden 384, 4 layers, 6 heads / 2 KV
 heads of 64, 8 experts top-2, intermediate 768). Workloads, fixed
 by seeds, random token ids, greedy (`--temperature T`: every request samples at T, unseeded,
-and tokens are not compared), EOS ignored (every request produces exactly its tokens):
+and tokens are not compared; `--temperature 0 1`: every contender at each, interleaved, with
+each one's speed at T against its greedy speed), EOS ignored (every request produces exactly
+its tokens):
   mixed         48 prompts of 16-128 tokens, outputs of 16-96 tokens;
   decode_heavy  64 prompts of 16-32 tokens, outputs of 128-192 tokens.
 
@@ -323,8 +325,10 @@ def main() -> None:
     parser.add_argument(
         "--temperature",
         type=float,
-        default=0.0,
-        help="sampling temperature for every request (unseeded; above 0 tokens are not compared)",
+        nargs="+",
+        default=[0.0],
+        help="sampling temperature for every request (unseeded; above 0 tokens are not "
+        "compared); several: each contender runs at each, as contenders of their own",
     )
     parser.add_argument(
         "--dtype",
@@ -365,7 +369,7 @@ def main() -> None:
     workloads = {name: make_workload(name, args.shape) for name in args.workloads}
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "2"}
     me = str(Path(__file__).resolve())
-    sampling = ["--temperature", str(args.temperature), "--dtype", args.dtype]
+    sampling = ["--dtype", args.dtype]
     argv = {
         "vllm": [str(ensure_vllm_venv()), me, "--worker", "vllm", "--model", model, *sampling],
         "lockstep dp1": [sys.executable, me, "--worker", "lockstep", "--dp", "1", "--model", model,
@@ -388,6 +392,18 @@ def main() -> None:
         argv[f"lockstep {name}"] = argv["lockstep dp1"]
         envs[f"lockstep {name}"] = {**env, "PYTHONPATH": str(checkout)}
         order.append(f"lockstep {name}")
+    # Each contender at each temperature: a contender of its own ("vllm t=1" and so on).
+    temperatures = list(dict.fromkeys(args.temperature))
+    args.kinds = {}  # contender -> (its engine's name, temperature)
+    for base in order:
+        for temperature in temperatures:
+            args.kinds[_named(base, temperature, temperatures)] = (base, temperature)
+    argv = {
+        name: [*argv[base], "--temperature", str(temperature)]
+        for name, (base, temperature) in args.kinds.items()
+    }
+    envs = {name: envs[base] for name, (base, _) in args.kinds.items()}
+    order = list(args.kinds)
     runs: list[dict[str, Any]] = []
     workers: dict[str, Worker] = {}
     per_pass = -(-args.rounds // args.passes)
@@ -406,26 +422,29 @@ def main() -> None:
     report(args, runs, workers, workloads)
 
 
+def _named(base: str, temperature: float, temperatures: list[float]) -> str:
+    return base if len(temperatures) == 1 else f"{base} t={temperature:g}"
+
+
 def report(args, runs, workers, workloads) -> None:
+    temperatures = list(dict.fromkeys(args.temperature))
     rows = []
     for workload_name in workloads:
+        greedy_vllm = _named("vllm", 0.0, temperatures)
         reference = next(
             (
                 r["tokens"]
                 for r in runs
-                if r["workload"] == workload_name and r["contender"] == "vllm"
+                if r["workload"] == workload_name and r["contender"] == greedy_vllm
             ),
             None,
         )
-        vllm_median = None
         for name, worker in workers.items():
             mine = [r for r in runs if r["workload"] == workload_name and r["contender"] == name]
             rates = [r["tok_s"] for r in mine]
             median = statistics.median(rates)
-            if name == "vllm":
-                vllm_median = median
             same = None
-            if reference is not None and args.temperature == 0.0:
+            if reference is not None and args.kinds[name][1] == 0.0:
                 same = sum(
                     a == b for r in mine for a, b in zip(r["tokens"], reference, strict=True)
                 ) / (len(mine) * len(reference))
@@ -433,6 +452,7 @@ def report(args, runs, workers, workloads) -> None:
                 {
                     "workload": workload_name,
                     "contender": name,
+                    "temperature": args.kinds[name][1],
                     "tok_s_median": median,
                     "tok_s_min": min(rates),
                     "tok_s_max": max(rates),
@@ -441,18 +461,34 @@ def report(args, runs, workers, workloads) -> None:
                     "settings": worker.settings,
                 }
             )
+        medians = {
+            row["contender"]: row["tok_s_median"]
+            for row in rows
+            if row["workload"] == workload_name
+        }
         for row in rows:
-            if row["workload"] == workload_name and vllm_median:
-                row["vs_vllm"] = row["tok_s_median"] / vllm_median
-    header = "| workload | contender | tok/s median (range) | vs vLLM | same tokens as vLLM |"
-    lines = [header, "| --- | --- | ---: | ---: | ---: |"]
+            if row["workload"] != workload_name:
+                continue
+            base, temperature = args.kinds[row["contender"]]
+            vllm = medians.get(_named("vllm", temperature, temperatures))
+            if vllm:  # vLLM at the same temperature
+                row["vs_vllm"] = row["tok_s_median"] / vllm
+            greedy = medians.get(_named(base, 0.0, temperatures))
+            if greedy and temperature != 0.0:  # the same engine, greedy, in this run
+                row["vs_greedy"] = row["tok_s_median"] / greedy
+    header = (
+        "| workload | contender | tok/s median (range) | vs vLLM | vs its greedy "
+        "| same tokens as vLLM |"
+    )
+    lines = [header, "| --- | --- | ---: | ---: | ---: | ---: |"]
     for row in rows:
         same = "-" if row["same_tokens_as_vllm"] is None else f"{row['same_tokens_as_vllm']:.0%}"
         ratio = f"{row['vs_vllm']:.2f}" if "vs_vllm" in row else "-"  # no vLLM in this run
+        greedy = f"{row['vs_greedy']:.2f}" if "vs_greedy" in row else "-"
         lines.append(
             f"| {row['workload']} | {row['contender']} | {row['tok_s_median']:,.0f} "
             f"({row['tok_s_min']:,.0f}-{row['tok_s_max']:,.0f}) | "
-            f"{ratio} | {same} |"
+            f"{ratio} | {greedy} | {same} |"
         )
     cpu = processor()
     loads = [r["load_before"] for r in runs] + [r["load_after"] for r in runs]
@@ -467,7 +503,7 @@ def report(args, runs, workers, workloads) -> None:
         "processor": cpu,
         "load_average_range": [min(loads), max(loads)],
         "rounds": args.rounds,
-        "temperature": args.temperature,
+        "temperature": temperatures,
         "dtype": args.dtype,
         "workloads": {k: WORKLOADS[k] for k in workloads},
         "shape": args.shape,
