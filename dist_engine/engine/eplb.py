@@ -159,6 +159,9 @@ class _Proposal:
     decided_at: int
     step_index: int
     number: int  # proposals decided in this group before it, plus one (the transfers' tags)
+    # The group its peer transfers run on: the one of the group it was decided in, even if a
+    # re-formed group's join replaces the balancer's while this one's thread still runs.
+    transfer: dist.ProcessGroup | None
     current: list[ExpertPlacement]
     proposed: list[ExpertPlacement]
     balancedness_before: list[float]
@@ -295,6 +298,7 @@ class ExpertBalancer:
             decided_at=forward_step,
             step_index=step_index,
             number=self.num_proposals,
+            transfer=self.transfer,
             current=current,
             proposed=proposed,
             balancedness_before=before,
@@ -419,7 +423,7 @@ class ExpertBalancer:
                 if from_peers:
                     plan = plan_transfers(current, proposed)
                     tag = self._tag_base(proposal.number, index)
-                    received = self._transfer(layer, plan, w13, w2, tag)
+                    received = self._transfer(proposal.transfer, layer, plan, w13, w2, tag)
                     proposal.received_bytes += received * experts.bytes_per_slot
                 else:
                     wanted = [expert for _, expert in moves.load]
@@ -455,6 +459,7 @@ class ExpertBalancer:
 
     def _transfer(
         self,
+        group: dist.ProcessGroup,
         layer: MoELayer,
         plan: tuple[ExpertTransfer, ...],
         w13: torch.Tensor,
@@ -479,14 +484,14 @@ class ExpertBalancer:
                 received += 1
                 for tensor, each in zip((w13[move.row], w2[move.row]), tags, strict=True):
                     buffer = tensor if on_host else torch.empty(tensor.shape, dtype=tensor.dtype)
-                    works.append(self.transfer.recv([buffer], move.src, each))
+                    works.append(group.recv([buffer], move.src, each))
                     if not on_host:
                         arrived.append((tensor, buffer))
             elif move.src == me:
                 for weights, each in zip((experts.w13, experts.w2), tags, strict=True):
                     buffer = weights[move.src_slot].contiguous().cpu()  # no copy on the CPU
                     sending.append(buffer)  # alive until its send is done
-                    works.append(self.transfer.send([buffer], move.dst, each))
+                    works.append(group.send([buffer], move.dst, each))
         for work in works:
             work.wait()
         for tensor, buffer in arrived:
@@ -554,7 +559,9 @@ class ExpertBalancer:
         for _ in range(_PROBE_TRIES):
             self._sync()
             start = time.perf_counter()
-            self._transfer(self.layers[0], tuple(ring), w13, w2, self._tag_base(0, 0))
+            self._transfer(
+                self.transfer, self.layers[0], tuple(ring), w13, w2, self._tag_base(0, 0)
+            )
             self._sync()
             times.append(time.perf_counter() - start)
         return min(times)
@@ -599,7 +606,7 @@ class ExpertBalancer:
         self.close()  # a staging thread still running gives up
         self.pending = None
         self.group = group
-        self.transfer = transfer_group  # a thread still waiting on the old one gives up there
+        self.transfer = transfer_group  # a staging thread still running keeps the old one
         self.num_proposals = 0
         self.num_nodes = count_nodes(group, self.rank, self.num_ranks)
         mine = {
@@ -623,9 +630,9 @@ class ExpertBalancer:
         moved = 0
         if any(bool((a.phy2log != c.phy2log).any()) for a, c in zip(agreed, current, strict=True)):
             proposal = _Proposal(
-                decided_at=self.num_forward_steps, step_index=-1, number=0, current=current,
-                proposed=agreed, balancedness_before=[], balancedness_after=[],
-                group_slots=0, decide_s=0.0, next_check=0,
+                decided_at=self.num_forward_steps, step_index=-1, number=0, transfer=None,
+                current=current, proposed=agreed, balancedness_before=[],
+                balancedness_after=[], group_slots=0, decide_s=0.0, next_check=0,
             )  # fmt: skip
             # From the checkpoint: a peer sends only while a proposal stages.
             staged_layers = self._stage_layers(proposal, may_stop=False, source="checkpoint")
