@@ -11,7 +11,8 @@ when its rule says so, and votes are never further apart than the deadline.
 
 At DP = 2 each scenario also runs under ``deadline`` (its ``@deadline`` twin) in the same rank
 processes, so the suite covers both policies for the price of one model load; DP = 4 runs the
-twins (the default policy) and the ``every_step`` scenario.
+twins (the default policy), the ``every_step`` scenario and a 300-request soak with aborts
+under both policies.
 """
 
 from __future__ import annotations
@@ -402,6 +403,8 @@ def group_runs(request, model_dir, hot_deepseek_dir, tmp_path_factory) -> dict:
     suite = build_scenarios(world)
     if world > 2:  # the default policy only: DP = 2 covers `vote` (the suite's cost is CPU)
         suite = [s for s in suite if s.sync_policy == "deadline" or s.name == "every_step_policy"]
+        # The soak, under both policies, in the same group (a group's start-up is seconds).
+        suite += [soak_scenario(world), deadline_twin(soak_scenario(world))]
     eplb = eplb_scenarios(world, hot_deepseek_dir, rank1_copy)
     results = run_multirank(world, run_scenarios, (model_dir, suite + eplb), timeout_s=420)
     return {"world": world, "suite": suite, "eplb": eplb, "results": results}
@@ -437,6 +440,10 @@ def test_vote_deadlock_scenarios(group_runs, reference):
         slept = sum(1 for _, kind, *_ in by_name["sleep_wake"][0]["trace"] if kind == "empty")
         assert slept > 0, suffix
         assert "decided" in by_name["eplb"][0]["eplb"], suffix
+    for name in ("soak", "soak@deadline"):  # DP = 4: 300 requests, some aborted
+        if name in names:
+            reasons = [o["reason"] for r in results for o in r[name]["outputs"].values()]
+            assert len(reasons) == SOAK_REQUESTS and reasons.count("abort") > 0, name
 
 
 def test_eplb_rebalances_mid_stream_with_unchanged_tokens(group_runs, hot_deepseek_dir):
@@ -501,15 +508,3 @@ def test_scenarios_on_deepseek_v3(deepseek_dir):
     for scenario in scenarios:
         check_scenario(scenario, [r[scenario.name] for r in results], reference)
     assert results[0]["watermark_recompute"]["num_preemptions"] > 0
-
-
-def test_soak_dp4(model_dir, reference):
-    scenarios = [soak_scenario(4), deadline_twin(soak_scenario(4))]
-    results = run_multirank(4, run_scenarios, (model_dir, scenarios), timeout_s=420)
-    for scenario in scenarios:
-        name = scenario.name
-        check_scenario(scenario, [r[name] for r in results], reference)
-        reasons = [o["reason"] for r in results for o in r[name]["outputs"].values()]
-        assert len(reasons) == SOAK_REQUESTS and reasons.count("abort") > 0, name
-    walls = {s.name: results[0][s.name]["wall_s"] for s in scenarios}
-    print(f"soak: {walls}")

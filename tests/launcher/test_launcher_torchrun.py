@@ -57,19 +57,30 @@ def job(tmp_path_factory, model_dir) -> dict[str, Path]:
     return {"root": root, "config": config, "prompts": prompts}
 
 
+def start(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    environ = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    environ.update(RAY_AUTH_MODE="disabled", **(env or {}))
+    return subprocess.Popen(
+        argv, cwd=cwd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+        pytest.fail(
+            f"{process.args[:3]} ran past {TIMEOUT_S}s\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        )
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 def run(
     argv: list[str], cwd: Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    environ.update(RAY_AUTH_MODE="disabled", **(env or {}))
-    try:
-        return subprocess.run(
-            argv, cwd=cwd, env=environ, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as error:  # subprocess.run killed it
-        pytest.fail(
-            f"{argv[:3]} ran past {TIMEOUT_S}s\nstdout:\n{error.stdout}\nstderr:\n{error.stderr}"
-        )
+    return finish(start(argv, cwd, env))
 
 
 def check(result: subprocess.CompletedProcess, code: int = 0) -> None:
@@ -79,8 +90,12 @@ def check(result: subprocess.CompletedProcess, code: int = 0) -> None:
     )
 
 
+def torchrun_argv(nproc: int, *args: str) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *args]
+
+
 def torchrun(nproc: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return run([TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), *args], cwd)
+    return run(torchrun_argv(nproc, *args), cwd)
 
 
 def records(path: Path) -> list[dict]:
@@ -91,20 +106,32 @@ def records(path: Path) -> list[dict]:
 def outputs(job) -> dict[str, list[dict]]:
     root, config, prompts = job["root"], str(job["config"]), str(job["prompts"])
     out_torchrun, out_ray = root / "out_torchrun.jsonl", root / "out_ray.jsonl"
-    result = torchrun(
-        2, "-m", "launcher.cli", "run", "--config", config, "--prompts", prompts,
-        "--output", str(out_torchrun), "--quiet", cwd=root,
+    # The two jobs run at once: most of each one's time is start-up (imports, Ray, rendezvous).
+    torchrun_job = start(
+        torchrun_argv(
+            2, "-m", "launcher.cli", "run", "--config", config, "--prompts", prompts,
+            "--output", str(out_torchrun), "--quiet",
+        ),
+        root,
     )  # fmt: skip
-    check(result)
-    # Only rank 0 prints the summary (every process runs the same command).
-    assert result.stdout.count("launcher / DP          torchrun / 2") == 1, result.stdout
-    assert "MoE exchange           shared memory" in result.stdout, result.stdout
-    result = run(
+    ray_job = start(
         [LOCKSTEP, "run", "--config", config, "--launcher", "ray", "--dp-size", "2",
          "--prompts", prompts, "--output", str(out_ray), "--quiet",
          "--set", "parallel.moe_exchange=process_group"],
         root,
     )  # fmt: skip
+    try:
+        result, ray_result = finish(torchrun_job), finish(ray_job)
+    finally:  # neither outlives a failure of the other
+        for process in (torchrun_job, ray_job):
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    check(result)
+    # Only rank 0 prints the summary (every process runs the same command).
+    assert result.stdout.count("launcher / DP          torchrun / 2") == 1, result.stdout
+    assert "MoE exchange           shared memory" in result.stdout, result.stdout
+    result = ray_result
     check(result)
     assert "launcher / DP          ray / 2" in result.stdout
     assert "MoE exchange           gloo" in result.stdout, result.stdout  # process_group
