@@ -206,12 +206,13 @@ constexpr int kRowBlock = 6;
 // `dot_gemm`). Without it a slot of 7+ rows is memory-bound in its first row block, compute-bound
 // in the others, never both: on a 2-core AMD EPYC with AVX-512 (Zen 4) one Mixtral layer's
 // experts at 12-16 rows per expert took 0.76-0.84x the time with it (float32), 0.69-0.75x in
-// bf16 dot products, 0.91-0.94x at 128 rows, the same at 1-5 (docs/benchmarks.md). Measured
-// on AVX-512 only, so on by default there and off elsewhere; LOCKSTEP_NEXT_PANEL=1 or 0, read at
-// each call, turns it on or off (to measure it on another processor).
+// bf16 dot products, 0.91-0.94x at 128 rows, the same at 1-5 (docs/benchmarks.md); on a 2-core
+// AMD EPYC with AVX2 only (8-lane blocks), 0.92-0.95x at 12-16 rows, 0.92-0.98x at 32,
+// 0.94-1.01x at 4-8 and 128 (float32, three runs of six). So on by default for every build;
+// LOCKSTEP_NEXT_PANEL=0 or 1, read at each call, turns it off or on (to measure it).
 inline bool next_panel_enabled() {
   const char* value = std::getenv("LOCKSTEP_NEXT_PANEL");
-  if (value == nullptr || *value == '\0') return kGemmLanes == 16;
+  if (value == nullptr || *value == '\0') return true;
   return std::strcmp(value, "0") != 0;
 }
 constexpr int64_t kColumnPanel = 128;
