@@ -131,6 +131,13 @@ DESCRIPTIONS = {
     "scheduler.vocab_size": "fail prompts with ids beyond this (the engine sets it from the model)",
     "moe.ll_max_tokens_per_rank": "tokens a rank may send in one decode dispatch (default: "
     "max_num_seqs)",
+    "moe.enable_eplb": "balance expert load while serving (EPLB)",
+    "moe.eplb_num_redundant_experts": "EPLB: extra expert slots (experts + these must split "
+    "evenly over dp_size)",
+    "moe.eplb_window_steps": "EPLB: forward steps of load a decision looks at",
+    "moe.eplb_interval_steps": "EPLB: forward steps between decisions",
+    "moe.eplb_expert_source": "EPLB: where a rank gets the experts a rebalance gives it (auto: "
+    "a peer or the checkpoint, whichever the group measures faster)",
     "server.host": "address to bind (127.0.0.1: this host only)",
     "server.port": "port to listen on (0: any free one)",
     "server.api_key": "require 'Authorization: Bearer KEY' (default: $LOCKSTEP_API_KEY)",

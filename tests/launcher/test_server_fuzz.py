@@ -89,7 +89,7 @@ def limits(model_dir) -> ModelLimits:
     return ModelLimits("tiny", max_model_len=64, vocab_size=384, num_ranks=2, tokenizer=tokenizer)
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=bodies(), chat=st.booleans())
 def test_validation_answers_any_body_with_a_request_or_a_request_error(limits, body, chat):
     # Through JSON and the server's own body checks (depth, valid Unicode), as it reads a body;
