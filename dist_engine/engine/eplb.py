@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from dist_engine.distributed.plain_data import all_gather_json
 from dist_engine.engine.config import MoEConfig
-from dist_engine.engine.stats import RankExpertStats
+from dist_engine.engine.stats import RankExpertStats, as_replacement
 from dist_engine.layers.moe import MoEBlock
 from dist_engine.models.decoder import MoECausalLM
 from dist_engine.models.loader import CheckpointReader, read_experts
@@ -645,11 +645,8 @@ class ExpertBalancer:
                 "commit the failure split); took rank %d's", kept[0], kept[0],
             )  # fmt: skip
         if replacement:
-            # Group-wide fields are every rank's alike; the last rebalance's own costs are
-            # the rank's that paid them, which this one did not.
-            own = {"last_staging_s": 0.0, "last_pause_s": 0.0, "last_bytes": 0,
-                   "last_staged_bytes": 0}  # fmt: skip
-            self._update_stats(**{**source["stats"], **own})
+            kept_stats = RankExpertStats(**source["stats"])
+            self._update_stats(**dataclasses.asdict(as_replacement(kept_stats)))
         self._choose_source()
         self.log.info(
             "EPLB joined the re-formed group at forward step %d with rank %d's placement "

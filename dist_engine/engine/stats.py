@@ -8,7 +8,7 @@ Counters only ever grow, which is what Prometheus counters need.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from scheduler import AttemptPoint, StepKind
@@ -94,6 +94,25 @@ class RankExpertStats:
     expert_source: str = "checkpoint"
     peer_bytes_per_s: float = 0.0
     checkpoint_bytes_per_s: float = 0.0
+
+
+# The fields of `RankExpertStats` that are one rank's own costs of the last rebalance; the
+# others are the group's, alike on every rank (a replacement takes those from a kept rank).
+RANK_OWN_EXPERT_FIELDS = (
+    "last_staging_s",
+    "last_pause_s",
+    "last_bytes",
+    "last_staged_bytes",
+    "last_received_bytes",
+)
+
+
+def as_replacement(kept: RankExpertStats) -> RankExpertStats:
+    """What a replacement that joins a re-formed group reports: a kept rank's EPLB stats (the
+    group's, alike on every rank) without that rank's own costs of the last rebalance
+    (`RANK_OWN_EXPERT_FIELDS`), which the replacement did not pay."""
+    fresh = RankExpertStats()
+    return replace(kept, **{name: getattr(fresh, name) for name in RANK_OWN_EXPERT_FIELDS})
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dist_engine.engine.stats import (
     RankExpertStats,
     RankStats,
     StepCounters,
+    as_replacement,
     group_expert_stats,
 )
 from dist_engine.log import LOGGER_NAME
@@ -188,6 +189,31 @@ def test_eplb_series_and_the_groups_expert_stats():
     assert (group.last_rebalance_bytes, group.last_rebalance_staging_s) == (1500, 0.3)
     assert group.last_rebalance_step == 40 and len(group.ranks) == 2
     assert not group_expert_stats([rank_stats(0)]).enabled
+
+
+def test_a_replacement_reports_the_groups_eplb_state_without_the_kept_ranks_costs():
+    """A replacement joining a re-formed group takes a kept rank's EPLB stats
+    (`as_replacement`): the group's view then counts the last rebalance's bytes and times
+    once, as the kept rank paid them, not twice."""
+    kept = RankExpertStats(
+        balancedness=[0.5, 0.75],
+        num_rebalances=2,
+        last_adopted_step=40,
+        last_balancedness_after=[0.9, 0.95],
+        last_staging_s=0.2,
+        last_pause_s=0.01,
+        last_bytes=1000,
+        last_staged_bytes=600,
+        last_received_bytes=400,
+        expert_source="peer",
+    )
+    joined = as_replacement(kept)
+    assert (joined.balancedness, joined.num_rebalances) == ([0.5, 0.75], 2)
+    assert (joined.last_adopted_step, joined.last_balancedness_after) == (40, [0.9, 0.95])
+    group = group_expert_stats([rank_stats(0, experts=kept), rank_stats(1, experts=joined)])
+    assert (group.last_rebalance_bytes, group.last_received_bytes) == (1000, 400)
+    assert (group.last_staged_bytes, group.last_rebalance_staging_s) == (600, 0.2)
+    assert group.last_rebalance_pause_s == 0.01 and group.num_rebalances == 2
 
 
 def test_the_stats_line_reports_each_busy_interval_and_one_idle_one():
