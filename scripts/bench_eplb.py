@@ -494,7 +494,7 @@ def _full_decode_steps(runs: list[dict], batch: int) -> list[int]:
 
 def print_live(rows: list[dict[str, Any]], cpu: dict, fp8: bool) -> None:
     print(
-        f"EPLB live: DeepSeek-V3-shaped ({'block-FP8' if fp8 else 'bfloat16'} checkpoint, "
+        f"EPLB live: DeepSeek-V3-shaped ({'block-FP8' if fp8 else 'float32'} checkpoint, "
         f"served in float32), {LIVE_MODEL['num_experts']} experts top-"
         f"{LIVE_MODEL['top_k']}, 3 MoE layers, biased experts {sorted(HOT_BIAS)}; one redundant "
         f"slot per rank; balancedness = mean / max tokens per rank (mean over layers); expert "
