@@ -29,10 +29,13 @@ from moe.layer import MoELayer, StagedPlacement, dense_reference_moe
 from moe.placement import (
     ExpertPlacement,
     ExpertTransfer,
+    ReshardMoves,
     SlotMoves,
     choose_replicas,
     keep_hosted_slots,
     plan_transfers,
+    reshard_moves,
+    shrink_placement,
     slot_moves,
 )
 from moe.routing import (
@@ -60,6 +63,7 @@ __all__ = [
     "NormalDispatchMeta",
     "RebalanceResult",
     "ReceivedRouting",
+    "ReshardMoves",
     "RoutingMethod",
     "RoutingResult",
     "SlotMoves",
@@ -77,7 +81,9 @@ __all__ = [
     "rank_loads",
     "rebalance",
     "rebalance_gain",
+    "reshard_moves",
     "run_local_experts",
+    "shrink_placement",
     "sigmoid_grouped_topk",
     "slot_moves",
     "softmax_grouped_topk",

@@ -9,6 +9,7 @@ applied here, from outside the model: replica choice, dispatch, local experts, c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from moe.dispatch_common import ReceivedRouting
 from moe.dispatch_low_latency import check_capacity
 from moe.exchange import Exchange, as_exchange
 from moe.experts import ExpertImpl, LocalExperts
-from moe.placement import ExpertPlacement, choose_replicas_from_maps
+from moe.placement import ExpertPlacement, choose_replicas_from_maps, reshard_moves
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,8 +56,10 @@ class MoELayer(nn.Module):
     path runs with no collectives.
 
     The placement can change between forwards (`adopt`, EPLB); dispatch reads only
-    `slots_per_rank`, which never changes, and the replica maps, which `adopt` rebinds at
-    once, so a forward sees the old placement or the new one, never a mix.
+    `slots_per_rank`, which `adopt` never changes, and the replica maps, which it rebinds at
+    once, so a forward sees the old placement or the new one, never a mix. A group that
+    shrinks onto its survivors or grows back changes the rank, the group and the slot count
+    together (`reshard`), between forwards.
     """
 
     def __init__(
@@ -169,6 +172,60 @@ class MoELayer(nn.Module):
                 f"{(exchange.rank, exchange.size)}"
             )
         self.exchange = exchange
+
+    @torch.no_grad()
+    def reshard(
+        self,
+        placement: ExpertPlacement,
+        rank: int,
+        group: dist.ProcessGroup | Exchange | None,
+        read: Callable[[list[int]], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+    ) -> int:
+        """Take a placement over another number of ranks (a group that shrank onto its
+        survivors, or grew back): this rank becomes `rank` of `group` (None: a group of one)
+        with `placement.slots_per_rank` slots. Experts it holds are copied from its weights;
+        the others come from `read(logical ids)` -> [(gate [I, D], up [I, D], down [D, I])]
+        in that order (the checkpoint's layouts). Call it where no forward runs. Returns how
+        many experts were read."""
+        exchange = None if group is None else as_exchange(group)
+        size = 1 if exchange is None else exchange.size
+        if placement.num_experts != self.num_experts or placement.num_ranks != size:
+            raise ValueError(
+                f"the placement maps E={placement.num_experts} over N={placement.num_ranks}; "
+                f"this layer has E={self.num_experts} and the group {size} rank(s)"
+            )
+        if exchange is not None and exchange.rank != rank:
+            raise ValueError(f"rank={rank} but this process is rank {exchange.rank} of the group")
+        moves = reshard_moves(
+            self.placement.local_phy2log(self.rank), placement.local_phy2log(rank)
+        )
+        old = self.experts
+        device = old.w13.device
+        with torch.device(device):
+            new = LocalExperts(
+                placement.slots_per_rank, self.hidden_size, self.intermediate_size, old.w13.dtype
+            )
+        if moves.kept:
+            to = torch.tensor([new_slot for new_slot, _ in moves.kept], device=device)
+            source = torch.tensor([old_slot for _, old_slot in moves.kept], device=device)
+            new.w13.index_copy_(0, to, old.w13.index_select(0, source))
+            new.w2.index_copy_(0, to, old.w2.index_select(0, source))
+        weights = read([expert for _, expert in moves.load]) if moves.load else []
+        if len(weights) != len(moves.load):
+            raise ValueError(f"read returned {len(weights)} experts for {len(moves.load)}")
+        for (slot, _), (gate, up, down) in zip(moves.load, weights, strict=True):
+            new.load_slot(slot, gate, up, down)
+        for slot, source in moves.copy:
+            new.w13[slot].copy_(new.w13[source])
+            new.w2[slot].copy_(new.w2[source])
+        self.experts = new
+        self.placement = placement
+        self.rank = rank
+        self.exchange = exchange
+        self.hosted_slots = placement.hosted_slots(rank)
+        self.log2phy = placement.log2phy.to(device)
+        self.logcnt = placement.logcnt.to(device)
+        return len(moves.load)
 
     def count_load_into(self, counts: torch.Tensor) -> None:
         """Count routed pairs into `counts` ([E] int64 on the layer's device, e.g. one row of a

@@ -261,6 +261,68 @@ def plan_transfers(current: ExpertPlacement, new: ExpertPlacement) -> tuple[Expe
     return tuple(transfers)
 
 
+def shrink_placement(current: ExpertPlacement, survivors: list[int]) -> ExpertPlacement:
+    """The placement of a group shrunk onto `survivors` (ranks of `current`, ascending; they
+    become ranks 0, 1, ... in that order) after the other ranks were lost.
+
+    Every survivor keeps its slots as they are, in their local order (nothing it holds is
+    read again). The experts that no survivor holds (orphans) are handed out in order, one
+    per survivor in turn, as new slots after the kept ones; every rank then gets as many
+    slots, S' = S + ceil(orphans / survivors), a rank with fewer orphans filling the rest
+    with replicas of its own experts (copies, nothing read). Deterministic: every rank
+    computes the same maps."""
+    num_ranks = len(survivors)
+    if num_ranks < 1 or sorted(set(survivors)) != list(survivors):
+        raise ValueError(f"survivors must be ascending distinct ranks, got {survivors}")
+    for rank in survivors:
+        current._check_rank(rank)
+    kept = [current.local_phy2log(rank) for rank in survivors]
+    held = {expert for slots in kept for expert in slots}
+    orphans = [expert for expert in range(current.num_experts) if expert not in held]
+    new_slots = -(-len(orphans) // num_ranks)
+    phy2log: list[int] = []
+    for index, slots in enumerate(kept):
+        mine = orphans[index::num_ranks]
+        padding = [slots[i % len(slots)] for i in range(new_slots - len(mine))]
+        phy2log.extend(slots + mine + padding)
+    return ExpertPlacement.from_phy2log(phy2log, current.num_experts, num_ranks)
+
+
+@dataclass(frozen=True)
+class ReshardMoves:
+    """How one rank fills the local slots of a placement with another slot count (a group
+    that shrank or grew) from the slots it has.
+
+    kept: (new slot, old slot) pairs: an expert the rank holds, copied from its weights.
+    load: (new slot, logical expert) pairs: an expert it does not hold, each expert once.
+    copy: (new slot, new slot) pairs: another replica of a loaded expert, copied from its
+        `load` slot once the loads are written.
+    """
+
+    kept: tuple[tuple[int, int], ...]
+    load: tuple[tuple[int, int], ...]
+    copy: tuple[tuple[int, int], ...]
+
+
+def reshard_moves(before: list[int], after: list[int]) -> ReshardMoves:
+    """The `ReshardMoves` that turn local slots holding `before` (the logical expert of each)
+    into slots holding `after`, of any lengths."""
+    held: dict[int, int] = {}
+    for slot, expert in enumerate(before):
+        held.setdefault(expert, slot)
+    kept, load, copy = [], [], []
+    loaded: dict[int, int] = {}
+    for slot, expert in enumerate(after):
+        if expert in held:
+            kept.append((slot, held[expert]))
+        elif expert in loaded:
+            copy.append((slot, loaded[expert]))
+        else:
+            loaded[expert] = slot
+            load.append((slot, expert))
+    return ReshardMoves(tuple(kept), tuple(load), tuple(copy))
+
+
 def choose_replicas(
     topk_ids: torch.Tensor, placement: ExpertPlacement, token_offset: int
 ) -> torch.Tensor:
