@@ -104,6 +104,7 @@ def _tokens(rank: int, phase: int):
 
 
 def _new_group(rank: int, world: int, name: str):
+    """Leave this process's group and join a new one of `world` under a new store prefix."""
     dist.destroy_process_group()
     store = dist.PrefixStore(f"{name}/", current_store())
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
@@ -146,11 +147,8 @@ def reshard_worker(rank: int, world: int) -> dict:
         layer.reshard(shrink_placement(even, survivors), new_rank, group, read)
         result["read_shrink"] = [e for batch in read_log for e in batch]
         result["phase1"] = _forward_all(layer, new_rank, 1)
-    dist.destroy_process_group()
     # Grow back: a fresh rank 3 (built as at start-up) and the survivors re-placed evenly.
-    store = dist.PrefixStore("grown/", current_store())
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    group = dist.new_group(backend="gloo")
+    group = _new_group(rank, world, "grown")
     if rank in survivors:
         read_log.clear()
         layer.reshard(even, rank, group, read)
@@ -167,11 +165,10 @@ def test_reshard_onto_survivors_and_back_matches_the_dense_reference() -> None:
     results = run_multirank(4, reshard_worker, (), timeout_s=120)
     gate, up, down = _weights()
     for phase, ranks in (("phase0", range(4)), ("phase1", range(3)), ("phase2", range(4))):
-        for new_rank in ranks:
-            out = results[new_rank if phase != "phase1" else [0, 1, 2][new_rank]][phase]
-            hidden, weights, ids = _tokens(new_rank, int(phase[-1]))
+        for rank in ranks:  # survivors 0, 1, 2 keep their numbers in the group of 3
+            hidden, weights, ids = _tokens(rank, int(phase[-1]))
             expected = dense_reference_moe(hidden, weights, ids, gate, up, down)
-            for got in out:
+            for got in results[rank][phase]:
                 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # The survivors read only rank 3's experts (6 and 7), each once; growing back reads none.
     assert sorted(e for r in range(3) for e in results[r]["read_shrink"]) == [6, 7]
