@@ -184,18 +184,26 @@ class Scheduler:
         )
 
     # -- the step ---------------------------------------------------------------------------
-    def schedule(self, *, wake_epoch: int = 0, shutdown: bool = False) -> SchedulerOutputs:
+    def schedule(
+        self, *, wake_epoch: int = 0, shutdown: bool = False, regroup: bool = False
+    ) -> SchedulerOutputs:
         """One step's batch, taking the votes through this scheduler's own ``vote``."""
-        return run_plan(self.plan(wake_epoch=wake_epoch, shutdown=shutdown), self.vote)
+        return run_plan(
+            self.plan(wake_epoch=wake_epoch, shutdown=shutdown, regroup=regroup), self.vote
+        )
 
-    def plan(self, *, wake_epoch: int = 0, shutdown: bool = False) -> StepPlan:
+    def plan(
+        self, *, wake_epoch: int = 0, shutdown: bool = False, regroup: bool = False
+    ) -> StepPlan:
         """One step's schedule as an exchange with the group: yields each vote vector this
         rank sends (at most two), takes back the group's element-wise MIN, and returns the
         step's outputs. Whoever runs it (`schedule`, or the engine with its collectives in
         view) performs exactly the collectives it yields, in order.
 
         ``wake_epoch``: the highest wake epoch this rank has seen (distributed/wake.py);
-        ``shutdown``: this rank asks the group to stop. Both travel in vote 1.
+        ``shutdown``: this rank asks the group to stop; ``regroup``: to leave its process
+        groups and re-form (the engine abandons the step the group agreed on it, as after a
+        failed collective). They travel in vote 1, so every rank sees them at the same step.
         """
         if self._needs_sweep:
             self._sweep()
@@ -207,7 +215,8 @@ class Scheduler:
         view = None
         any_scheduled = None
         if point is not AttemptPoint.NONE:
-            view = GroupView.from_vector((yield self._local_state(wake_epoch, shutdown).encode()))
+            state = self._local_state(wake_epoch, shutdown, regroup)
+            view = GroupView.from_vector((yield state.encode()))
             if self._group_prefills(point, view):
                 decode, batch = self._assemble_prefill(view)
                 # Vote 2: if no rank assembled anything, a prefill step would be empty
@@ -337,7 +346,7 @@ class Scheduler:
     def _group_prefills(self, point: AttemptPoint, view: GroupView) -> bool:
         return self._policy.prefills(point, view, self._shared_state())
 
-    def _local_state(self, wake_epoch: int, shutdown: bool) -> LocalState:
+    def _local_state(self, wake_epoch: int, shutdown: bool, regroup: bool) -> LocalState:
         """What this rank says in vote 1."""
         ready = self._ready_seq
         has_running = bool(self.running)
@@ -353,6 +362,7 @@ class Scheduler:
             has_work=has_running or head_ready,
             wake_epoch=wake_epoch,
             shutdown=shutdown,
+            regroup=regroup,
             max_remaining_tokens=self._max_remaining_tokens(),
             ready=ready is not None,
             ready_wait=self._ready_wait if ready is not None else -1,

@@ -19,6 +19,9 @@ complements, so one collective answers every question the step needs:
     8      ready ? -(wait + 1) : 0   -(longest wait of a ready head, + 1); 0 -> none ready
     9      backlog ? 0 : 1           0 -> some ready head was queued before the current run of
                                           prefill steps began (the FOLLOW point serves it)
+    10     regroup ? 0 : 1           0 -> some rank asks the group to leave its process groups
+                                          at this step and re-form (a planned re-form: a group
+                                          that shrank grows back)
 
 Entry 6 gives the group a *drain point*: if the group decodes from here, then after that many
 decode steps no sequence running now can still be running, so the group votes again there
@@ -107,6 +110,7 @@ class LocalState:
     ready: bool = False  # the head could start a prefill now (deadline policy)
     ready_wait: int = -1  # decode steps the head has been ready for; -1 when not ready
     backlog: bool = False  # the ready head was queued before the current prefill steps began
+    regroup: bool = False
 
     def encode(self) -> list[int]:
         return [
@@ -120,6 +124,7 @@ class LocalState:
             int(self.ready),
             -(self.ready_wait + 1) if self.ready else 0,
             int(not self.backlog),
+            int(not self.regroup),
         ]
 
 
@@ -137,6 +142,7 @@ class GroupView:
     all_ready: bool = False
     max_ready_wait: int = -1  # the longest wait of any rank's ready head; -1 when none
     any_backlog: bool = False
+    regroup: bool = False
 
     @classmethod
     def from_vector(cls, values: list[int]) -> GroupView:
@@ -154,6 +160,7 @@ class GroupView:
             all_ready=values[7] == 1,
             max_ready_wait=-values[8] - 1,
             any_backlog=values[9] == 0,
+            regroup=values[10] == 0,
         )
 
 

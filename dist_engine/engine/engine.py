@@ -31,7 +31,7 @@ from dist_engine.attention.kv_cache import (
 from dist_engine.autotune import TuneShapes
 from dist_engine.backends import Backends, resolve_backends
 from dist_engine.distributed.groups import DistContext, rank_device, resolve_backend, side_group
-from dist_engine.distributed.plain_data import broadcast_json
+from dist_engine.distributed.plain_data import all_gather_json, broadcast_json
 from dist_engine.distributed.step_sync import TorchVote, agree_settings, find_failed_ranks
 from dist_engine.distributed.wake import LocalWake, StoreWake
 from dist_engine.engine.config import EngineConfig, model_identity
@@ -43,11 +43,21 @@ from dist_engine.engine.messages import (
     AbortRequest,
     AddRequest,
     InboxMessage,
+    Regroup,
     SetSchedulable,
     Shutdown,
 )
 from dist_engine.engine.outputs import ErrorKind, RequestOutput
 from dist_engine.engine.request import Request, resume_sequence
+from dist_engine.engine.resize import (
+    Member,
+    check_fit,
+    free_memory,
+    is_resize,
+    reshard_model,
+    resize_bytes,
+    target_placements,
+)
 from dist_engine.engine.runner import ModelRunner, dispatch_mode
 from dist_engine.engine.stats import RankStats, StepCounters, rank_stats
 from dist_engine.engine.structured import GrammarMasks
@@ -106,6 +116,10 @@ def check_max_model_len(max_model_len: int | None, model_config: ModelConfig) ->
         )
 
 
+class Regrouping(Exception):
+    """The group agreed to leave its process groups at this step and re-form (`Regroup`)."""
+
+
 class DPEngine:
     def __init__(
         self,
@@ -119,20 +133,26 @@ class DPEngine:
     ) -> None:
         """join_as: (rank, group size) of a rank built before its group exists (a replacement
         for a failed rank): it loads everything, takes no collective, and runs only once
-        `join_group` has taken it into the re-formed group."""
+        `join_group` has taken it into the re-formed group.
+
+        `rank` is this engine's DP rank for good (its outputs, stats and logs name it);
+        `group_rank` and `group_size` are its place in the group it runs in, the same until
+        a group shrinks onto its survivors (engine/resize.py)."""
         # A hub model's snapshot is the driver's directory; on another host, this host's copy.
         self.config = config = config.with_local_model()
         self.dist = dist_ctx
         if join_as is not None and dist_ctx is not None:
             raise ValueError("join_as is for a rank without a group yet")
-        self.rank, self.world_size = join_as or (
+        self.rank, self.group_size = join_as or (
             (dist_ctx.rank, dist_ctx.world_size) if dist_ctx else (0, 1)
         )
-        if self.world_size != config.parallel.dp_size:
+        if self.group_size != config.parallel.dp_size:
             raise ValueError(
                 f"parallel.dp_size is {config.parallel.dp_size} but the group has "
-                f"{self.world_size} rank(s)"
+                f"{self.group_size} rank(s)"
             )
+        self.group_rank = self.rank
+        self.group_dp_ranks = list(range(self.group_size))  # DP rank of each group rank
         self.log = get_logger(self.rank)
         self.model_config = load_config(config.model)
         config, self.dtype_choice = self._resolve_dtype(config, dist_ctx)
@@ -210,6 +230,7 @@ class DPEngine:
         )
         self._votes = self.vote if self.vote is not None else LocalVote()
         self._shutting_down = False  # this rank asks the group to stop (in its next vote)
+        self._regroup = False  # this rank asks the group to re-form (in its next vote)
         self._sleep_epoch = 0  # the wake epoch the group last agreed to sleep on
         self.stopped = False
         self._stop_reason = ""
@@ -243,7 +264,7 @@ class DPEngine:
         return TuneShapes.for_model(
             self.model_config,
             self.config.dtype,
-            self.world_size,
+            self.group_size,
             decode_tokens=sched_config.max_num_seqs,
             prefill_tokens=sched_config.max_num_batched_tokens,
             block_size=sched_config.block_size,
@@ -299,7 +320,7 @@ class DPEngine:
         may start several engines in turn, and stale wake keys must not leak between them."""
         assert self.dist is not None
         generation = None
-        if self.rank == 0:
+        if self.group_rank == 0:
             generation = self.dist.store.add("lockstep/engine_generation", 1)
         generation = broadcast_json(generation, src=0, group=self.dist.vote_group)
         return f"lockstep/engine{generation}"
@@ -307,10 +328,10 @@ class DPEngine:
     def _load_model(self, device: object, sched_config) -> MoECausalLM:
         num_experts = self.model_config.num_experts
         group = None
-        if self.world_size > 1:  # a rank built before its group gets the group's at the join
-            group = self.dist.moe_exchange if self.dist else Unjoined(self.rank, self.world_size)
+        if self.group_size > 1:  # a rank built before its group gets the group's at the join
+            group = self.dist.moe_exchange if self.dist else Unjoined(self.rank, self.group_size)
         context = ExpertParallelContext(
-            placement=initial_placement(self.config.moe, num_experts, self.world_size),
+            placement=initial_placement(self.config.moe, num_experts, self.group_size),
             rank=self.rank,
             group=group,
             ll_max_tokens_per_rank=self.config.ll_capacity,
@@ -332,11 +353,11 @@ class DPEngine:
             self.config.moe,
             self.model,
             self.config.model,
-            self.rank,
-            self.world_size,
+            self.group_rank,
+            self.group_size,
             group,
             self.log,
-            num_nodes=count_nodes(group, self.rank, self.world_size),
+            num_nodes=count_nodes(group, self.group_rank, self.group_size),
             transfer_group=self._transfer_group(self.dist),
         )
 
@@ -394,6 +415,11 @@ class DPEngine:
         """Ask the group to stop; every rank leaves its loop at the same step."""
         self._post(Shutdown())
 
+    def regroup(self) -> None:
+        """Ask the group to leave its process groups at the same step and wait, with its
+        requests and KV, to be re-formed (`join_group`); only where it may be (`rejoin`)."""
+        self._post(Regroup())
+
     def stats(self, error: str | None = None) -> RankStats:
         """Queues, KV pool and step/vote counters, as of now (engine/stats.py)."""
         return rank_stats(self, error)
@@ -428,9 +454,10 @@ class DPEngine:
                     self.step()
                 return
             except BaseException as error:
-                if self.dist is not None and self.dist.shared_memory is not None:
+                shared = self.dist.shared_memory if self.dist is not None else None
+                if shared is not None and not isinstance(error, Regrouping):
                     # Peers blocked in a shared-memory vote or all-to-all learn of it at once.
-                    self.dist.shared_memory.abort()
+                    shared.abort()
                 failure = error
             try:
                 if self._rejoin_after(failure):
@@ -455,14 +482,22 @@ class DPEngine:
         if abandoned is not None:
             self.scheduler.abandon(abandoned)
             self._in_flight = None
+        self._regroup = False
         first_line = (str(error).strip().splitlines() or [repr(error)])[0]
-        self.log.error(
-            "the group failed at step %d (%s: %s); %s, keeping %d request(s) and their KV, "
-            "waiting for the group to be re-formed",
-            self.scheduler.step_index, type(error).__name__, first_line,
-            "abandoned that step" if abandoned is not None else "between steps",
-            self.scheduler.num_unfinished,
-        )  # fmt: skip
+        if isinstance(error, Regrouping):
+            self.log.info(
+                "the group leaves its process groups at step %d to re-form, keeping %d "
+                "request(s) and their KV",
+                self.scheduler.step_index, self.scheduler.num_unfinished,
+            )  # fmt: skip
+        else:
+            self.log.error(
+                "the group failed at step %d (%s: %s); %s, keeping %d request(s) and their "
+                "KV, waiting for the group to be re-formed",
+                self.scheduler.step_index, type(error).__name__, first_line,
+                "abandoned that step" if abandoned is not None else "between steps",
+                self.scheduler.num_unfinished,
+            )  # fmt: skip
         self.left_because = f"{type(error).__name__}: {first_line}"
         try:
             ctx = self.rejoin(self.dist)
@@ -480,21 +515,39 @@ class DPEngine:
         failed ranks, new process groups, a new store): a surviving rank from its loop, a
         replacement (`join_as`) before its first step. Collective: every rank of the new group
         calls it once, and they then agree on the settings and on where the step policy starts
-        (the highest step index among them), as a new group's ranks would."""
-        if (ctx.rank, ctx.world_size) != (self.rank, self.world_size):
-            raise ValueError(
-                f"rank {self.rank} of {self.world_size} cannot join as rank {ctx.rank} of "
-                f"{ctx.world_size}"
-            )
+        (the highest step index among them), as a new group's ranks would.
+
+        The group may have another size than the one this rank left (engine/resize.py): shrunk
+        onto the survivors of a failure no replacement could be started for, or grown back to
+        `parallel.dp_size`. Every rank then moves its experts to the new placement before the
+        group's first step, reading from the checkpoint only those it lacks."""
         old_vote = self.vote
+        with self._inbox_lock:  # asked of the group just left: the group re-forms now
+            kept = [item for item in self._inbox if not isinstance(item, Regroup)]
+            self._inbox = collections.deque(kept)
+        self._regroup = False
+        layers = moe_layers(self.model)
+        me = Member(
+            self.rank,
+            self.group_rank,
+            self.group_size,
+            kept=old_vote is not None,
+            maps=[layer.placement.phy2log.tolist() for layer in layers],
+        )
+        members = [Member(**each) for each in all_gather_json(me.as_json(), ctx.vote_group)]
+        if is_resize(members, ctx.world_size):
+            self._resize(ctx, members)
+        else:
+            for layer in layers:
+                layer.join(ctx.moe_exchange)
+        self.group_rank, self.group_size = ctx.rank, ctx.world_size
+        self.group_dp_ranks = [member.dp_rank for member in members]
         self.dist = ctx
         self.vote = TorchVote(ctx.vote_group, ctx.shared_memory)
         if old_vote is not None:
             self.vote.num_calls = old_vote.num_calls
         self.scheduler.vote = self.vote
         self._votes = self.vote
-        for layer in moe_layers(self.model):
-            layer.join(ctx.moe_exchange)
         agree_settings(
             ctx.vote_group,
             {
@@ -510,17 +563,59 @@ class DPEngine:
                 ctx.vote_group,
                 replacement=old_vote is None,
                 transfer_group=self._transfer_group(ctx),
+                rank=ctx.rank,
+                num_ranks=ctx.world_size,
             )
         self.wake = StoreWake(ctx.store, self._new_namespace(), ctx.connect_store)
         self._sleep_epoch = 0
-        self.log.info("joined the re-formed group at step %d", step_index)
+        self.log.info(
+            "joined the re-formed group at step %d as rank %d of %d (DP ranks %s)",
+            step_index, ctx.rank, ctx.world_size, self.group_dp_ranks,
+        )  # fmt: skip
+
+    def _resize(self, ctx: DistContext, members: list[Member]) -> None:
+        """Move the experts to the placement of a group of another size (collective: the
+        placement and the memory check are the group's)."""
+        start = time.perf_counter()
+        layers = moe_layers(self.model)
+        targets = target_placements(
+            members,
+            self.config.moe,
+            self.model_config.num_experts,
+            self.config.parallel.dp_size,
+            len(layers),
+        )
+        experts = layers[0].experts
+        expert_bytes = (experts.w13[0].numel() + experts.w2[0].numel()) * experts.w13.element_size()
+        needed = resize_bytes(
+            layers[0].placement.slots_per_rank,
+            targets[0].slots_per_rank,
+            expert_bytes,
+            len(layers),
+        )
+        sizes = all_gather_json([needed, free_memory(experts.w13.device)], ctx.vote_group)
+        check_fit(
+            [need for need, _ in sizes],
+            [free for _, free in sizes],
+            [member.dp_rank for member in members],
+        )
+        group = ctx.moe_exchange if ctx.world_size > 1 else None
+        num_read = reshard_model(self.model, self.config.model, targets, ctx.rank, group)
+        self.log.warning(
+            "the group re-forms with %d rank(s) (DP ranks %s), this rank as %d: %d expert "
+            "slot(s) per layer, %d expert(s) read from the checkpoint over %d layer(s), %.0f ms",
+            ctx.world_size, [m.dp_rank for m in members], ctx.rank, targets[0].slots_per_rank,
+            num_read, len(layers), 1e3 * (time.perf_counter() - start),
+        )  # fmt: skip
 
     def step(self) -> StepTrace:
         start = time.perf_counter()
         seen_epoch = self.wake.seen_epoch  # read before draining: see distributed/wake.py
         self._intake()
         sched = self.scheduler
-        outputs = self._schedule(sched.plan(wake_epoch=seen_epoch, shutdown=self._shutting_down))
+        outputs = self._schedule(
+            sched.plan(wake_epoch=seen_epoch, shutdown=self._shutting_down, regroup=self._regroup)
+        )
         self._in_flight = outputs  # until its tokens are committed: undone if a collective fails
         self._emit_all(outputs.ignored_seqs)
         view = outputs.group
@@ -531,6 +626,8 @@ class DPEngine:
             self._in_flight = None
             self._stop("engine shut down", ErrorKind.ENGINE_STOPPED)
             return self._record(outputs, kind, start, 0.0, 0.0)
+        if view is not None and view.regroup:  # every rank leaves here: `_rejoin_after`
+            raise Regrouping(f"the group agreed to re-form at step {outputs.step_index}")
         forward_start = time.perf_counter()
         tokens, failures = self.runner.execute(outputs, self._requests)
         forward_s = time.perf_counter() - forward_start
@@ -584,6 +681,8 @@ class DPEngine:
                     self._end_with_error(request_id, reason, ErrorKind.REQUEST_FAILED)
                 case Shutdown():
                     self._shutting_down = True
+                case Regroup():
+                    self._regroup = self.rejoin is not None
                 case _:  # _post refuses anything else; this guards the loop's own state
                     raise TypeError(f"unknown inbox message {item!r}")
 
@@ -638,7 +737,7 @@ class DPEngine:
         if view.max_wake_epoch != self._sleep_epoch:
             self._sleep_epoch = view.max_wake_epoch
             return 0.0
-        if self.rank == 0:
+        if self.group_rank == 0:
             self.wake.forget_through(self._sleep_epoch)
         start = time.perf_counter()
         self.sleeping = True
@@ -747,10 +846,16 @@ class DPEngine:
         if self.dist is None:
             return GroupFailedError(f"rank 0 failed: {error}", [])
         failed = find_failed_ranks(
-            self.dist.store, self.rank, self.world_size, tag=f"step{self.scheduler.step_index}"
+            self.dist.store,
+            self.group_rank,
+            self.group_size,
+            tag=f"step{self.scheduler.step_index}",
         )
+        if failed is not None:
+            failed = [self.group_dp_ranks[rank] for rank in failed]
         if failed is None:
-            names, failed = "rank 0 (it hosts the rendezvous store, which is gone)", [0]
+            first = self.group_dp_ranks[0]
+            names, failed = f"rank {first} (it hosts the rendezvous store, which is gone)", [first]
         elif failed:
             names = ", ".join(f"rank {r}" for r in failed) + " stopped answering"
         else:

@@ -593,6 +593,8 @@ class ExpertBalancer:
         group: dist.ProcessGroup,
         replacement: bool,
         transfer_group: dist.ProcessGroup | None = None,
+        rank: int | None = None,
+        num_ranks: int | None = None,
     ) -> None:
         """Take the balancer into a group re-formed after a failure (`DPEngine.join_group`;
         collective over the new vote group). A proposal being staged is dropped (it was
@@ -602,12 +604,18 @@ class ExpertBalancer:
         new to it from the checkpoint before the group's first step, and the kept rank's
         forward-step count and group-wide stats, so that the group decides at the same steps
         and reports as one. The expert source is then chosen anew for the new group (over
-        `transfer_group`, EPLB's gloo group of it)."""
+        `transfer_group`, EPLB's gloo group of it).
+
+        ``rank``, ``num_ranks``: this rank's place in the new group, where the group changed
+        size (the engine has moved the layers there already, engine/resize.py)."""
         self.close()  # a staging thread still running gives up
         self.pending = None
         self.group = group
         self.transfer = transfer_group  # a staging thread still running keeps the old one
         self.num_proposals = 0
+        if num_ranks is not None:
+            self.rank, self.num_ranks = rank, num_ranks
+            self.num_physical = self.layers[0].placement.num_physical
         self.num_nodes = count_nodes(group, self.rank, self.num_ranks)
         mine = {
             "kept": not replacement,

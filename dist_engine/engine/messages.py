@@ -35,5 +35,11 @@ class Shutdown:
     """Ask the group to stop; every rank leaves its loop at the same step."""
 
 
-InboxMessage = AddRequest | SetSchedulable | AbortRequest | Shutdown
-INBOX_MESSAGES = (AddRequest, SetSchedulable, AbortRequest, Shutdown)
+@dataclass(frozen=True, slots=True)
+class Regroup:
+    """Ask the group to leave its process groups at the same step, keeping every request and
+    its KV, and wait to be taken into a re-formed one (a planned re-form)."""
+
+
+InboxMessage = AddRequest | SetSchedulable | AbortRequest | Shutdown | Regroup
+INBOX_MESSAGES = (AddRequest, SetSchedulable, AbortRequest, Shutdown, Regroup)

@@ -89,7 +89,15 @@ def test_vote_vector_round_trip_through_min():
         False,
         False,
     )
-    assert view.max_wake_epoch == 5 and view.shutdown
+    assert view.max_wake_epoch == 5 and view.shutdown and not view.regroup
+
+
+def test_one_ranks_regroup_is_seen_by_every_rank_at_the_same_vote():
+    asking = LocalState(want=False, has_running=True, has_work=True, regroup=True)
+    others = LocalState(want=False, has_running=True, has_work=True)
+    reduced = [min(column) for column in zip(asking.encode(), others.encode(), strict=True)]
+    view = GroupView.from_vector(reduced)
+    assert view.regroup and not view.shutdown
 
 
 def test_attempt_points_all_any_and_any_wins():
