@@ -50,7 +50,8 @@ class Client(Protocol):
     within a bound: a rank that stops answering is failed (`RankFailure`), never waited on
     forever."""
 
-    num_ranks: int
+    num_ranks: int  # DP ranks: requests are routed to `live_ranks` among range(num_ranks)
+    live_ranks: list[int]  # the DP ranks of the group now running (fewer once it shrank)
     moe_exchange: str  # how the MoE all-to-alls travel (`LLM.moe_exchange`)
     backends: str  # the backends the ranks resolved (`LLM.backends`)
     generation: int  # the group now running: 0, then one more per `reform`
@@ -72,10 +73,19 @@ class Client(Protocol):
 
     def reform(self) -> set[int]:
         """Replace the failed group's failed ranks, or the whole group, by new ones (each
-        loading its share of the experts), and advance `generation`. Returns the ranks whose
-        requests are gone (the caller resubmits those); the other ranks kept their processes
-        and go on with their requests. Raises (and leaves no group running) if the new group
-        cannot start."""
+        loading its share of the experts), or shrink it onto its survivors, and advance
+        `generation`. Returns the ranks whose requests are gone (the caller resubmits those,
+        to `live_ranks`); the other ranks kept their processes and go on with their requests.
+        Raises (and leaves no group running) if the new group cannot start."""
+        ...
+
+    def grow_ready(self) -> bool:
+        """Whether a group that shrank can grow back now (its replacements have loaded)."""
+        ...
+
+    def grow(self) -> set[int]:
+        """Grow a shrunk group back to its full size (a planned re-form that keeps every
+        request where it is) and advance `generation`; returns the ranks that joined."""
         ...
 
     def kept_since(self, rank: int, generation: int) -> bool:
@@ -345,6 +355,7 @@ class LocalClient:
                 "(use launcher ray or torchrun)"
             )
         self.num_ranks = 1
+        self.live_ranks = [0]
         self.moe_exchange = "none"  # one rank: its MoE layers exchange nothing
         # The rank is this process: nothing is left to re-form a group with.
         self.generation = 0
@@ -369,6 +380,12 @@ class LocalClient:
 
     def kept_since(self, rank: int, generation: int) -> bool:
         return True  # never re-formed
+
+    def grow_ready(self) -> bool:
+        return False  # never shrinks
+
+    def grow(self) -> set[int]:
+        return set()
 
     def give_up(self) -> None:
         pass  # its engine never waits for a new group

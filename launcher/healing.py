@@ -47,6 +47,19 @@ class GroupFault:
     rank: int | None = None
 
 
+def describe_reform(gone: set[int], live: list[int]) -> str:
+    """What a re-form did, for the log: which ranks were replaced, which left the group (it
+    shrank onto the others), and which were kept with their requests."""
+    parts = []
+    if gone & set(live):
+        parts.append(f"rank(s) {sorted(gone & set(live))} replaced")
+    if gone - set(live):
+        parts.append(f"rank(s) {sorted(gone - set(live))} gone, the group shrank onto the rest")
+    kept = sorted(set(live) - gone)
+    parts.append(f"{kept or 'none'} kept with their requests")
+    return ", ".join(parts)
+
+
 def is_group_failure(output: RequestOutput) -> bool:
     """A rank ended this request because its group failed: under `heal` the request is
     resubmitted, not ended."""
@@ -100,7 +113,7 @@ class _Tracked:
     """One unfinished request as its front end knows it."""
 
     submission: Submission  # as first submitted
-    rank: int  # where it is routed (a re-formed group has the same ranks)
+    rank: int  # where it is routed (moved to a live rank when its rank left a shrunk group)
     caller_streams: bool  # the caller sees every new token (else only the terminal output)
     committed: list[int] = field(default_factory=list)  # output tokens the front end has
     # Held for a caller that does not stream, out of the deltas of a resubmitted request.
@@ -158,6 +171,10 @@ class ResumeLedger:
         )
         self._open[request_id] = _Tracked(submission, rank, caller_streams=stream)
         return submission
+
+    def move(self, request_id: str, rank: int) -> None:
+        """A request whose rank left a shrunk group goes on at ``rank``."""
+        self._open[request_id].rank = rank
 
     def forget(self, request_id: str) -> None:
         """The caller ended the request itself (e.g. answered it without its rank)."""

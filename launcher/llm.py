@@ -71,6 +71,7 @@ from launcher.healing import (
     GroupFault,
     RecoveryBudget,
     ResumeLedger,
+    describe_reform,
     is_group_failure,
 )
 from launcher.routing import Router
@@ -476,6 +477,8 @@ class LLM:
         deadline = None  # once a rank failed: when the others' requests are failed too
         fault = self._submit(submissions)
         while pending:
+            if fault is None and self.client.grow_ready():
+                fault = self._grow()
             if fault is not None:
                 ended, fault = self._recover(fault, ledger, failed)
                 for output in ended:  # poison requests, ended alone
@@ -562,7 +565,7 @@ class LLM:
         """Whether a failure now heals: `on_rank_failure: heal`, a client that can re-form
         its group (Ray), and a recovery left in this hour's budget."""
         return (
-            self.config.parallel.on_rank_failure == "heal"
+            self.config.parallel.on_rank_failure != "fail"
             and self.client.can_reform
             and self._recoveries.available(time.monotonic())
         )
@@ -576,7 +579,7 @@ class LLM:
         any. Where it may not heal (or the new group does not start), records the failure in
         ``failed`` instead, for `_run` to fail the requests as `on_rank_failure: fail` does."""
         if not self._may_heal():
-            if self.config.parallel.on_rank_failure == "heal" and self.client.can_reform:
+            if self.config.parallel.on_rank_failure != "fail" and self.client.can_reform:
                 log.error("not healing the DP group: %s", self._recoveries.describe())
                 self.client.give_up()  # the survivors end their requests now
             failed[fault.rank if fault.rank is not None else -1] = fault.reason
@@ -606,15 +609,33 @@ class LLM:
             log.error("%s", output.finish_reason)
             if output.dp_rank not in replaced:  # still held by its rank, which was kept
                 abort_fault = abort_fault or self._abort(output.request_id, self.client.generation)
-        kept = sorted(set(range(self.client.num_ranks)) - replaced)
+        self.router.set_live(self.client.live_ranks)
+        for submission in resumption.submissions:  # a rank the group shrank away from: moved
+            ledger.move(submission.request_id, self.router.reassign(submission.request_id))
         log.warning(
-            "DP group re-formed in %.1f s (rank(s) %s replaced, %s kept with their requests); "
+            "DP group re-formed in %.1f s (%s); "
             "%d request(s) resumed: %d from their streamed tokens, %d from their prompts",
-            time.monotonic() - start, sorted(replaced), kept or "none",
+            time.monotonic() - start, describe_reform(replaced, self.client.live_ranks),
             len(resumption.submissions), resumption.num_from_tokens,
             len(resumption.submissions) - resumption.num_from_tokens,
         )  # fmt: skip
         return resumption.ended, self._submit(resumption.submissions) or abort_fault
+
+    def _grow(self) -> GroupFault | None:
+        """Grow a group that shrank back to its full size (its replacements have loaded);
+        every request stays where it is. The group's failure, if the re-form fails."""
+        start = time.monotonic()
+        try:
+            joined = self.client.grow()
+        except Exception as error:
+            return GroupFault(f"growing the DP group back failed ({type(error).__name__}: {error})")
+        self.router.set_live(self.client.live_ranks)
+        if joined:
+            log.warning(
+                "DP group grew back to %d ranks in %.1f s (rank(s) %s joined)",
+                len(self.client.live_ranks), time.monotonic() - start, sorted(joined),
+            )  # fmt: skip
+        return None
 
     @property
     def _failure_grace_s(self) -> float:

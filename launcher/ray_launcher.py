@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,11 +129,16 @@ class RankActor:
 
         if cpu_slot is not None:
             self._pin(cpu_slot)
+        world = self.config.parallel.dp_size
         if self.store is None:
-            self.store = dist.TCPStore(host, port, self.config.parallel.dp_size, is_master=False)
-        ctx = self._join_group(host, port, namespace, loopback)
+            self.store = dist.TCPStore(host, port, world, is_master=False)
+        ctx = self._join_group(host, port, namespace, loopback, self.rank, world)
         self.host = EngineHost(self.config, ctx, rejoinable=_heals_in_place(self.config))
         return self._started(ctx)
+
+    def ping(self) -> int:
+        """This actor's process id, once it has been placed and started."""
+        return os.getpid()
 
     def _pin(self, cpu_slot: tuple[int, int]) -> None:
         from dist_engine.backends import may_use_native
@@ -152,7 +157,11 @@ class RankActor:
         cores = bind_process(*cpu_slot, threads)
         get_logger(self.rank).info("pinned to cores %s", cores or "none (they do not fit)")
 
-    def _join_group(self, host: str, port: int, namespace: str, loopback: bool) -> Any:
+    def _join_group(
+        self, host: str, port: int, namespace: str, loopback: bool, group_rank: int, size: int
+    ) -> Any:
+        """Join the process groups as ``group_rank`` of ``size``: this DP rank's place among
+        the live ones (they differ once a group shrank onto its survivors)."""
         import torch.distributed as dist
 
         from dist_engine.distributed.groups import init_distributed
@@ -164,8 +173,8 @@ class RankActor:
             return dist.PrefixStore(namespace, dist.TCPStore(host, port, is_master=False))
 
         return init_distributed(
-            self.rank,
-            self.config.parallel.dp_size,
+            group_rank,
+            size,
             dist.PrefixStore(namespace, self.store),
             backend=self.config.parallel.backend,
             timeout_s=self.config.parallel.collective_timeout_s,
@@ -198,10 +207,18 @@ class RankActor:
         return self.host.detach(timeout_s) if self.host is not None else "stopped"
 
     def rejoin(
-        self, host: str, port: int, namespace: str, loopback: bool, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        namespace: str,
+        loopback: bool,
+        timeout_s: float,
+        group_rank: int,
+        size: int,
     ) -> tuple[int, str, str, str]:
-        """Join the re-formed group whose store is at (host, port): leave the failed group's
-        process groups (a survivor), join the new ones, and wait for the engine to join."""
+        """Join the re-formed group whose store is at (host, port) as ``group_rank`` of
+        ``size``: leave the failed group's process groups (a survivor), join the new ones,
+        and wait for the engine to join (moving its experts if the group changed size)."""
         import torch.distributed as dist
 
         from dist_engine.distributed.groups import leave_group
@@ -209,11 +226,16 @@ class RankActor:
         engine = self.host.engine
         if engine.dist is not None:
             leave_group(engine.dist)
-        if self.rank != 0:  # rank 0 made the new store (`create_store`) just before
-            self.store = dist.TCPStore(host, port, self.config.parallel.dp_size, is_master=False)
-        ctx = self._join_group(host, port, namespace, loopback)
+        if group_rank != 0:  # group rank 0 made the new store (`create_store`) just before
+            self.store = dist.TCPStore(host, port, size, is_master=False)
+        ctx = self._join_group(host, port, namespace, loopback, group_rank, size)
         self.host.join(ctx, timeout_s)
         return self._started(ctx)
+
+    def regroup(self) -> None:
+        """Ask the group to leave its process groups at its next vote (a planned re-form:
+        growing back); this rank then waits, detached, with its requests."""
+        self.host.engine.regroup()
 
     def leave(self) -> None:
         """No group will come: a detached engine fails its requests and stops."""
@@ -264,9 +286,14 @@ class _ReplacementFailed(LockstepError):
 
 def _heals_in_place(config: EngineConfig) -> bool:
     """Whether a rank survives its group's failure with its requests and KV, to be taken into
-    the re-formed group (`RayClient.reform`): under `on_rank_failure: heal` (with EPLB on, a
-    replacement takes the survivors' placement as it joins, `ExpertBalancer.join`)."""
-    return config.parallel.on_rank_failure == "heal"
+    the re-formed group (`RayClient.reform`): under `on_rank_failure: heal` or `shrink` (with
+    EPLB on, a replacement takes the survivors' placement as it joins,
+    `ExpertBalancer.join`)."""
+    return config.parallel.on_rank_failure != "fail"
+
+
+class _NoRoom(_ReplacementFailed):
+    """No replacement could be placed in time: trying again would wait as long for nothing."""
 
 
 def start_reaper() -> subprocess.Popen:
@@ -363,6 +390,16 @@ class _Group:
     store_address: tuple[str, int] | None = None
     moe_exchange: str = "none"
     backends: str = ""
+    # DP ranks the group shrank away from (their experts are on the others) until it grows
+    # back; requests are not routed there and nothing asks them.
+    absent: set[int] = field(default_factory=set)
+    # A planned re-form (growing back) is under way: a rank's "left the group" is expected.
+    planned: bool = False
+
+    @property
+    def live(self) -> list[int]:
+        """The DP ranks in the group, ascending: their group ranks are their positions."""
+        return [rank for rank in range(len(self.actors)) if rank not in self.absent]
 
 
 class RayClient:
@@ -389,6 +426,11 @@ class RayClient:
         # The last heal in place's wait for the live ranks to detach, in seconds (tests and
         # bench_faults read it: a stopped rank should not cost the whole detach limit).
         self.last_detach_wait_s: float | None = None
+        # Growing back after a shrink: the thread that readies replacements, and what it
+        # readied: (the generation they are for, DP rank -> loaded actor).
+        self._grower: threading.Thread | None = None
+        self._grown_actors: tuple[int, dict[int, Any]] | None = None
+        self._closing = threading.Event()
         self._group = _Group(generation=0, pg=None)
         try:
             self._group = self._start_group(0)
@@ -450,17 +492,8 @@ class RayClient:
                     f"{config.parallel.placement_strategy} within {_STARTUP_TIMEOUT_S:.0f} s; "
                     f"the cluster has {_describe_nodes()}"
                 ) from None
-            group.actors = [
-                RankActor.options(
-                    num_cpus=1,
-                    num_gpus=1 if self._use_gpu else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=group.pg, placement_group_bundle_index=rank
-                    ),
-                ).remote(config, rank)
-                for rank in range(world)
-            ]
-            hosts = _rank_hosts(group.pg, world)
+            group.actors = [self._new_actor(group, rank) for rank in range(world)]
+            hosts = _rank_hosts(group.pg, range(world))
             loopback = len(set(hosts.values())) == 1
             host, port = ray.get(
                 group.actors[0].create_store.remote(loopback), timeout=_STARTUP_TIMEOUT_S
@@ -489,59 +522,80 @@ class RayClient:
             log.info("DP rank %d: pid %d, Ray node %s", rank, pid, group.node_ids[rank][:12])
         return group
 
+    @property
+    def live_ranks(self) -> list[int]:
+        """The DP ranks of the group now running: every rank, unless it shrank."""
+        return self._group.live
+
     def reform(self) -> set[int]:
-        """Replace the failed ranks and return the ranks whose requests are gone (the caller
-        resubmits those; the others' requests go on where they were).
+        """Re-form the failed group and return the DP ranks whose requests are gone (the
+        caller resubmits those, to `live_ranks`; the others' requests go on where they were).
 
         In place where it can (`_heal_in_place`): the survivors keep their processes,
-        requests and KV, and only the failed ranks are started again (a replacement that
-        does not start is started once more). Otherwise (no rank failed but the group did,
-        or the heal in place failed) every rank of the group
-        is killed, its placement group freed, and a new group of the same size started
-        (`_start_group`): new actors, a new store and namespace; every rank is returned. The
-        time is a rank's start-up time (model load included) either way."""
+        requests and KV. Under `on_rank_failure: heal` the failed ranks are started again
+        (a replacement that does not start is started once more); where none can be placed
+        within `replacement_wait_s`, or it fails twice, the group shrinks onto the survivors
+        instead (they take over the lost ranks' experts) and grows back once replacements
+        can start (`grow`). Under `shrink`, and in a group that has shrunk, it shrinks at
+        once. Otherwise (no rank failed but the group did, or the heal in place failed) every
+        rank of the group is killed, its placement group freed, and a new group of the full
+        size started (`_start_group`): new actors, a new store and namespace; every rank is
+        returned. The time is a rank's start-up time (model load included), or for a shrink
+        the survivors' reading of the experts they take over."""
         with self._reform_lock:
             old = self._group
-            tries = _IN_PLACE_TRIES if _heals_in_place(self._config) else 0
-            for attempt in range(1, tries + 1):
+            plan: list[str] = []  # "replace" or "shrink", tried in turn
+            if _heals_in_place(self._config):
+                replaces = self._config.parallel.on_rank_failure == "heal" and not old.absent
+                plan = ["replace"] * _IN_PLACE_TRIES + ["shrink"] if replaces else ["shrink"]
+            while plan:
+                replace = plan.pop(0) == "replace"
                 try:
-                    return self._heal_in_place(old)
+                    return self._heal_in_place(old, replace)
+                except _NoRoom as error:  # waiting again would wait as long for nothing
+                    log.error("%s; the group goes on without them", error)
+                    plan = ["shrink"]
                 except _ReplacementFailed as error:
-                    if attempt < tries:  # the survivors wait untouched: start it again
-                        log.error("%s; starting the replacement again", error)
-                        continue
-                    log.error("%s; replacing every rank", error)
+                    then = (
+                        "starting the replacement again"
+                        if plan[0] == "replace"
+                        else "going on without it"
+                    )
+                    log.error("%s; %s", error, then)
                 except Exception as error:
                     log.error(
                         "the survivors cannot be kept (%s: %s); replacing every rank",
                         type(error).__name__, error,
                     )  # fmt: skip
-                break
+                    break
             self._kill_group(old)
             group = self._start_group(old.generation + 1)
             with self._lock:
                 self._group = group
             return set(range(self.num_ranks))
 
-    def _heal_in_place(self, group: _Group) -> set[int]:
-        """Keep the ranks that survived the failure and replace the others, in `group`:
+    def _heal_in_place(self, group: _Group, replace: bool) -> set[int]:
+        """Keep the ranks that survived the failure, in `group`, and replace the others
+        (``replace``) or go on without them:
 
-        1. every rank not yet declared failed is asked to `detach` (its engine abandons the
-           step the failure hit and waits, keeping its requests and KV); one that does not
-           within the collective timeout + 5 s is failed too, and one that was already
+        1. every live rank not yet declared failed is asked to `detach` (its engine abandons
+           the step the failure hit and waits, keeping its requests and KV); one that does
+           not within the collective timeout + 5 s is failed too, and one that was already
            silent as the heal began (`_SILENT_S`) as soon as every other has detached;
-        2. the failed ranks' actors are killed and new ones started in their bundles, each
-           loading its share of the model without a group (`prepare`);
-        3. rank 0 makes a new store, and every rank joins a new group under a new namespace
-           (`rejoin`): new process groups and exchange, settings agreed, the step policy
-           restarted at the highest step index, as a new group's.
+        2. the failed ranks' actors are killed; replacing, new ones are started in their
+           bundles, each loading its share of the model without a group (`prepare`);
+        3. the first member makes a new store, and every member joins a new group under a
+           new namespace (`rejoin`): new process groups and exchange, settings agreed, the
+           step policy restarted at the highest step index, as a new group's; a group that
+           changed size moves its experts to the new placement (engine/resize.py).
 
-        Raises (leaving the group to be replaced whole) if no rank failed or none survived."""
-        world = self.num_ranks
+        Returns the failed ranks. Raises (leaving the group to be replaced whole) if none
+        survived; `_ReplacementFailed` (`_NoRoom`) if a replacement did not start (could not
+        be placed), the survivors untouched."""
         # A live rank leaves its failed group within the collective timeout of the failure
         # (its collective fails at once on a dead peer, after T on a stopped one).
         limit = self._config.parallel.collective_timeout_s + 2.0
-        live = [rank for rank in range(world) if rank not in group.failed]
+        live = [rank for rank in group.live if rank not in group.failed]
         now = time.monotonic()
         # A live rank's actor answers its outstanding take within _TAKE_S whatever its engine
         # does; one silent for several of those as the heal starts is stopped or hung.
@@ -550,78 +604,242 @@ class RayClient:
         states = self._detach_states(asked, silent, deadline=now + limit + 3.0)
         self.last_detach_wait_s = time.monotonic() - now
         survivors = [rank for rank in live if states[rank] == "detached"]
-        replaced = {rank for rank in range(world) if rank not in survivors}
+        lost = {rank for rank in group.live if rank not in survivors}
         if not survivors:
             raise LockstepError(f"no rank survived to be kept ({states})")
-        if not replaced:
-            raise LockstepError("every rank is alive and detached: no rank to replace")
-        for rank in replaced:
+        replace = replace and bool(lost)  # every rank alive and detached: they re-form as is
+        for rank in lost:
             self._declare_failed(group, rank, group.failed.get(rank) or states.get(rank, ""))
             self._kill(group, rank)
+        members = group.live if replace else survivors
         log.warning(
-            "healing in place: keeping rank(s) %s with their requests, replacing %s",
-            survivors, sorted(replaced),
+            "healing in place: keeping DP rank(s) %s with their requests, %s %s",
+            survivors, "replacing" if replace else "going on without (shrinking onto them)",
+            sorted(lost),
         )  # fmt: skip
-        config = self._config
-        actors = list(group.actors)
-        for rank in replaced:
-            actors[rank] = RankActor.options(
-                num_cpus=1,
-                num_gpus=1 if self._use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=group.pg, placement_group_bundle_index=rank
-                ),
-            ).remote(config, rank)
+        new = self._start_replacements(group, sorted(lost)) if replace else {}
+        actors = [new.get(rank, actor) for rank, actor in enumerate(group.actors)]
         try:
-            hosts = _rank_hosts(group.pg, world)
-            loopback = len(set(hosts.values())) == 1
+            started = self._rejoin(group, actors, members)
+        except BaseException:
+            for actor in new.values():  # the caller kills the rest with the group
+                ray.kill(actor, no_restart=True)
+            raise
+        with self._lock:
+            if not replace:
+                group.absent |= lost
+                for rank in lost:  # never signalled again: its pid may be reused
+                    group.pids.pop(rank, None)
+                    group.node_ids.pop(rank, None)
+            self._took_members(group, actors, started, lost)
+        self._log_started(started, new)
+        if not replace and self._config.parallel.on_rank_failure == "heal":
+            self._start_grower()
+        return lost
+
+    def _start_replacements(self, group: _Group, ranks: list[int]) -> dict[int, Any]:
+        """New actors for ``ranks`` in their bundles, each loading its share of the model
+        without a group (`prepare`). Raises `_NoRoom` if they are not placed and started
+        within `replacement_wait_s`, `_ReplacementFailed` if one dies as it loads; leaves
+        none running then."""
+        config = self._config
+        actors = {rank: self._new_actor(group, rank) for rank in ranks}
+        wait_s = config.parallel.replacement_wait_s
+        try:
+            pings = [actor.ping.remote() for actor in actors.values()]
+            ready, _ = ray.wait(pings, num_returns=len(pings), timeout=wait_s)
+            if len(ready) < len(pings):
+                raise _NoRoom(
+                    f"no replacement for DP rank(s) {ranks} could be placed and started within "
+                    f"parallel.replacement_wait_s={wait_s:g} s; the cluster has "
+                    f"{_describe_nodes()}"
+                )
+            hosts = _rank_hosts(group.pg, group.live)
             pin = config.parallel.cpu_binding and not self._use_gpu
             slots = _cpu_slots(hosts) if pin else {}
+            ray.get(
+                [actors[rank].prepare.remote(slots.get(rank)) for rank in ranks],
+                timeout=_STARTUP_TIMEOUT_S,
+            )
+        except _NoRoom:
+            self._kill_actors(actors)
+            raise
+        except Exception as error:  # no survivor has been touched yet
+            self._kill_actors(actors)
+            raise _ReplacementFailed(
+                f"a replacement for DP rank(s) {ranks} did not start "
+                f"({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]})"
+            ) from error
+        return actors
+
+    def _new_actor(self, group: _Group, rank: int) -> Any:
+        return RankActor.options(
+            num_cpus=1,
+            num_gpus=1 if self._use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group.pg, placement_group_bundle_index=rank
+            ),
+        ).remote(self._config, rank)
+
+    @staticmethod
+    def _kill_actors(actors: dict[int, Any]) -> None:
+        for actor in actors.values():
+            ray.kill(actor, no_restart=True)
+
+    def _rejoin(self, group: _Group, actors: list[Any], members: list[int]) -> dict[int, tuple]:
+        """Take ``members`` (DP ranks, ascending; their positions are their group ranks) into
+        a new group: a new store on the first, a new namespace. Returns each member's
+        `_started` answer."""
+        hosts = _rank_hosts(group.pg, members)
+        loopback = len(set(hosts.values())) == 1
+        host, port = ray.get(
+            actors[members[0]].create_store.remote(loopback), timeout=_STARTUP_TIMEOUT_S
+        )
+        group.store_address = (host, port)
+        namespace = f"lockstep/{secrets.token_hex(16)}/"
+        size = len(members)
+        started = ray.get(
+            [
+                actors[rank].rejoin.remote(
+                    host, port, namespace, loopback, _STARTUP_TIMEOUT_S, group_rank, size
+                )
+                for group_rank, rank in enumerate(members)
+            ],
+            timeout=_STARTUP_TIMEOUT_S + 10.0,
+        )
+        return dict(zip(members, started, strict=True))
+
+    def _took_members(
+        self, group: _Group, actors: list[Any], started: dict[int, tuple], gone: set[int]
+    ) -> None:
+        """The group's bookkeeping once ``started`` (DP rank -> `_started`) joined it as its
+        next generation; ``gone``: ranks whose requests did not survive (replaced or absent).
+        Called with the lock held."""
+        now = time.monotonic()
+        group.generation += 1
+        group.actors = actors
+        group.failed.clear()
+        for rank in gone:
+            group.takes.pop(rank, None)
+            group.last_stats.pop(rank, None)
+            group.since[rank] = group.generation
+        for rank, (pid, node, *_) in started.items():
+            if group.since[rank] == group.generation:  # a new process
+                group.pids[rank], group.node_ids[rank] = pid, node
+        group.stash = [out for out in group.stash if out.dp_rank not in gone]
+        group.heard = dict.fromkeys(started, now)
+
+    def _log_started(self, started: dict[int, tuple], new: dict[int, Any]) -> None:
+        for rank in sorted(new):
+            pid, node, *_ = started[rank]
+            log.info("DP rank %d replaced: pid %d, Ray node %s", rank, pid, node[:12])
+
+    # -- growing back after a shrink ---------------------------------------------------------
+    def _start_grower(self) -> None:
+        """Keep replacements for the absent ranks ready on a thread of its own: each is
+        placed as soon as its bundle has room again, then loads its share of the model;
+        `grow_ready` says when all have, and the front end then calls `grow`."""
+        with self._lock:
+            stale = self._grown_actors
+            if stale is not None and stale[0] != self._group.generation:
+                self._grown_actors = None  # readied for a group that has changed since
+                self._kill_actors(stale[1])
+            if self._grower is not None and self._grower.is_alive():
+                return
+            self._grower = threading.Thread(
+                target=self._prepare_growth, name="lockstep-grow", daemon=True
+            )
+            self._grower.start()
+
+    def _prepare_growth(self) -> None:
+        while not self._closing.is_set():
+            group = self._group
+            absent = sorted(group.absent)
+            if not absent or self._grown_actors is not None:
+                return
+            actors = {rank: self._new_actor(group, rank) for rank in absent}
+            pings = [actor.ping.remote() for actor in actors.values()]
+            while not self._closing.is_set() and self._group is group:
+                ready, _ = ray.wait(pings, num_returns=len(pings), timeout=1.0)
+                if len(ready) == len(pings) and set(absent) == group.absent:
+                    break
+            else:
+                self._kill_actors(actors)
+                continue
             try:
+                ray.get(pings)
+                hosts = _rank_hosts(group.pg, range(self.num_ranks))
+                pin = self._config.parallel.cpu_binding and not self._use_gpu
+                slots = _cpu_slots(hosts) if pin else {}
                 ray.get(
-                    [actors[rank].prepare.remote(slots.get(rank)) for rank in replaced],
+                    [actors[rank].prepare.remote(slots.get(rank)) for rank in absent],
                     timeout=_STARTUP_TIMEOUT_S,
                 )
-            except Exception as error:  # no survivor has been touched yet
-                raise _ReplacementFailed(
-                    f"a replacement for rank(s) {sorted(replaced)} did not start "
-                    f"({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]})"
-                ) from error
-            host, port = ray.get(
-                actors[0].create_store.remote(loopback), timeout=_STARTUP_TIMEOUT_S
-            )
-            namespace = f"lockstep/{secrets.token_hex(16)}/"
-            started = ray.get(
-                [
-                    actor.rejoin.remote(host, port, namespace, loopback, _STARTUP_TIMEOUT_S)
-                    for actor in actors
-                ],
-                timeout=_STARTUP_TIMEOUT_S + 10.0,
-            )
-        except BaseException:
-            for rank in replaced:  # the caller kills the rest with the group
-                ray.kill(actors[rank], no_restart=True)
-            raise
-        now = time.monotonic()
-        with self._lock:
-            group.generation += 1
-            group.actors = actors
-            group.failed.clear()
-            for rank in replaced:
-                group.takes.pop(rank, None)
-                group.last_stats.pop(rank, None)
-                group.since[rank] = group.generation
-            group.stash = [out for out in group.stash if out.dp_rank not in replaced]
-            group.heard = dict.fromkeys(range(world), now)
-            group.store_address = (host, port)
-            for rank in replaced:
-                group.pids[rank], group.node_ids[rank] = started[rank][0], started[rank][1]
-        for rank in sorted(replaced):
-            log.info(
-                "DP rank %d replaced: pid %d, Ray node %s",
-                rank, group.pids[rank], group.node_ids[rank][:12],
-            )  # fmt: skip
-        return replaced
+            except Exception as error:
+                log.error(
+                    "a replacement for DP rank(s) %s did not start (%s: %s); trying again",
+                    absent, type(error).__name__, error,
+                )  # fmt: skip
+                self._kill_actors(actors)
+                self._closing.wait(self._config.parallel.replacement_wait_s)
+                continue
+            with self._lock:
+                if self._group is group and set(absent) == group.absent:
+                    self._grown_actors = (group.generation, actors)
+                    log.info("replacements for DP rank(s) %s are ready to join", absent)
+                    return
+            self._kill_actors(actors)  # the group changed meanwhile: start over
+
+    def grow_ready(self) -> bool:
+        """Whether replacements for every absent rank have loaded and wait to join (`grow`)."""
+        ready = self._grown_actors
+        return ready is not None and ready[0] == self._group.generation
+
+    def grow(self) -> set[int]:
+        """Take the ready replacements into the group, back at its full size: every rank
+        leaves its process groups at the same step (its next vote), keeping its requests and
+        KV, and they all join a new group, the survivors moving their experts back to the
+        initial placement. Returns the DP ranks that joined (none if nothing was ready).
+        Raises if the group could not be re-formed: the front end then heals it."""
+        with self._reform_lock:
+            group = self._group
+            with self._lock:
+                ready, self._grown_actors = self._grown_actors, None
+            if ready is None:
+                return set()
+            generation, new = ready
+            if generation != group.generation:
+                self._kill_actors(new)
+                self._start_grower()
+                return set()
+            survivors = group.live
+            limit = self._config.parallel.collective_timeout_s + 2.0
+            group.planned = True
+            try:
+                ray.get(
+                    [group.actors[rank].regroup.remote() for rank in survivors],
+                    timeout=self._silence_limit_s,
+                )
+                asked = {rank: group.actors[rank].detach.remote(limit) for rank in survivors}
+                states = self._detach_states(asked, set(), time.monotonic() + limit + 3.0)
+                if any(states[rank] != "detached" for rank in survivors):
+                    raise LockstepError(f"the survivors did not leave their group ({states})")
+                actors = [new.get(rank, actor) for rank, actor in enumerate(group.actors)]
+                started = self._rejoin(group, actors, list(range(self.num_ranks)))
+            except BaseException:
+                self._kill_actors(new)
+                with self._lock:
+                    group.planned = False
+                raise
+            with self._lock:
+                group.absent.clear()
+                self._took_members(group, actors, started, set(new))
+                group.planned = False
+        self._log_started(started, new)
+        log.warning(
+            "the group grew back to %d ranks (DP ranks %s joined)", len(started), sorted(new)
+        )
+        return set(new)
 
     @staticmethod
     def _detach_states(asked: dict[int, Any], silent: set[int], deadline: float) -> dict[int, str]:
@@ -680,8 +898,8 @@ class RayClient:
         """
         group = self._group
         asked = {
-            rank: actor.stats.remote()
-            for rank, actor in enumerate(group.actors)
+            rank: group.actors[rank].stats.remote()
+            for rank in group.live
             if rank not in group.failed
         }
         ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
@@ -716,8 +934,9 @@ class RayClient:
             stashed, group.stash = group.stash, []
         if stashed:
             return stashed
-        for rank, actor in enumerate(group.actors):
+        for rank in group.live:
             if rank not in group.takes and rank not in group.failed:
+                actor = group.actors[rank]
                 group.takes[rank] = (actor, actor.take.remote(_TAKE_S), group.generation)
         takes = dict(group.takes)
         if not takes:
@@ -767,6 +986,8 @@ class RayClient:
     def _actor(self, group: _Group, rank: int) -> Any:
         if rank in group.failed:
             raise RankFailure(rank, group.failed[rank], group.generation)
+        if rank in group.absent:
+            raise ValueError(f"DP rank {rank} left the group; live ranks: {group.live}")
         return group.actors[rank]
 
     def _get(
@@ -783,7 +1004,7 @@ class RayClient:
             value = ray.get(ref, timeout=self._silence_limit_s)
         except GroupLeft as error:
             group.heard[rank] = time.monotonic()
-            if healed_since:
+            if healed_since or group.planned:
                 return []
             raise RankLeftGroup(rank, str(error), group.generation) from error
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as error:
@@ -827,23 +1048,28 @@ class RayClient:
 
     def give_up(self) -> None:
         group = self._group
-        for rank, actor in enumerate(group.actors):
+        for rank in group.live:
             if rank not in group.failed:
-                actor.leave.remote()  # not waited on: a stopped rank would not answer
+                group.actors[rank].leave.remote()  # not waited on: a stopped rank would not answer
 
     def stop_ranks(self) -> None:
         """Stop every rank, then kill the actors and free the placement group; Ray itself
         stays up. Ranks that have gone silent are killed without being asked (they would not
         answer). Waits for a reform under way, and stops the group it started."""
+        self._closing.set()
         with self._reform_lock:
+            with self._lock:
+                ready, self._grown_actors = self._grown_actors, None
+            if ready is not None:
+                self._kill_actors(ready[1])
             self._stop_group(self._group)
 
     def _stop_group(self, group: _Group) -> None:
         if group.actors:
             silent = self.silent_ranks() if group.heard else {}
             refs = [
-                actor.shutdown.remote(30.0)
-                for rank, actor in enumerate(group.actors)
+                group.actors[rank].shutdown.remote(30.0)
+                for rank in group.live
                 if rank not in group.failed and rank not in silent
             ]
             # A dead actor's ref counts as ready; killing below is enough for it.
@@ -906,12 +1132,12 @@ def _cluster_has_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def _rank_hosts(pg: Any, world: int) -> dict[int, str]:
+def _rank_hosts(pg: Any, ranks: Iterable[int]) -> dict[int, str]:
     """rank -> the address of the host its bundle was placed on. Hosts by address, not Ray
     node: several raylets on one machine (a test cluster) share its cores and loopback."""
     nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
     address = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
-    return {rank: address[nodes[rank]] for rank in range(world)}
+    return {rank: address[nodes[rank]] for rank in ranks}
 
 
 def _cpu_slots(hosts: dict[int, str]) -> dict[int, tuple[int, int]]:

@@ -116,6 +116,7 @@ class TorchrunClient:
             )
         self.rank = rank
         self.num_ranks = world
+        self.live_ranks = list(range(world))
         # No driver outlives a rank here: torchrun restarts the whole job (--max-restarts).
         self.generation = 0
         self.can_reform = False
@@ -162,6 +163,12 @@ class TorchrunClient:
 
     def kept_since(self, rank: int, generation: int) -> bool:
         return True  # never re-formed
+
+    def grow_ready(self) -> bool:
+        return False  # never shrinks
+
+    def grow(self) -> set[int]:
+        return set()
 
     def give_up(self) -> None:
         pass  # its engine never waits for a new group

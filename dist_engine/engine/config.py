@@ -40,7 +40,7 @@ ExpertBackend = Literal["auto", "native", "torch", "grouped_mm"]
 NormBackend = Literal["auto", "native", "torch"]
 LinearBackend = Literal["auto", "torch", "onednn", "onednn_t"]
 # What the driver does when a rank dies or stops answering (launcher/healing.py).
-OnRankFailure = Literal["heal", "fail"]
+OnRankFailure = Literal["heal", "shrink", "fail"]
 # Where EPLB reads the experts new to a rank: a rank that holds them, the checkpoint, or
 # whichever the group measured faster as it formed (dist_engine/engine/eplb.py).
 ExpertSource = Literal["auto", "peer", "checkpoint"]
@@ -88,11 +88,17 @@ class ParallelConfig:
     # backend; `auto` takes shared memory where every rank is on one host and the backend is
     # gloo.
     moe_exchange: MoEExchange = "auto"
-    # A rank that dies or stops answering: `heal` re-forms the group (a new one of the same
-    # size under Ray) and resumes every unfinished request from its committed tokens; `fail`
-    # ends every unfinished request with an error naming the rank. A group of one (local) and
-    # torchrun cannot heal, so they fail either way (docs/design.md, "Failure model").
+    # A rank that dies or stops answering: `heal` re-forms the group under Ray with a
+    # replacement rank, or, when none can be placed and started, shrinks it onto the
+    # survivors (they take over its experts) and grows it back once replacements can start;
+    # `shrink` goes on with the survivors at once and never replaces; either way every
+    # unfinished request resumes from its committed tokens. `fail` ends every unfinished
+    # request with an error naming the rank. A group of one (local) and torchrun cannot heal,
+    # so they fail either way (docs/design.md, "Failure model").
     on_rank_failure: OnRankFailure = "heal"
+    # How long a heal waits for a replacement rank to be placed and its process to start
+    # (its model load not included) before the group shrinks onto the survivors.
+    replacement_wait_s: float = 60.0
     # Past this many recoveries within the last hour the next failure fails the group.
     max_recoveries_per_hour: int = 3
     # A request outstanding in this many failures in a row, without a token committed in
@@ -119,14 +125,10 @@ class ParallelConfig:
                 "parallel.moe_exchange 'shared_memory' moves CPU tensors; with parallel.backend "
                 "'nccl' use auto or process_group"
             )
-        if (
-            not isinstance(self.collective_timeout_s, (int, float))
-            or self.collective_timeout_s <= 0
-        ):
-            raise ValueError(
-                "parallel.collective_timeout_s must be > 0 seconds, got "
-                f"{self.collective_timeout_s!r}"
-            )
+        for name in ("collective_timeout_s", "replacement_wait_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"parallel.{name} must be > 0 seconds, got {value!r}")
 
 
 @dataclass(frozen=True)

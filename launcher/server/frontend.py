@@ -59,6 +59,7 @@ from launcher.healing import (
     GroupFault,
     RecoveryBudget,
     ResumeLedger,
+    describe_reform,
     is_group_failure,
 )
 from launcher.routing import Router
@@ -87,6 +88,8 @@ class HealMetrics(Protocol):
     def rank_failed(self) -> None: ...
 
     def recovered(self, seconds: float, num_resumed: int) -> None: ...
+
+    def resized(self, num_live: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,7 @@ class EngineFrontend:
         self.failure: str | None = None
         self.healing: str | None = None  # why, while a failed group is being replaced
         self.draining = False
-        self._heals = on_rank_failure == "heal" and client.can_reform
+        self._heals = on_rank_failure != "fail" and client.can_reform
         self._budget = RecoveryBudget(max_recoveries_per_hour)
         self._ledger = ResumeLedger(poison_failure_threshold)
         self._seeds = DriverSeeds(job_seed)
@@ -328,12 +331,16 @@ class EngineFrontend:
         if self.draining:
             return "unhealthy", "draining: the server is shutting down"
         if self.healing is not None:
-            return "degraded", f"re-forming the DP group after a failure: {self.healing}"
+            return "degraded", f"re-forming the DP group: {self.healing}"
+        notes = []
+        live = self.client.live_ranks
+        if len(live) < self.num_ranks:
+            notes.append(f"serving on DP ranks {live} of {self.num_ranks} (shrunk after a failure)")
         silent = self.client.silent_ranks()
         if silent:
             named = ", ".join(f"DP rank {r} for {s:.0f} s" for r, s in sorted(silent.items()))
-            return "ok", f"ok; not answering: {named}"
-        return "ok", "ok"
+            notes.append(f"not answering: {named}")
+        return "ok", "; ".join(["ok", *notes])
 
     async def stats(self, timeout_s: float = _FRESH_STATS_TIMEOUT_S) -> list[RankStats]:
         """Every rank's stats: asked afresh, waiting at most ``timeout_s`` (the client's own
@@ -443,7 +450,7 @@ class EngineFrontend:
             return
         now = time.monotonic()
         self._budget.spend(now)
-        self.healing = fault.reason
+        self.healing = f"after a failure: {fault.reason}"
         self._heal_started = now
         self._ready.clear()
         self._generation += 1
@@ -479,6 +486,7 @@ class EngineFrontend:
         held, self._held = self._held, []
         self._take([o for o in held if o.dp_rank not in replaced], self._generation)
         resumption = self._ledger.resume(fault, replaced)
+        self.router.set_live(self.client.live_ranks)
         for output in resumption.ended:
             log.error("%s", output.finish_reason)
             if output.request_id not in self._open:
@@ -501,18 +509,68 @@ class EngineFrontend:
                 continue
             num_resumed += 1
             num_from_tokens += bool(submission.resumed_token_ids)
+            entry.rank = self.router.reassign(request_id)  # moved if the group shrank
+            self._ledger.move(request_id, entry.rank)
             self._commands[entry.rank].put(_Submit(submission, self._generation))
         self.healing = None
         self._ready.set()
         if self._heal_metrics is not None:
             self._heal_metrics.recovered(seconds, num_resumed)
-        kept = sorted(set(range(self.num_ranks)) - replaced)
+            self._heal_metrics.resized(len(self.client.live_ranks))
         log.warning(
-            "DP group re-formed in %.1f s (rank(s) %s replaced, %s kept with their requests); "
+            "DP group re-formed in %.1f s (%s); "
             "%d request(s) resumed: %d from their streamed tokens, %d from their prompts",
-            seconds, sorted(replaced), kept or "none", num_resumed, num_from_tokens,
-            num_resumed - num_from_tokens,
+            seconds, describe_reform(replaced, self.client.live_ranks), num_resumed,
+            num_from_tokens, num_resumed - num_from_tokens,
         )  # fmt: skip
+
+    def _start_grow(self) -> None:
+        """A group that shrank can grow back (its replacements have loaded): re-form it at
+        full size on a thread of its own, the threads holding their calls meanwhile as for a
+        heal; every request stays where it is."""
+        if self.failure is not None or self.healing is not None or self._stopping.is_set():
+            return
+        self.healing = f"growing back to {self.num_ranks} ranks"
+        self._heal_started = time.monotonic()
+        self._ready.clear()
+        self._generation += 1
+        self._held = []
+        threading.Thread(target=self._grow, name="lockstep-grow", daemon=True).start()
+
+    def _grow(self) -> None:
+        try:
+            joined = self.client.grow()
+        except Exception as error:
+            reason = f"growing the DP group back failed: {type(error).__name__}: {error}"
+            self._from_thread(self._grow_failed, reason)
+        else:
+            self._from_thread(self._grown, joined)
+
+    def _grown(self, joined: set[int]) -> None:
+        """The group is back at full size (or unchanged, if nothing was ready): the outputs
+        held meanwhile are delivered (every rank was kept), then the threads go on."""
+        if self.client.generation != self._generation:  # nothing re-formed
+            self._generation = self.client.generation
+        held, self._held = self._held, []
+        self._take(held, self._generation)
+        self.router.set_live(self.client.live_ranks)
+        self.healing = None
+        self._ready.set()
+        if self._heal_metrics is not None:
+            self._heal_metrics.resized(len(self.client.live_ranks))
+        if joined:
+            log.warning(
+                "DP group grew back to %d ranks in %.1f s (rank(s) %s joined)",
+                len(self.client.live_ranks), time.monotonic() - self._heal_started,
+                sorted(joined),
+            )  # fmt: skip
+
+    def _grow_failed(self, reason: str) -> None:
+        """The planned re-form failed: the group is healed as after any failure."""
+        self._generation = self.client.generation
+        self.healing = None
+        self._ready.set()
+        self._fault(GroupFault(reason), self._generation)
 
     def _heal_failed(self, reason: str) -> None:
         """The new group did not start: try again while the budget lasts, else fail."""
@@ -600,6 +658,8 @@ class EngineFrontend:
             try:
                 stats = self.client.stats(_STATS_TIMEOUT_S)
                 self._from_thread(self._monitor_report, stats, generation)
+                if self.client.grow_ready():
+                    self._from_thread(self._start_grow)
             except RankFailure as failure:
                 fault = GroupFault(str(failure), failure.rank)
                 self._from_thread(self._fault, fault, failure.generation)

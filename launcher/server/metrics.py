@@ -193,6 +193,14 @@ class ServerMetrics:
         self.resumed_requests = group_counter(
             "resumed_requests", "Unfinished requests resubmitted to a re-formed group"
         )
+        self.live_ranks = Gauge(
+            PREFIX + "live_ranks",
+            "DP ranks in the group now serving (fewer than the DP size while it runs shrunk "
+            "onto the survivors of a failure)",
+            ["model_name"],
+            registry=self.registry,
+        ).labels(model_name)
+        self.live_ranks.set(num_ranks)
         self.recovery_seconds = Histogram(
             PREFIX + "recovery_seconds",
             "Time from a group failure being seen to its replacement serving the resubmitted "
@@ -216,6 +224,9 @@ class ServerMetrics:
         self.recoveries.inc()
         self.resumed_requests.inc(num_resumed)
         self.recovery_seconds.observe(seconds)
+
+    def resized(self, num_live: int) -> None:
+        self.live_ranks.set(num_live)
 
     def response(self, path: str, status: int) -> None:
         path = path if path in KNOWN_PATHS else "other"

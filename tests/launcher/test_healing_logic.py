@@ -13,6 +13,7 @@ from launcher.healing import (
     GroupFault,
     RecoveryBudget,
     ResumeLedger,
+    describe_reform,
     is_group_failure,
 )
 from scheduler import SamplingParams
@@ -169,8 +170,14 @@ def test_driver_seeds_follow_the_job_seed_and_leave_seeded_requests_alone():
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        ("on_rank_failure", "retry", r"parallel.on_rank_failure must be one of \['heal', 'fail'\]"),
+        (
+            "on_rank_failure",
+            "retry",
+            r"parallel.on_rank_failure must be one of \['heal', 'shrink', 'fail'\]",
+        ),
         ("max_recoveries_per_hour", 0, "parallel.max_recoveries_per_hour must be an int >= 1"),
+        ("replacement_wait_s", 0, "parallel.replacement_wait_s must be > 0 seconds, got 0"),
+        ("replacement_wait_s", True, "parallel.replacement_wait_s must be > 0 seconds, got True"),
         ("poison_failure_threshold", 1.5, "parallel.poison_failure_threshold must be an int"),
     ],
 )
@@ -178,3 +185,21 @@ def test_heal_settings_are_checked_naming_the_key(key, value, message):
     assert EngineConfig(model="m").parallel.on_rank_failure == "heal"
     with pytest.raises(ValueError, match=message):
         EngineConfig(model="m").with_overrides(**{key: value})
+
+
+def test_a_reform_is_described_by_what_became_of_each_rank():
+    assert describe_reform({1}, [0, 1]) == "rank(s) [1] replaced, [0] kept with their requests"
+    assert describe_reform({2}, [0, 1, 3]) == (
+        "rank(s) [2] gone, the group shrank onto the rest, [0, 1, 3] kept with their requests"
+    )
+
+
+def test_a_moved_request_is_resubmitted_and_resumed_as_of_its_new_rank():
+    ledger = ResumeLedger(poison_failure_threshold=3)
+    ledger.add("a", [1, 2], SamplingParams(max_tokens=4), seed=7, stream=True, rank=2)
+    ledger.move("a", 0)
+    # Rank 2 is gone again in a later failure: "a" lives on rank 0 now, so it is kept there.
+    assert ledger.resume(GroupFault("rank 2 died", 2), {2}).submissions == []
+    assert [s.request_id for s in ledger.resume(GroupFault("rank 0 died", 0), {0}).submissions] == [
+        "a"
+    ]
