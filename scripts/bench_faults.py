@@ -2,7 +2,8 @@
 throughput before / during / after, by DP size and model size.
 
     .venv/bin/python scripts/bench_faults.py [--dp 2 4] [--models small large]
-        [--faults kill stop] [--collective-timeout 4] [--requests 32] [--prompt-len 32]
+        [--faults kill stop] [--modes heal shrink] [--collective-timeout 4] [--requests 32]
+        [--prompt-len 32]
         [--max-tokens 96] [--cache-dir DIR] [--out bench_results/faults.json]
 
 (from the repository root, with the package installed editable)
@@ -12,13 +13,14 @@ built-in tiny model (`launcher.builtin.BUILTIN_MODEL`: hidden 256, 4 layers, 16 
 `large` is hidden 768, 8 layers, 32 experts of 384 (about 0.9 GB), so that loading the
 experts, the part of a recovery that grows with the model, shows.
 
-Per (model, DP size): an `LLM` on an embedded Ray (`on_rank_failure: heal`, one torch thread
-per rank) streams the workload (`--requests` prompts of `--prompt-len` random tokens, greedy,
-EOS ignored, `--max-tokens` each) once without a fault (the reference, and a warm-up), then
-again, SIGKILLing rank 1 once a third of the tokens have arrived (`--faults stop`: SIGSTOPping
-it, which its peers see once their collective has waited `--collective-timeout` seconds, the
-group's `collective_timeout_s`). Every token is timestamped
-as it reaches the driver, with the group generation it came from. Reported:
+Per (model, DP size, fault, mode): an `LLM` on an embedded Ray (`on_rank_failure` = the mode:
+`heal` replaces the rank, `shrink` goes on with the survivors, who take over its experts; one
+torch thread per rank) streams the workload (`--requests` prompts of `--prompt-len` random
+tokens, greedy, EOS ignored, `--max-tokens` each) once without a fault (the reference, and a
+warm-up), then again, SIGKILLing rank 1 once a third of the tokens have arrived (`--faults
+stop`: SIGSTOPping it, which its peers see once their collective has waited
+`--collective-timeout` seconds, the group's `collective_timeout_s`). Every token is
+timestamped as it reaches the driver, with the group generation it came from. Reported:
   start-up s      — the LLM's start (placement, actors, model load), for comparison;
   fault->token s  — from the kill to the first token of the re-formed group (in the JSON,
                     `fault_to_resumed_token_s`: to the first token of a request the killed
@@ -27,7 +29,7 @@ as it reaches the driver, with the group generation it came from. Reported:
                     to the kill, from the kill to the new group's first token, and from then
                     to the end (which includes re-prefilling the resumed requests);
   resumed/open    — requests resubmitted (a heal in place: the killed rank's only), of those
-                    unfinished at the kill;
+                    unfinished at the kill (a shrink resubmits them to the survivors);
   kept            — the ranks whose process survived the heal (their requests went on);
   same            — whether every request's tokens equal the fault-free run's; the JSON's
                     `differing` lists each request that does not, with the first position
@@ -137,13 +139,16 @@ def rate(arrivals: list[tuple[float, int]], start: float, end: float) -> float:
     return count / (end - start) if end > start else 0.0
 
 
-def measure(name: str, dp_size: int, fault: str, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    name: str, dp_size: int, fault: str, mode: str, args: argparse.Namespace
+) -> dict[str, Any]:
     directory = model_dir(name, Path(args.cache_dir))
     prompts = workload(args, MODELS[name]["vocab_size"])
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     settings = dict(
         threads_per_rank=1, max_num_seqs=args.requests, max_model_len=1024, num_blocks=2048,
         block_size=16, max_recoveries_per_hour=10, collective_timeout_s=args.collective_timeout,
+        on_rank_failure=mode,
     )  # fmt: skip
     start = time.monotonic()
     with LLM(model=str(directory), launcher="ray", dp_size=dp_size, **settings) as llm:
@@ -161,6 +166,7 @@ def measure(name: str, dp_size: int, fault: str, args: argparse.Namespace) -> di
                     os.kill(pids[1], signal.SIGCONT)
         after = dict(llm.client.pids)
         detach_wait_s = llm.client.last_detach_wait_s
+        live = llm.client.live_ranks
     kept = sorted(rank for rank in pids if rank != 1 and after.get(rank) == pids[rank])
     arrivals, tokens, killed_at, unfinished, at_kill, generations, resumed_at = faulted
     assert killed_at is not None, "the workload ended before the kill"
@@ -171,6 +177,8 @@ def measure(name: str, dp_size: int, fault: str, args: argparse.Namespace) -> di
         "model": name,
         "dp": dp_size,
         "fault": fault,
+        "mode": mode,
+        "live_ranks_after": live,
         "collective_timeout_s": args.collective_timeout,
         # The heal's wait for the live ranks to leave the failed group.
         "detach_wait_s": detach_wait_s,
@@ -207,12 +215,16 @@ def differing(reference, tokens, at_kill: list[int], from_old_group: list[int]):
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    header = ("model", "DP", "fault", "start-up s", "fault->token s", "before", "during",
-              "after", "resumed/open", "kept", "same")  # fmt: skip
-    print(f"{header[0]:<7}{header[1]:>4}{header[2]:>6}" + "".join(f"{h:>15}" for h in header[3:]))
+    header = ("model", "DP", "fault", "mode", "start-up s", "fault->token s", "before",
+              "during", "after", "resumed/open", "kept", "same")  # fmt: skip
+    print(
+        f"{header[0]:<7}{header[1]:>4}{header[2]:>6}{header[3]:>7}"
+        + "".join(f"{h:>15}" for h in header[4:])
+    )
     for row in rows:
         print(
-            f"{row['model']:<7}{row['dp']:>4}{row['fault']:>6}{row['startup_s']:>15.2f}"
+            f"{row['model']:<7}{row['dp']:>4}{row['fault']:>6}{row['mode']:>7}"
+            f"{row['startup_s']:>15.2f}"
             f"{row['fault_to_token_s']:>15.2f}{row['tok_s_before']:>15.1f}"
             f"{row['tok_s_during']:>15.1f}{row['tok_s_after']:>15.1f}"
             f"{str(row['resumed']) + '/' + str(row['unfinished']):>15}"
@@ -238,6 +250,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--faults", nargs="+", choices=("kill", "stop"), default=("kill",))
     parser.add_argument(
+        "--modes", nargs="+", choices=("heal", "shrink"), default=("heal",),
+        help="on_rank_failure: replace the rank, or go on with the survivors",
+    )  # fmt: skip
+    parser.add_argument(
         "--collective-timeout", type=float, default=4.0,
         help="the group's collective_timeout_s: how long a stopped rank's peers wait for it",
     )  # fmt: skip
@@ -249,8 +265,9 @@ def main() -> None:
     for name in args.models:
         for dp_size in args.dp:
             for fault in args.faults:
-                rows.append(measure(name, dp_size, fault, args))
-                print(json.dumps(rows[-1]), flush=True)
+                for mode in args.modes:
+                    rows.append(measure(name, dp_size, fault, mode, args))
+                    print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
     cpu = f"{processor()}, {os.cpu_count()} cores"
     print(f"processor: {cpu}; median fault->token "
