@@ -160,6 +160,7 @@ class EngineFrontend:
         self.on_stats = on_stats
         self.num_ranks: int = client.num_ranks
         self.router = Router(self.num_ranks, routing)
+        self.router.set_live(client.live_ranks)
         self.max_pending_requests = max_pending_requests
         self.failure: str | None = None
         self.healing: str | None = None  # why, while a failed group is being replaced
@@ -169,6 +170,11 @@ class EngineFrontend:
         self._ledger = ResumeLedger(poison_failure_threshold)
         self._seeds = DriverSeeds(job_seed)
         self._heal_metrics = heal_metrics
+        if heal_metrics is not None:
+            heal_metrics.resized(len(client.live_ranks))
+        # Requests opened while the group re-forms: submitted once it has (`_release`), to a
+        # rank of the new group, so that a heal's resubmissions never meet them twice.
+        self._deferred: dict[str, tuple[list[int], SamplingParams, int | None, str | None]] = {}
         # The group requests go to: the client's, or while healing the one being started.
         self._generation = client.generation
         self._ready = threading.Event()  # clear while healing: the threads hold their calls
@@ -301,11 +307,31 @@ class EngineFrontend:
         self._idle.clear()
         # Streaming on, whatever the HTTP client asked: the server sees every token as it comes.
         seed = self._seeds.seed_for(params)
-        submission = self._ledger.add(
-            request_id, prompt_token_ids, params, seed, True, rank, sample_group
-        )
-        self._commands[rank].put(_Submit(submission, self._generation))
+        if self.healing is not None:
+            self._deferred[request_id] = (prompt_token_ids, params, seed, sample_group)
+        else:
+            submission = self._ledger.add(
+                request_id, prompt_token_ids, params, seed, True, rank, sample_group
+            )
+            self._commands[rank].put(_Submit(submission, self._generation))
         return RequestStream(self, request_id, entry)
+
+    def _release(self) -> None:
+        """Submit the requests opened while the group re-formed, each to a live rank (its
+        own, unless the group shrank away from it); one aborted meanwhile ends here."""
+        deferred, self._deferred = self._deferred, {}
+        for request_id, (prompt_token_ids, params, seed, sample_group) in deferred.items():
+            entry = self._open.get(request_id)
+            if entry is None:
+                continue
+            if entry.aborted:
+                self._end_here(request_id)
+                continue
+            entry.rank = self.router.reassign(request_id)
+            submission = self._ledger.add(
+                request_id, prompt_token_ids, params, seed, True, entry.rank, sample_group
+            )
+            self._commands[entry.rank].put(_Submit(submission, self._generation))
 
     def abort(self, request_id: str, reason: str | None = None) -> None:
         entry = self._open.get(request_id)
@@ -314,6 +340,8 @@ class EngineFrontend:
         if reason is not None:
             entry.abort_reason = reason
         entry.aborted = True
+        if request_id in self._deferred:
+            return  # not submitted yet: `_release` ends it
         # While the group is healed, the courier holds it: `_healed` ends it here if its
         # rank was replaced (no rank holds it then), else it goes to the kept rank.
         self._commands[entry.rank].put(_Abort(request_id, self._generation))
@@ -495,7 +523,7 @@ class EngineFrontend:
                 self._commands[output.dp_rank].put(_Abort(output.request_id, self._generation))
             self._end_here(output.request_id, output)
         for request_id, entry in self._open.items():
-            if entry.aborted and entry.rank not in replaced:
+            if entry.aborted and entry.rank not in replaced and request_id not in self._deferred:
                 # Asked while the group was healed: again, in case it went to the failed one.
                 self._commands[entry.rank].put(_Abort(request_id, self._generation))
         awaiting = {s.request_id: s for s in resumption.submissions}
@@ -512,6 +540,7 @@ class EngineFrontend:
             entry.rank = self.router.reassign(request_id)  # moved if the group shrank
             self._ledger.move(request_id, entry.rank)
             self._commands[entry.rank].put(_Submit(submission, self._generation))
+        self._release()
         self.healing = None
         self._ready.set()
         if self._heal_metrics is not None:
@@ -554,6 +583,7 @@ class EngineFrontend:
         held, self._held = self._held, []
         self._take(held, self._generation)
         self.router.set_live(self.client.live_ranks)
+        self._release()
         self.healing = None
         self._ready.set()
         if self._heal_metrics is not None:
@@ -583,6 +613,7 @@ class EngineFrontend:
         self.healing = None
         self._heal_fault = None
         self._held = []
+        self._deferred = {}  # open: `_fail_group` ends them with the others
         self._fail_group(reason)
         self._ready.set()  # the threads find the failure and stop
 
@@ -686,7 +717,10 @@ class EngineFrontend:
 
     def _carry(self, rank: int, batch: list[_Command], generation: int) -> None:
         """Carry commands for group ``generation``: nothing, if it has been replaced (the
-        heal resubmitted what is still open)."""
+        heal resubmitted what is still open), or if the group shrank away from ``rank`` (the
+        heal moved its open requests to live ranks, or ended them)."""
+        if rank not in self.client.live_ranks:
+            return
         # Submissions first, then aborts: an abort in this batch may be for a request
         # submitted in it, never the other way round.
         submissions = [c.submission for c in batch if isinstance(c, _Submit)]

@@ -352,14 +352,16 @@ def test_serve_heals_concurrent_streams(llm, reference):
             other = 1 - rank
             survivor, faulted = llm.client.pids[other], llm.client.pids[rank]
             try:
-                health, results = _serve_round(client, url, count, faulted, signum)
+                # Two more streams open while the group re-forms, pinned to the faulted rank.
+                during = {count: rank, count + 1: rank}
+                health, results = _serve_round(client, url, count, faulted, signum, during)
             finally:
                 if signum == signal.SIGSTOP and psutil.pid_exists(faulted):
                     os.kill(faulted, signal.SIGCONT)
             assert (200, "degraded") in health and health <= {(200, "degraded"), (200, "ok")}
             status, body = _get(f"{url}/health")
             assert status == 200 and '"status": "ok"' in body
-            for index in range(count):
+            for index in range(count + 2):
                 assert not isinstance(results[index], Exception), (index, results[index])
                 tokens, reasons = results[index]
                 assert tokens == reference[index] and reasons == ["length"], index
@@ -387,40 +389,52 @@ def test_serve_heals_concurrent_streams(llm, reference):
         thread.join(30)
 
 
-def _serve_round(client, url: str, count: int, pid: int, signum: int):
+def _serve_round(client, url: str, count: int, pid: int, signum: int, during: dict[int, int]):
     """Stream PROMPTS[:count] (prompt i on rank i % 2), send ``signum`` to ``pid`` once every
-    stream has had tokens; returns the /health answers seen meanwhile and each stream's
-    (tokens, finish reasons) or error."""
+    stream has had tokens; once /health first says degraded, stream the prompts of
+    ``during`` (index -> the DP rank it is pinned to) too: they are held until the group has
+    re-formed, then submitted once (a heal must not resubmit them beside their first
+    submission). Returns the /health answers seen meanwhile and each stream's (tokens,
+    finish reasons) or error."""
     started = threading.Barrier(count + 1)
     results: dict[int, object] = {}
 
-    def stream(index: int) -> None:
+    def stream(index: int, rank: int, wait: bool) -> None:
         tokens, reasons = [], []
         try:
             chunks = client.completions.create(
                 model="t", prompt=PROMPTS[index], max_tokens=32, stream=True,
                 temperature=PARAMS[index].temperature, seed=PARAMS[index].seed,
-                extra_body={"ignore_eos": True, "return_token_ids": True, "dp_rank": index % 2},
+                extra_body={"ignore_eos": True, "return_token_ids": True, "dp_rank": rank},
             )  # fmt: skip
             for number, chunk in enumerate(chunks):
                 tokens += chunk.choices[0].token_ids
                 reasons.append(chunk.choices[0].finish_reason)
-                if number == 1:
+                if number == 1 and wait:
                     started.wait(60)
             results[index] = (tokens, [r for r in reasons if r])
         except Exception as error:  # reported by the caller, naming the stream
             results[index] = error
 
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(count)]
+    threads = [
+        threading.Thread(target=stream, args=(i, i % 2, True), daemon=True) for i in range(count)
+    ]
     for worker in threads:
         worker.start()
     started.wait(60)  # every stream has had tokens, none has ended
     os.kill(pid, signum)
     health = set()
+    late = dict(during)
     while any(worker.is_alive() for worker in threads):
         status, body = _get(f"{url}/health")
         health.add((status, re.search(r'"status": "(\w+)"', body).group(1)))
+        if late and (200, "degraded") in health:  # opened while the group re-forms
+            for index, rank in late.items():
+                threads.append(threading.Thread(target=stream, args=(index, rank, False)))
+                threads[-1].start()
+            late = {}
         time.sleep(0.05)
+    assert not late, "the group re-formed before /health was seen degraded"
     return health, results
 
 
