@@ -537,8 +537,9 @@ class RayClient:
         within `replacement_wait_s`, or it fails twice, the group shrinks onto the survivors
         instead (they take over the lost ranks' experts) and grows back once replacements
         can start (`grow`). Under `shrink`, and in a group that has shrunk, it shrinks at
-        once. Otherwise (no rank failed but the group did, or the heal in place failed) every
-        rank of the group is killed, its placement group freed, and a new group of the full
+        once. Where every rank is alive and detached (the group failed, no rank did), they
+        re-form as they are. Otherwise (the heal in place failed) every rank of the group is
+        killed, its placement group freed, and a new group of the full
         size started (`_start_group`): new actors, a new store and namespace; every rank is
         returned. The time is a rank's start-up time (model load included), or for a shrink
         the survivors' reading of the experts they take over."""
@@ -622,8 +623,7 @@ class RayClient:
         try:
             started = self._rejoin(group, actors, members)
         except BaseException:
-            for actor in new.values():  # the caller kills the rest with the group
-                ray.kill(actor, no_restart=True)
+            self._kill_actors(new)  # the caller kills the rest with the group
             raise
         with self._lock:
             if not replace:
@@ -754,14 +754,19 @@ class RayClient:
     def _prepare_growth(self) -> None:
         while not self._closing.is_set():
             group = self._group
-            absent = sorted(group.absent)
+            generation, absent = group.generation, sorted(group.absent)
             if not absent or self._grown_actors is not None:
                 return
+
+            def unchanged(group: _Group = group, generation: int = generation) -> bool:
+                # A heal or a grow since makes these replacements for the wrong ranks.
+                return self._group is group and group.generation == generation
+
             actors = {rank: self._new_actor(group, rank) for rank in absent}
             pings = [actor.ping.remote() for actor in actors.values()]
-            while not self._closing.is_set() and self._group is group:
+            while not self._closing.is_set() and unchanged():
                 ready, _ = ray.wait(pings, num_returns=len(pings), timeout=1.0)
-                if len(ready) == len(pings) and set(absent) == group.absent:
+                if len(ready) == len(pings):
                     break
             else:
                 self._kill_actors(actors)
@@ -784,8 +789,8 @@ class RayClient:
                 self._closing.wait(self._config.parallel.replacement_wait_s)
                 continue
             with self._lock:
-                if self._group is group and set(absent) == group.absent:
-                    self._grown_actors = (group.generation, actors)
+                if unchanged():
+                    self._grown_actors = (generation, actors)
                     log.info("replacements for DP rank(s) %s are ready to join", absent)
                     return
             self._kill_actors(actors)  # the group changed meanwhile: start over
