@@ -32,7 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_vllm import Worker, make_workload, processor, run_phase, write_model
+from bench_vs_vllm import Worker, make_workload, run_phase, write_model
+from machine import describe, processor
 
 SETTINGS = {
     "auto": {},
@@ -116,7 +117,7 @@ def report(args, decisions, runs, tokens, backends, loads) -> None:
     )
     cpu = processor()
     print("\n" + "\n".join(timing_lines) + "\n\n" + "\n".join(e2e_lines) + "\n\n" + verdict)
-    print(f"processor: {cpu['model']}, AVX-512 {cpu['avx512'] or 'none'}; "
+    print(f"processor: {describe(cpu)}; "
           f"load average {min(loads):.2f}-{max(loads):.2f}")  # fmt: skip
     record = {
         "command": " ".join(sys.argv),

@@ -27,7 +27,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -39,6 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from machine import describe, processor
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -275,16 +276,6 @@ def guidellm(url: str, model: str, out: Path, args: argparse.Namespace) -> dict[
 
 
 # -- the run --------------------------------------------------------------------------------
-def processor() -> dict[str, Any]:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith("model name")), platform.processor())  # fmt: skip
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
-                  if line.startswith("flags")), [])  # fmt: skip
-    wanted = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")]
-    return {"name": name, "cores": os.cpu_count(), "flags": sorted(set(wanted))}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a checkpoint with a tokenizer (default: the built-in)")
@@ -388,8 +379,7 @@ def summarize(results: dict[str, Any], contenders: list[str]) -> dict[str, Any]:
 def print_tables(summary: dict[str, Any], report: dict[str, Any]) -> None:
     proc = report["processor"]
     low, high = report["load_average_range"]
-    flags = " ".join(proc["flags"])
-    print(f"\n{proc['name']} ({proc['cores']} cores; {flags}); load average {low:.2f}-{high:.2f}")
+    print(f"\n{describe(proc)}; load average {low:.2f}-{high:.2f}")
     print(f"{'server':14} {'client@rate':20} {'done/failed':>12} {'out tok/s':>22} "
           f"{'TTFT p50 ms':>22} {'ITL p50 ms':>20} {'ITL p99 ms':>22}")  # fmt: skip
     for contender, entry in summary.items():

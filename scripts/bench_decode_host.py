@@ -28,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from machine import processor  # noqa: E402
+
 from dist_engine.backends import Backends  # noqa: E402
 from dist_engine.engine.request import Request  # noqa: E402
 from dist_engine.engine.runner import ModelRunner  # noqa: E402
@@ -121,7 +123,12 @@ def main() -> None:
     print(f"{'ms per decode step (median)':<28}" + "".join(f"{n:>10} seqs" for n in results))
     for part in columns:
         print(f"{part:<28}" + "".join(f"{results[n][part]:>15.3f}" for n in results))
-    report = {"steps": args.steps, "threads": args.threads, "block_size": BLOCK_SIZE}
+    report = {
+        "processor": processor(),
+        "steps": args.steps,
+        "threads": args.threads,
+        "block_size": BLOCK_SIZE,
+    }
     report["ms_per_step"] = {str(n): values for n, values in results.items()}
     print(json.dumps(report, indent=2))
     if args.out:

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import processor
 
 from launcher import LLM, SamplingParams
 from launcher.builtin import BUILTIN_MODEL
@@ -408,6 +409,7 @@ def write_json(args: argparse.Namespace, rows: dict, ratios: dict, checks: dict)
     payload = {
         "config": vars(args),
         "model": BUILTIN_MODEL,
+        "processor": processor(),
         "intervals": {"default": DEFAULT_INTERVALS, "tuned": TUNED_INTERVALS},
         "rows": rows,
         "ratios": ratios,

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import describe, processor
 
 from moe import ExpertPlacement, balancedness, rebalance
 from moe.eplb import HIERARCHICAL
@@ -220,23 +221,9 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]], cpu: dict)
             f"or ranks not divisible), so rebalance() takes the global policy shown"
         )
     print(
-        f"processor: {cpu['model']}, AVX-512 {','.join(cpu['avx512']) or 'none'}; "
+        f"processor: {describe(cpu)}; "
         f"torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}"
     )
-
-
-def processor() -> dict[str, Any]:
-    model, flags = platform.processor(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    avx512 = sorted(flag for flag in flags if flag.startswith("avx512"))
-    return {"model": model, "cores": os.cpu_count(), "avx2": "avx2" in flags, "avx512": avx512}
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> str:
@@ -527,7 +514,7 @@ def print_live(rows: list[dict[str, Any]], cpu: dict, fp8: bool) -> None:
                 f"(eplb_expert_source=auto takes the {auto})"
             )
     print(
-        f"processor: {cpu['model']}, AVX-512 {','.join(cpu['avx512']) or 'none'}; one torch "
+        f"processor: {describe(cpu)}; one torch "
         f"thread per rank; load average {os.getloadavg()[0]:.2f}"
     )
 

@@ -50,13 +50,14 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import signal
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from machine import describe, processor
 
 from dist_engine.models.make_model import make_tiny_checkpoint
 from launcher import LLM, SamplingParams
@@ -234,13 +235,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print("(before / during / after: tokens/s reaching the driver)")
 
 
-def processor() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=(2, 4))
@@ -269,8 +263,8 @@ def main() -> None:
                     rows.append(measure(name, dp_size, fault, mode, args))
                     print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
-    cpu = f"{processor()}, {os.cpu_count()} cores"
-    print(f"processor: {cpu}; median fault->token "
+    cpu = processor()
+    print(f"processor: {describe(cpu)}; median fault->token "
           f"{statistics.median(r['fault_to_token_s'] for r in rows):.2f} s")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

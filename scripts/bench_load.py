@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from machine import processor
 from safetensors.torch import save_file
 
 from dist_engine.distributed.spawn import run_multirank
@@ -261,7 +262,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "machine": platform.platform(),
-        "processor_flags": _flags(),
+        "processor": processor(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "load_avg_before": load,
@@ -300,17 +301,6 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{row['peak_file_bytes'] / gib:.2f}) | {row['peak_rss_bytes'] / weights:.2f} "
             f"| {(row['peak_rss_bytes'] - row['rss_before_bytes']) / weights:.2f} |"
         )
-
-
-def _flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
-                return [flag for flag in line.split(":", 1)[1].split() if flag in wanted]
-    except OSError:
-        pass
-    return []
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from bench_forward import MODELS, VOCAB_SIZE, load_ours
+from machine import processor
 
 from dist_engine.attention.metadata import AttentionMetadata, MixedMetadata
 from dist_engine.backends import BACKEND_KEYS
@@ -184,7 +185,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "machine": platform.platform(),
-        "processor_flags": _flags(),
+        "processor": processor(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -195,17 +196,6 @@ def main() -> None:
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out}")
-
-
-def _flags() -> list[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
-                return [flag for flag in line.split(":", 1)[1].split() if flag in wanted]
-    except OSError:
-        pass
-    return []
 
 
 if __name__ == "__main__":

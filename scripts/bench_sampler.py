@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import describe, processor
 
 from dist_engine.engine.host_memory import retain_freed_memory
 from dist_engine.engine.sampler import Sampler, SamplingRow
@@ -132,25 +133,6 @@ def bench(
     return cell
 
 
-def processor() -> dict[str, Any]:
-    model, flags = platform.processor(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return {
-        "model": model,
-        "cores": os.cpu_count(),
-        "avx2": "avx2" in flags,
-        "avx512": sorted(f for f in flags if f.startswith("avx512")),
-        "amx": sorted(f for f in flags if f.startswith("amx")),
-    }
-
-
 def _cell(timing: dict[str, float] | None) -> str:
     if timing is None:
         return "-"
@@ -183,7 +165,8 @@ def main() -> None:
     baseline = load_baseline(args.baseline_rev)
     load_before = os.getloadavg()
     cells = []
-    print(f"processor: {processor()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"processor: {describe(processor())}; torch {torch.__version__}, {threads} threads")
     print("| vocab | batch | mode | baseline ms (median [range]) | new ms (median [range]) "
           "| speed-up |")  # fmt: skip
     print("| ---: | ---: | --- | ---: | ---: | ---: |")

@@ -21,7 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench_vs_vllm import ensure_vllm_venv, processor
+from bench_vs_vllm import ensure_vllm_venv
+from machine import processor
 
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
 

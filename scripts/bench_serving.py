@@ -32,7 +32,6 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
 import signal
 import statistics
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from machine import processor
 
 
 @dataclass
@@ -323,7 +323,7 @@ def main() -> int:
     record = {
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "machine": {
-            "processor": platform.processor() or platform.machine(),
+            "processor": processor(),
             "cpus": os.cpu_count(),
             "load_average": os.getloadavg(),
         },

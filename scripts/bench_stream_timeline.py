@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from machine import processor
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -207,7 +209,7 @@ def main() -> None:
           f"{result['chunks']}")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), **result}, indent=2))
+    out.write_text(json.dumps({"config": vars(args), "processor": processor(), **result}, indent=2))
     print(f"wrote {out}")
 
 

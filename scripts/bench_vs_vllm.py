@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -49,6 +48,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from machine import describe, processor
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -298,24 +299,6 @@ def run_phase(
         order = order[1:] + order[:1]
 
 
-def processor() -> dict[str, Any]:
-    model, flags = platform.processor(), []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return {
-        "model": model,
-        "cores": os.cpu_count(),
-        "avx2": "avx2" in flags,
-        "avx512": sorted(f for f in flags if f.startswith("avx512")),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per contender")
@@ -494,9 +477,7 @@ def report(args, runs, workers, workloads) -> None:
     loads = [r["load_before"] for r in runs] + [r["load_after"] for r in runs]
     print()
     print("\n".join(lines))
-    avx512 = cpu["avx512"] or "none"
-    print(f"\nprocessor: {cpu['model']}, {cpu['cores']} cores, AVX2 {cpu['avx2']}, "
-          f"AVX-512 {avx512}; load average {min(loads):.2f}-{max(loads):.2f}")  # fmt: skip
+    print(f"\nprocessor: {describe(cpu)}; load average {min(loads):.2f}-{max(loads):.2f}")
     out = ROOT / args.out
     record = {
         "command": " ".join(sys.argv),

@@ -41,7 +41,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vs_vllm import MAX_MODEL_LEN, ROOT, make_workload, processor, write_model
+from bench_vs_vllm import MAX_MODEL_LEN, ROOT, make_workload, write_model
+from machine import describe, processor
 
 PARTS = [
     "engine + scheduler",
@@ -196,7 +197,7 @@ def main() -> None:
     print("\n".join(lines))
     print(f"\n{args.workload}: {dict(timers.steps)} steps over {args.rounds} passes, "
           f"{tok_s:,.0f} tok/s with timers; backends: {backends}")  # fmt: skip
-    print(f"processor: {cpu['model']}, {cpu['cores']} cores, AVX-512 {cpu['avx512'] or 'none'}")
+    print(f"processor: {describe(cpu)}")
     record = {
         "command": " ".join(sys.argv),
         "processor": cpu,
