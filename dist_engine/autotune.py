@@ -253,9 +253,9 @@ def _linear(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
     """One layer's attention projections (qkv, output) on the regime's rows, and in decode the
     LM head. (A prefill step's LM head sees only the rows that sample, at most a decode
     step's, and the kernels are told apart by rows: it runs the decode choice.)"""
-    from dist_engine.layers.linear import LinearKernel, linear, onednn_linear
+    from dist_engine.layers.linear import LinearKernel, linear, pack_weight
 
-    kernel = LinearKernel(onednn_linear) if name in ("onednn", "onednn_t") else None
+    kernel = LinearKernel(name, name) if name != "torch" else None
     dtype, gen = _dtype(shapes), _generator()
     hidden = shapes.hidden_size
     q_size, kv_size = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
@@ -276,8 +276,11 @@ def _linear(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
         rows = torch.randn(shapes.decode_tokens, hidden, generator=gen).to(dtype)
         products.append((rows, weight(shapes.vocab_size, hidden)))
 
+    packed = [pack_weight(w) if name == "onednn_packed" else None for _, w in products]
+
     def run() -> list[torch.Tensor]:
-        return [linear(x, w, kernel=kernel) for x, w in products]
+        pairs = zip(products, packed, strict=True)
+        return [linear(x, w, kernel=kernel, packed=p) for (x, w), p in pairs]
 
     return run
 

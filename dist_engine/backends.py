@@ -3,7 +3,8 @@
     attention_backend: auto | native | torch                paged attention, rotary + KV write
     expert_backend:    auto | native | torch | grouped_mm   the expert side of an MoE layer
     norm_backend:      auto | native | torch                RMSNorm
-    linear_backend:    auto | torch | onednn | onednn_t     the dense linears and the LM head
+    linear_backend:    auto | torch | onednn | onednn_t | onednn_packed
+                                                            the dense linears and the LM head
 
 `torch` is PyTorch's own ops: every device and dtype, and the reference the others are tested
 against. `native` is Lockstep's compiled CPU kernels (kernels/compute.py), which apply to
@@ -14,7 +15,11 @@ as one `torch.nn.functional.grouped_mm` per projection (float32 and half types, 
 (float32 and bfloat16 on the CPU; layers/linear.py); `onednn_t` does too, over weights stored
 transposed ([in, out]), which oneDNN streams faster on some processors. The layout is one per
 model: where either regime takes `onednn_t`, every `Linear` keeps that layout, and the other
-regime's implementation reads it (both read either layout).
+regime's implementation reads it (both read either layout). `onednn_packed` (bfloat16, where
+oneDNN runs it) keeps a second copy of each dense weight in oneDNN's blocked layout, made once
+after loading, so its bf16 GEMMs (AMX tiles, AVX-512 BF16) stop re-laying the weight out at
+every call: on an AMX host 0.53-0.71x the time of a decode-sized bf16 linear; the copy doubles
+the dense weights' memory (not the experts').
 
 `auto` measures: each rank times the implementations that can serve its model, on its real
 shapes at its steps' sizes, and takes the fastest per regime (dist_engine/autotune.py; cached
@@ -49,7 +54,7 @@ from dist_engine.attention import (
     has_backend,
 )
 from dist_engine.engine.config import BACKEND_CHOICES
-from dist_engine.layers.linear import LinearKernel, onednn_linear, onednn_serves
+from dist_engine.layers.linear import LinearKernel, onednn_serves, packing_serves
 from dist_engine.layers.moe import expert_impl
 from dist_engine.layers.norm import NormKernel
 from dist_engine.log import get_logger
@@ -65,7 +70,8 @@ _OPS = {
     "norm_backend": "norm",
     "linear_backend": "linear",
 }
-LINEAR_NAMES = ("torch", "onednn", "onednn_t")  # the linear_backend implementations
+# the linear_backend implementations
+LINEAR_NAMES = ("torch", "onednn", "onednn_t", "onednn_packed")
 _REGIMES = ("decode", "prefill")
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Environment switches of earlier versions, no longer read: say so rather than ignore them.
@@ -161,14 +167,8 @@ class LayerOps:
                 norm = NormKernel(kernel, min_tokens=max_decode_tokens + 1)
         linear = None
         regimes = (backends.linear.decode, backends.linear.prefill)
-        on_decode, on_prefill = (name != "torch" for name in regimes)
-        if on_decode or on_prefill:  # oneDNN serves the regimes that took it, by their rows
-            linear = LinearKernel(
-                onednn_linear,
-                min_tokens=0 if on_decode else max_decode_tokens + 1,
-                max_tokens=None if on_prefill else max_decode_tokens,
-                weights_in_out="onednn_t" in regimes,
-            )
+        if regimes != ("torch", "torch"):  # oneDNN serves the regimes that took it, by rows
+            linear = LinearKernel(*regimes, max_decode_tokens=max_decode_tokens)
         if decode is not prefill:
             assert isinstance(decode, AttentionBackend) and isinstance(prefill, AttentionBackend)
             decode = PerRegime(decode, prefill)
@@ -214,6 +214,8 @@ def candidates(
         on_cpu = device is None or torch.device(device).type == "cpu"
         if on_cpu and onednn_serves(dtype):
             names += ["onednn", "onednn_t"]
+        if on_cpu and packing_serves(dtype):
+            names.append("onednn_packed")
         return names
     if key == "attention_backend" and not has_backend(attention_kind, "native"):
         return names
@@ -260,7 +262,7 @@ def resolve_backends(
                 f"{device or 'cpu'}; the native kernels serve float32 on the CPU (the experts "
                 f"and norm bfloat16 too) and need a C++ compiler, grouped_mm float32 and half "
                 f"types, onednn and onednn_t float32 on the CPU, bfloat16 too where the "
-                f"processor has AVX-512); use auto or torch"
+                f"processor has AVX-512, onednn_packed bfloat16 there); use auto or torch"
             )
         chosen[key] = {}
         for regime, names in per_regime.items():

@@ -38,7 +38,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 AttentionBackend = Literal["auto", "native", "torch"]
 ExpertBackend = Literal["auto", "native", "torch", "grouped_mm"]
 NormBackend = Literal["auto", "native", "torch"]
-LinearBackend = Literal["auto", "torch", "onednn", "onednn_t"]
+LinearBackend = Literal["auto", "torch", "onednn", "onednn_t", "onednn_packed"]
 # What the driver does when a rank dies or stops answering (launcher/healing.py).
 OnRankFailure = Literal["heal", "shrink", "fail"]
 # Where EPLB reads the experts new to a rank: a rank that holds them, the checkpoint, or
@@ -196,7 +196,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     # Which implementation runs each kind of op (dist_engine/backends.py): auto (measured on
     # this host), native, torch, for the experts grouped_mm, for the dense linears onednn
-    # (onednn_t: oneDNN over weights stored transposed, [in, out]).
+    # (onednn_t: oneDNN over weights stored transposed, [in, out]; onednn_packed: bf16 over
+    # a copy of each weight packed once in oneDNN's layout).
     attention_backend: AttentionBackend = "auto"
     expert_backend: ExpertBackend = "auto"
     norm_backend: NormBackend = "auto"

@@ -13,7 +13,6 @@ generated for the processor at hand; on some hosts they are several times faster
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,27 +55,62 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+@functools.cache
+def packing_serves(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can keep a ``dtype`` weight packed (`pack_weight`) on this processor.
+    bfloat16 only: packing is what lets oneDNN skip re-laying a weight out for its bf16
+    GEMMs (AMX tiles, AVX-512 BF16) at every call; float32 gained nothing where measured."""
+    if dtype != torch.bfloat16 or not onednn_serves(dtype):
+        return False
+    weight = torch.ones(8, 16, dtype=dtype)
+    try:
+        y = torch.ops.mkldnn._linear_pointwise(
+            torch.ones(2, 16, dtype=dtype), pack_weight(weight), None, "none", [], ""
+        )
+    except RuntimeError:
+        return False
+    return bool(torch.equal(y, torch.full((2, 8), 16.0, dtype=dtype)))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] laid out once in oneDNN's own blocked format for its matmul (an
+    opaque mkldnn tensor: PyTorch's `_reorder_linear_weight`, as Inductor's CPU freezing
+    does). The plain weight stays the layer's parameter; the packed one is a copy."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
 @dataclass(frozen=True)
 class LinearKernel:
-    """Where a linear's other implementation (`onednn_linear`) runs: CPU tensors of a dtype
-    it serves here (`onednn_serves`), for steps of `min_tokens` to `max_tokens` rows (None:
-    no upper bound), e.g. only decode-sized steps when only those are faster with it. Chosen
-    by `linear_backend`."""
+    """Which implementation runs a linear, per regime, told apart by rows: steps of at most
+    `max_decode_tokens` rows are decode-sized and run `decode`, larger ones `prefill`
+    (`linear_backend`: torch | onednn | onednn_t | onednn_packed). Set on every `Linear` and
+    the LM head (`MoECausalLM.use_linear_kernel`); anything but CPU tensors of a dtype oneDNN
+    serves here runs `F.linear`."""
 
-    kernel: Callable[..., torch.Tensor]
-    min_tokens: int = 0
-    max_tokens: int | None = None
-    # Whether the model's linears keep their weights stored transposed, [in, out] (each still
-    # seen as [out, in]: `Linear.store_in_out`). oneDNN reads that layout faster on some hosts
-    # (a decode step's LM head 0.69-0.84x the time on a Zen 4 EPYC), and F.linear reads it too.
-    weights_in_out: bool = False
+    decode: str = "torch"
+    prefill: str = "torch"
+    max_decode_tokens: int = 256
 
-    def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """x: [T, ..., in]."""
-        if x.device.type != "cpu" or x.dtype != weight.dtype or not onednn_serves(x.dtype):
-            return False
+    @property
+    def weights_in_out(self) -> bool:
+        """Whether the model's linears keep their weights stored transposed, [in, out] (each
+        still seen as [out, in]: `Linear.store_in_out`). oneDNN reads that layout faster on
+        some hosts (a decode step's LM head 0.69-0.84x the time on a Zen 4 EPYC), and
+        F.linear reads it too."""
+        return "onednn_t" in (self.decode, self.prefill)
+
+    @property
+    def packs(self) -> bool:
+        """Whether the model's linears keep a packed copy of their weights (`pack_weight`)."""
+        return "onednn_packed" in (self.decode, self.prefill)
+
+    def choice(self, x: torch.Tensor, weight: torch.Tensor) -> str:
+        """x: [T, ..., in]. The implementation that runs these rows."""
         tokens = x.shape[0] if x.dim() > 1 else 1
-        return tokens >= self.min_tokens and (self.max_tokens is None or tokens <= self.max_tokens)
+        name = self.decode if tokens <= self.max_decode_tokens else self.prefill
+        if name == "torch" or x.device.type != "cpu" or x.dtype != weight.dtype:
+            return "torch"
+        return name if onednn_serves(x.dtype) else "torch"
 
 
 def linear(
@@ -84,11 +118,16 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     kernel: LinearKernel | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`x W^T (+ b)` by `kernel` where it serves these rows, else by PyTorch's `F.linear`."""
-    if kernel is not None and kernel.serves(x, weight):
-        return kernel.kernel(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """`x W^T (+ b)` by `kernel`'s choice for these rows, else by PyTorch's `F.linear`.
+    `packed`: `pack_weight(weight)`, read where the choice is `onednn_packed`."""
+    name = kernel.choice(x, weight) if kernel is not None else "torch"
+    if name == "torch":
+        return F.linear(x, weight, bias)
+    if name == "onednn_packed" and packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return onednn_linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -107,12 +146,19 @@ class Linear(nn.Module):
         self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
         self.kernel: LinearKernel | None = None
+        self.packed: torch.Tensor | None = None  # pack(): the weight in oneDNN's layout
         # True where a layer reads `weight` as a tensor of its own (MLA's kv_b_proj, viewed per
         # head): its layout never changes.
         self.keep_layout = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.kernel)
+        return linear(x, self.weight, self.bias, self.kernel, self.packed)
+
+    def pack(self) -> None:
+        """Keep a copy of the (loaded) weight packed for oneDNN (`pack_weight`); a layer that
+        reads its weight itself (`keep_layout`) or a weight not on the CPU is left alone."""
+        if not self.keep_layout and self.weight.device.type == "cpu":
+            self.packed = pack_weight(self.weight)
 
     def store_in_out(self) -> None:
         """Keep the weight stored [in, out], seen as [out, in] (a transposed view): its

@@ -24,7 +24,7 @@ from torch import nn
 
 from dist_engine.attention.kv_cache import KVSpec, PagedCache
 from dist_engine.attention.metadata import StepMetadata
-from dist_engine.layers.linear import Linear, LinearKernel, empty_parameter, linear
+from dist_engine.layers.linear import Linear, LinearKernel, empty_parameter, linear, pack_weight
 from dist_engine.layers.norm import NormKernel, RMSNorm
 from dist_engine.layers.rotary import RotaryEmbedding
 from dist_engine.models.config import ModelConfig
@@ -129,6 +129,7 @@ class MoECausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.kv_cache: PagedCache | None = None
         self.linear_kernel: LinearKernel | None = None  # the LM head's (use_linear_kernel)
+        self.lm_head_packed: torch.Tensor | None = None  # a tied head's packed copy
         if device is not None:
             # MoELayer takes no device argument; its expert weights are created on the CPU.
             self.to(device)
@@ -144,6 +145,18 @@ class MoECausalLM(nn.Module):
                 module.kernel = kernel
                 if kernel is not None and kernel.weights_in_out:
                     module.store_in_out()
+
+    def pack_linears(self) -> None:
+        """Once the weights are loaded, where the linear kernel reads packed weights
+        (`onednn_packed`): every dense linear and the LM head keep a packed copy of theirs
+        (the plain weights stay: the other regime, and a tied head's lookups, read them)."""
+        if self.linear_kernel is None or not self.linear_kernel.packs:
+            return
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if not isinstance(self.lm_head, Linear):  # tied: the embedding's rows
+            self.lm_head_packed = pack_weight(self.lm_head.weight)
 
     def new_kv_cache(
         self, num_blocks: int, block_size: int, device: torch.device | str | None = None
@@ -191,5 +204,7 @@ class MoECausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, D] (rows of `forward`'s output that need a token) → logits [N, V],
         in float32 (float64 for a float64 model) so sampling never works on bf16 logits."""
-        logits = linear(hidden, self.lm_head.weight, kernel=self.linear_kernel)
+        head = self.lm_head
+        packed = head.packed if isinstance(head, Linear) else self.lm_head_packed
+        logits = linear(hidden, head.weight, kernel=self.linear_kernel, packed=packed)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

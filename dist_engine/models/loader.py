@@ -241,6 +241,7 @@ def load_model(
         planned = planned_reads(config, reader, context)
         with ShardProgress(reader, planned, get_logger(context.rank)):
             load_weights(model, reader, context)
+    model.pack_linears()
     return model
 
 

@@ -16,7 +16,7 @@ from model_fixtures import TINY_SIZES, hf_greedy, hf_model, random_prompts
 from dist_engine.backends import Backends, RegimeChoice
 from dist_engine.engine.request import Request
 from dist_engine.engine.runner import ModelRunner
-from dist_engine.layers.linear import Linear
+from dist_engine.layers.linear import Linear, packing_serves
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
 from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence
@@ -121,9 +121,11 @@ def test_single_rank_generation_equals_transformers(case):
                  RegimeChoice("native", "native"), RegimeChoice("onednn_t", "torch")),
         Backends(RegimeChoice("torch", "torch"), RegimeChoice("torch", "torch"),
                  RegimeChoice("torch", "torch"), RegimeChoice("torch", "onednn_t")),
+        Backends(RegimeChoice("native", "native"), RegimeChoice("native", "native"),
+                 RegimeChoice("native", "native"), RegimeChoice("onednn_packed", "onednn_t")),
     ],
     ids=["torch", "grouped_mm", "per_regime_mix", "onednn", "onednn_decode", "onednn_t_decode",
-         "onednn_t_prefill"],
+         "onednn_t_prefill", "onednn_packed_decode"],
 )  # fmt: skip
 def test_every_backend_gives_transformers_tokens(case, backends):
     """The implementations `auto` chooses between are interchangeable: each, and a mix per
@@ -134,13 +136,16 @@ def test_every_backend_gives_transformers_tokens(case, backends):
     if regimes != ("torch", "torch"):  # every linear, LM head too
         kernel = model.linear_kernel
         assert kernel is not None
-        assert kernel.max_tokens == (None if regimes[1] != "torch" else 16)
-        assert kernel.min_tokens == (17 if regimes[0] == "torch" else 0)
+        assert (kernel.decode, kernel.prefill, kernel.max_decode_tokens) == (*regimes, 16)
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         assert all(m.kernel is kernel for m in linears)
         # onednn_t: every weight stored [in, out] (the torch regime reads that layout too)
         in_out = [m.weight.stride() == (1, m.weight.shape[0]) for m in linears]
         assert in_out == [("onednn_t" in regimes)] * len(linears)
+        # onednn_packed (float32 here: packing serves it, though `auto` offers it for bf16
+        # only): every linear, the LM head included, keeps a packed copy beside its weight
+        packed = [m.packed is not None and m.packed.is_mkldnn for m in linears]
+        assert packed == [("onednn_packed" in regimes)] * len(linears)
     tokens, _ = generate(model, prompts["random"], max_num_batched_tokens=24)
     assert tokens == expected["random"]
 
@@ -263,3 +268,20 @@ def test_mla_mixed_steps_give_transformers_tokens(tmp_path):
         torch.set_num_threads(threads)
     assert max(counts) > 0, counts
     assert tokens == expected
+
+
+@pytest.mark.skipif(not packing_serves(torch.bfloat16), reason="oneDNN has no bf16 GEMM here")
+def test_packed_bf16_linears_give_the_unpacked_oneDNN_tokens(case):
+    """`onednn_packed` (the bf16 decode linears over weights packed once) computes what
+    oneDNN computes over the plain weights, which it re-lays out into the same blocked
+    format at each call: bf16 greedy tokens equal, prefill steps (over 16 rows) on F.linear."""
+    model_dir, _, prompts, _ = case
+    native = RegimeChoice("native", "native")
+    tokens = {}
+    for name in ("onednn", "onednn_packed"):
+        backends = Backends(native, native, native, RegimeChoice(name, "torch"))
+        model = load_model(model_dir, torch.bfloat16, backends=backends, max_decode_tokens=16)
+        head = model.lm_head
+        assert (head.packed is not None) == (name == "onednn_packed")
+        tokens[name], _ = generate(model, prompts["random"], max_num_batched_tokens=24)
+    assert tokens["onednn_packed"] == tokens["onednn"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 from dist_engine.kernels import compute
@@ -16,6 +17,7 @@ from dist_engine.layers.linear import (
     onednn_available,
     onednn_linear,
     onednn_serves,
+    pack_weight,
 )
 from dist_engine.layers.norm import NormKernel, RMSNorm
 
@@ -180,24 +182,24 @@ def test_a_linear_stored_in_out_keeps_its_values_and_takes_a_checkpoint() -> Non
     assert kept.weight.is_contiguous()
 
 
-def test_linear_kernel_serves_only_its_rows_and_dtypes() -> None:
-    """A decode-only linear kernel serves steps of up to max_tokens rows of CPU tensors of
-    its dtypes; other steps and dtypes run F.linear."""
-    calls: list[int] = []
-
-    def counting(x, weight, bias=None):
-        calls.append(x.shape[0])
-        return torch.nn.functional.linear(x, weight, bias)
-
-    layer = Linear(8, 4, False, torch.float32)
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+def test_linear_kernel_runs_each_regime_by_rows_and_dtype() -> None:
+    """A kernel with a packed decode regime: decode-sized rows read the packed weight, larger
+    ones the prefill choice (here PyTorch's F.linear, bit for bit); a dtype oneDNN does not
+    serve, or no packed weight given, never reaches the packed path."""
+    x, weight = torch.randn(6, 32), torch.randn(8, 32)
+    kernel = LinearKernel("onednn_packed", "torch", max_decode_tokens=4)
+    assert [kernel.choice(x[:n], weight) for n in (1, 4, 5)] == ["onednn_packed"] * 2 + ["torch"]
+    packed = pack_weight(weight)
+    assert torch.equal(linear(x, weight, kernel=kernel, packed=packed), F.linear(x, weight))
+    small = linear(x[:4], weight, kernel=kernel, packed=packed)
+    torch.testing.assert_close(small, F.linear(x[:4], weight))
+    torch.testing.assert_close(linear(x[:4], weight, kernel=kernel), F.linear(x[:4], weight))
+    assert kernel.choice(x.double(), weight.double()) == "torch"  # oneDNN serves no float64
+    layer = Linear(32, 8, False, torch.float32)
     with torch.no_grad():
-        layer.weight.normal_()
-    layer.kernel = LinearKernel(counting, max_tokens=4)
-    layer(torch.randn(4, 8))
-    layer(torch.randn(5, 8))
-    assert calls == [4]
-    linear(torch.randn(6, 8), layer.weight, kernel=LinearKernel(counting, min_tokens=5))
-    assert calls == [4, 6]
-    wide = torch.randn(4, 8, dtype=torch.float64)
-    linear(torch.randn(2, 8, dtype=torch.float64), wide, kernel=LinearKernel(counting))
-    assert calls == [4, 6]
+        layer.weight.copy_(weight)
+    layer.kernel = kernel
+    layer.pack()
+    assert layer.packed is not None and layer.packed.is_mkldnn
+    torch.testing.assert_close(layer(x[:2]), F.linear(x[:2], weight))
