@@ -121,13 +121,30 @@ def test_a_stream_heals_a_kill_then_a_stop(llm, reference):
 
 def test_a_dp4_stream_heals_a_kill_then_a_stop(model_dir):
     """The same at DP=4, on a group of its own: rank 3 SIGKILLed, then rank 1 of the new
-    group SIGSTOPped; requests of 200 tokens (LONG_PARAMS)."""
+    group SIGSTOPped; requests of 200 tokens (LONG_PARAMS). Then the server over that group:
+    8 streaming clients on all four ranks, rank 2 SIGKILLed mid-run, two more streams opened
+    while it heals pinned to rank 2; every stream ends once with the fault-free tokens and
+    the three other ranks keep their processes."""
     settings = {**SETTINGS, "max_model_len": 256}
     with LLM(model=model_dir, dp_size=4, launcher="ray", **settings) as llm4:
         outputs = llm4.generate(PROMPTS, LONG_PARAMS, use_tqdm=False)
         assert {o.dp_rank for o in outputs} == {0, 1, 2, 3}
         reference = [o.output_token_ids for o in outputs]
         _kill_then_stop(llm4, reference, kill_rank=3, stop_rank=1, params=LONG_PARAMS)
+        count, rank = 8, 2
+        kept = {r: pid for r, pid in llm4.client.pids.items() if r != rank}
+        faulted = llm4.client.pids[rank]
+        with _served(llm4) as (client, url):
+            during = {count: rank, count + 1: rank}
+            health, results = _serve_round(
+                client, url, count, faulted, signal.SIGKILL, during, world=4, max_tokens=200
+            )
+            assert (200, "degraded") in health and health <= {(200, "degraded"), (200, "ok")}
+            for index in range(count + 2):
+                assert not isinstance(results[index], Exception), (index, results[index])
+                assert results[index] == (reference[index], ["length"]), index
+        pids = llm4.client.pids
+        assert {r: pids[r] for r in kept} == kept and pids[rank] != faulted
 
 
 def test_a_failure_past_the_recovery_budget_ends_the_survivors_requests_at_once(model_dir):
@@ -339,15 +356,8 @@ def test_serve_heals_concurrent_streams(llm, reference):
     while every stream is mid-run, then (6 new streams) rank 0 SIGSTOPped; each time /health
     says degraded while the group re-forms, ok after, and the other rank's streams go on in
     the process they started in."""
-    server = LockstepServer(llm.client, llm.config, ServerConfig(port=0, served_model_name="t"))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    port = asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
-    url = f"http://127.0.0.1:{port}"
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     count = 6
-    try:
+    with _served(llm) as (client, url):
         for heals, (rank, signum) in enumerate(((1, signal.SIGKILL), (0, signal.SIGSTOP)), 1):
             other = 1 - rank
             survivor, faulted = llm.client.pids[other], llm.client.pids[rank]
@@ -383,14 +393,31 @@ def test_serve_heals_concurrent_streams(llm, reference):
                 extra_body={"ignore_eos": True, "return_token_ids": True, "dp_rank": rank},
             )  # fmt: skip
             assert reply.choices[0].token_ids == reference[index]
+
+
+@contextlib.contextmanager
+def _served(llm):
+    """A `LockstepServer` over ``llm``'s group on a free loopback port, its event loop on a
+    thread of its own: yields an `openai` client and the server's URL."""
+    server = LockstepServer(llm.client, llm.config, ServerConfig(port=0, served_model_name="t"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        port = asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+        url = f"http://127.0.0.1:{port}"
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0), url
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(5.0), loop).result(120)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
 
 
-def _serve_round(client, url: str, count: int, pid: int, signum: int, during: dict[int, int]):
-    """Stream PROMPTS[:count] (prompt i on rank i % 2), send ``signum`` to ``pid`` once every
+def _serve_round(
+    client, url: str, count: int, pid: int, signum: int, during: dict[int, int], world: int = 2,
+    max_tokens: int = 32,
+):  # fmt: skip
+    """Stream PROMPTS[:count] (prompt i on rank i % world), send ``signum`` to ``pid`` once every
     stream has had tokens; once /health first says degraded, stream the prompts of
     ``during`` (index -> the DP rank it is pinned to) too: they are held until the group has
     re-formed, then submitted once (a heal must not resubmit them beside their first
@@ -403,7 +430,7 @@ def _serve_round(client, url: str, count: int, pid: int, signum: int, during: di
         tokens, reasons = [], []
         try:
             chunks = client.completions.create(
-                model="t", prompt=PROMPTS[index], max_tokens=32, stream=True,
+                model="t", prompt=PROMPTS[index], max_tokens=max_tokens, stream=True,
                 temperature=PARAMS[index].temperature, seed=PARAMS[index].seed,
                 extra_body={"ignore_eos": True, "return_token_ids": True, "dp_rank": rank},
             )  # fmt: skip
@@ -417,7 +444,8 @@ def _serve_round(client, url: str, count: int, pid: int, signum: int, during: di
             results[index] = error
 
     threads = [
-        threading.Thread(target=stream, args=(i, i % 2, True), daemon=True) for i in range(count)
+        threading.Thread(target=stream, args=(i, i % world, True), daemon=True)
+        for i in range(count)
     ]
     for worker in threads:
         worker.start()
