@@ -7,7 +7,8 @@
 - `rope_write_kv()`: float32 or bfloat16 rotary q/k plus the paged KV cache write in one pass
   (csrc/rope_cache.cpp).
 - `routed_swiglu()`: the expert side of an MoE layer, routed rows to their weighted sum of
-  SwiGLU experts, without padding, float32 or bfloat16 (csrc/grouped_swiglu.cpp).
+  SwiGLU experts, without padding, float32 or bfloat16, the latter on AMX tiles where the
+  processor has them (csrc/grouped_swiglu.cpp; `routed_swiglu_amx()` says whether it does).
 - `rms_norm()`: RMSNorm in one pass, float32 or bfloat16 (csrc/rms_norm.cpp).
 
 Each returns the compiled function, or None when the module failed to build (no C++ compiler
@@ -78,6 +79,16 @@ def routed_swiglu() -> Kernel | None:
     `moe.experts.LocalExperts.weighted_sum` on the CPU, float32 or bfloat16 (weights float32).
     Or None."""
     return _kernel("routed_swiglu")
+
+
+def routed_swiglu_amx() -> bool:
+    """Whether `routed_swiglu` multiplies bfloat16 on AMX tiles in this process: built for a
+    processor with AMX-BF16, the tiles granted by Linux, and neither LOCKSTEP_BF16_DOT=0 nor
+    LOCKSTEP_BF16_AMX=0 set (read at each call, as the kernel reads them). A slot's GEMMs run
+    there when it has at least 5 rows and the shapes take 32-wide k steps and 64-wide column
+    blocks; elsewhere, on the vector bf16 dot products."""
+    module = _module()
+    return module is not None and bool(module.routed_swiglu_amx())
 
 
 def rms_norm() -> Kernel | None:

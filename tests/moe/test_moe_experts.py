@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -240,6 +242,51 @@ def test_native_kernel_in_bfloat16(num_rows, size_d, size_i, monkeypatch):
     for setting in ("0", "1"):  # the next column panel's prefetch moves no value
         monkeypatch.setenv("LOCKSTEP_NEXT_PANEL", setting)
         assert torch.equal(NativeExperts(kernel)(half, hidden, local_slots, weights), dot)
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(flags) <= set(line.split())
+
+
+@pytest.mark.parametrize("num_rows", [3, 40, 150])
+def test_native_kernel_on_amx_tiles(num_rows, monkeypatch):
+    """bfloat16 where the processor has AMX: a slot with at least 5 rows multiplies on the
+    tiles when K % 32 == 0 and N % 64 == 0 (D=64, I=96 here: gate/up [64, 192], down [96, 64]).
+    The tiles multiply the same bf16 pairs as the vector dot products and sum them in another
+    order, so the result is no further from float64 than PyTorch's bf16 path. The kernel says it
+    uses the tiles exactly where /proc/cpuinfo has them and LOCKSTEP_BF16_AMX=0 is unset. 3
+    rows leave every slot under the threshold (the vector path's bits); 40 give each slot one
+    partial row block of 16; 150 several blocks and a tail."""
+    kernel = native_kernel()
+    size_d, size_i = 64, 96
+    gen = torch.Generator().manual_seed(num_rows)
+    half = LocalExperts(NUM_SLOTS, size_d, size_i, dtype=torch.bfloat16)
+    with torch.no_grad():
+        half.w13.copy_(torch.randn(half.w13.shape, generator=gen) * size_d**-0.5)
+        half.w2.copy_(torch.randn(half.w2.shape, generator=gen) * size_i**-0.5)
+    hidden = torch.randn(num_rows, size_d, generator=gen).bfloat16()
+    local_slots = torch.tensor([0, 1, 3, 4, -1])[torch.randint(5, (num_rows, 2), generator=gen)]
+    weights = torch.where(local_slots >= 0, torch.rand(num_rows, 2, generator=gen), 0.0)
+    experts64 = LocalExperts(NUM_SLOTS, size_d, size_i, dtype=torch.float64)
+    experts64.load_state_dict({name: value.double() for name, value in half.state_dict().items()})
+    exact = experts64.weighted_sum(hidden.double(), local_slots, weights)
+    torch_error = (half.weighted_sum(hidden, local_slots, weights).double() - exact).abs().max()
+    monkeypatch.setenv("LOCKSTEP_BF16_AMX", "0")
+    vector = NativeExperts(kernel)(half, hidden, local_slots, weights)
+    monkeypatch.setenv("LOCKSTEP_BF16_AMX", "1")
+    tiles = NativeExperts(kernel)(half, hidden, local_slots, weights)
+    assert tiles.dtype == torch.bfloat16 and tiles.shape == (num_rows, size_d)
+    assert (tiles.double() - exact).abs().max() <= torch_error + 1e-6
+    if num_rows == 3:
+        assert torch.equal(tiles, vector)
+    assert compute.routed_swiglu_amx() == _cpu_has("amx_tile", "amx_bf16", "avx512_bf16")
+    monkeypatch.setenv("LOCKSTEP_BF16_AMX", "0")
+    assert not compute.routed_swiglu_amx()
 
 
 def test_native_kernel_checks_its_inputs():

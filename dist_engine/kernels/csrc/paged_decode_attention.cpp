@@ -208,6 +208,7 @@ torch::Tensor paged_decode_attention(
 torch::Tensor routed_swiglu(const torch::Tensor& hidden, const torch::Tensor& local_slots,
                             const torch::Tensor& weights, const torch::Tensor& w13,
                             const torch::Tensor& w2);
+bool routed_swiglu_amx();
 torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor paged_prefill_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                                       const torch::Tensor& value_cache,
@@ -224,6 +225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over a paged KV cache (CPU)");
   m.def("routed_swiglu", &routed_swiglu,
         "Weighted sum of SwiGLU experts over routed rows, float32 (grouped_swiglu.cpp)");
+  m.def("routed_swiglu_amx", &routed_swiglu_amx,
+        "Whether routed_swiglu multiplies bfloat16 on AMX tiles here (grouped_swiglu.cpp)");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 or bfloat16 (rms_norm.cpp)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal prefill attention over a paged KV cache, float32 (paged_prefill_attention.cpp)");
