@@ -1,6 +1,7 @@
 """The clients vLLM users run, unchanged, against `lockstep serve` and `vllm serve` side by side.
 
     python scripts/bench_clients.py [--rates inf,4,8] [--num-prompts 64] [--rounds 2]
+    python scripts/bench_clients.py --rates inf,0.5x,0.9x --dtype bfloat16   # rates by capacity
 
 On one checkpoint with a tokenizer (the built-in tiny Qwen3-MoE by default), one server at a
 time on a free loopback port, contenders interleaved round by round:
@@ -9,7 +10,9 @@ time on a free loopback port, contenders interleaved round by round:
   (local) and at DP=2 (Ray);
 - `vllm bench serve` with its `openai` (completions) and `openai-chat` backends, random
   prompts, at request rate inf and at Poisson rates: completed/failed requests, throughput,
-  TTFT and ITL p50/p99;
+  TTFT and ITL p50/p99. A rate written `0.5x` is that fraction of the capacity of the first
+  contender (vLLM by default) measured in the same round with the same client at rate inf
+  (its completed requests per second), so every server sees the same offered load;
 - lm-eval's `local-completions` on two local tasks (a multiple-choice task: batched token-list
   prompts with echo + logprobs; and a generate_until task): every loglikelihood compared with
   vLLM's, and every generation;
@@ -113,19 +116,19 @@ def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout_s} s")
 
 
-def start(contender: str, model: str, port: int, log: Path) -> subprocess.Popen:
+def start(contender: str, model: str, port: int, log: Path, dtype: str) -> subprocess.Popen:
     common = ["--port", str(port), "--served-model-name", "tiny", "--max-model-len", "1024"]
     if contender == "vllm":
         from bench_vs_vllm import ensure_vllm_venv
 
         python = ensure_vllm_venv()
         command = [str(python), str(ROOT / "scripts" / "vllm_cli.py"), "serve", model,
-                   "--dtype", "float32", "--no-enable-prefix-caching", *common]  # fmt: skip
+                   "--dtype", dtype, "--no-enable-prefix-caching", *common]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     else:
         dp = contender.removeprefix("lockstep-dp")
         launcher = ["--launcher", "local"] if dp == "1" else ["--launcher", "ray"]
-        command = [str(ROOT / ".venv" / "bin" / "lockstep"), "serve", model, "--dtype", "float32",
+        command = [str(ROOT / ".venv" / "bin" / "lockstep"), "serve", model, "--dtype", dtype,
                    "--data-parallel-size", dp, *launcher, *common]  # fmt: skip
         env = dict(os.environ)
     handle = log.open("w")
@@ -165,7 +168,17 @@ def bench_serve(url: str, model: str, backend: str, rate: str, args: argparse.Na
     result = json.loads((out / name).read_text())
     keys = ("completed", "failed", "request_throughput", "output_throughput",
             "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")  # fmt: skip
-    return {key: result.get(key) for key in keys}
+    return {"rate": rate, **{key: result.get(key) for key in keys}}
+
+
+def offered_rate(rate: str, capacity: float | None) -> str | None:
+    """`vllm bench serve`'s --request-rate for a rate as written: `inf` or requests/s as they
+    are, `0.5x` that fraction of `capacity` (None while the capacity is not measured)."""
+    if not rate.endswith("x"):
+        return rate
+    if capacity is None:
+        return None
+    return f"{float(rate[:-1]) * capacity:.3f}"
 
 
 def write_lm_eval_tasks(directory: Path) -> None:
@@ -286,6 +299,7 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="both servers' --dtype")
     parser.add_argument("--no-lm-eval", action="store_true")
     parser.add_argument("--no-guidellm", action="store_true")
     parser.add_argument("--out", default="bench_results/clients.json")
@@ -301,6 +315,7 @@ def main() -> int:
     tasks.mkdir()
     write_lm_eval_tasks(tasks)
     loads = [os.getloadavg()[0]]
+    capacity: dict[tuple[int, str], float] = {}  # (round, backend) -> requests/s at rate inf
     results: dict[str, Any] = {c: {"bench_serve": {}, "lm_eval": None, "guidellm": None}
                                for c in contenders}  # fmt: skip
     for round_index in range(args.rounds):
@@ -309,12 +324,19 @@ def main() -> int:
             url = f"http://127.0.0.1:{port}"
             out = work / f"{contender}-{round_index}"
             out.mkdir()
-            process = start(contender, args.model, port, out / "server.log")
+            process = start(contender, args.model, port, out / "server.log", args.dtype)
             try:
                 wait_ready(url, process, 600)
                 for backend in args.backends.split(","):
                     for rate in args.rates.split(","):
-                        row = bench_serve(url, args.model, backend, rate, args, out)
+                        offered = offered_rate(rate, capacity.get((round_index, backend)))
+                        if offered is None:
+                            row = {"error": f"{rate}: no capacity measured at rate inf by "
+                                   f"{contenders[0]} in round {round_index} first"}  # fmt: skip
+                        else:
+                            row = bench_serve(url, args.model, backend, offered, args, out)
+                        if contender == contenders[0] and rate == "inf" and "error" not in row:
+                            capacity[(round_index, backend)] = row["request_throughput"]
                         key = f"{backend}@{rate}"
                         results[contender]["bench_serve"].setdefault(key, []).append(row)
                         print(f"round {round_index} {contender:14} {key:18} {row}", flush=True)
@@ -351,6 +373,7 @@ def summarize(results: dict[str, Any], contenders: list[str]) -> dict[str, Any]:
                 rows[key] = {"error": runs[0].get("error", "")[-300:]}
                 continue
             rows[key] = {
+                "offered_rate": [r["rate"] for r in good],
                 "completed": [r["completed"] for r in good],
                 "failed": [r["failed"] for r in good],
                 **{
@@ -388,6 +411,8 @@ def print_tables(summary: dict[str, Any], report: dict[str, Any]) -> None:
                 print(f"{contender:14} {key:20} error: {row['error'][:60]}")
                 continue
             done = f"{sum(row['completed'])}/{sum(row['failed'])}"
+            if key.endswith("x"):  # the requests/s each round offered
+                key = f"{key} ({'/'.join(f'{float(r):.1f}' for r in row['offered_rate'])}/s)"
 
             def span(name: str, row: dict = row) -> str:
                 low, mid, high = row[name]
