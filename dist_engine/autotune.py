@@ -7,7 +7,8 @@ candidate that can run them (interleaved repeats after a warm-up; the median cou
 - decode: `max_num_seqs` sequences — attention over a cached context of `DECODE_CONTEXT`
   tokens, the experts on the rows an EP group delivers (every rank's tokens, each row's
   top-k choices local with probability 1 / EP size), the norms on `max_num_seqs` rows, the
-  linears as one layer's attention projections and the LM head on `max_num_seqs` rows;
+  linears as one layer's attention projections and the LM head on `max_num_seqs` rows, the
+  sampler's draw at temperature 1.0 on `max_num_seqs` rows of the vocabulary;
 - prefill: the token budget (`max_num_batched_tokens`) — prompts of up to `PREFILL_PROMPT`
   tokens, and the experts', norms' and projections' rows likewise.
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 DECODE_CONTEXT = 256  # cached tokens per sequence in the decode attention timing
 PREFILL_PROMPT = 256  # the longest prompt in the prefill timing
+SAMPLER_VOCAB = 32000  # the sampler's timing width where the shapes give no vocabulary
 WARMUP = 2
 REPEATS = 7
 
@@ -202,7 +204,13 @@ def time_interleaved(runs: dict[str, Callable[[], object]]) -> dict[str, float]:
 
 # -- workloads ----------------------------------------------------------------------------
 def _workload(op: str, regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
-    builder = {"attention": _attention, "experts": _experts, "norm": _norm, "linear": _linear}[op]
+    builder = {
+        "attention": _attention,
+        "experts": _experts,
+        "norm": _norm,
+        "linear": _linear,
+        "sampler": _sampler,
+    }[op]
     return builder(regime, name, shapes)
 
 
@@ -281,6 +289,25 @@ def _linear(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
     def run() -> list[torch.Tensor]:
         pairs = zip(products, packed, strict=True)
         return [linear(x, w, kernel=kernel, packed=p) for (x, w), p in pairs]
+
+    return run
+
+
+def _sampler(regime: str, name: str, shapes: TuneShapes) -> Callable[[], object]:
+    """A step's draw at vLLM's default sampling (temperature 1.0, no filter) over
+    `decode_tokens` rows of the vocabulary, in either regime (a prefill step samples at most
+    that many rows too)."""
+    from dist_engine.engine.sampler import Sampler, SamplingRow
+    from scheduler.sampling_params import SamplingParams
+
+    vocab = shapes.vocab_size or SAMPLER_VOCAB
+    logits = torch.randn(shapes.decode_tokens, vocab, generator=_generator()) * 3.0
+    params = SamplingParams(temperature=1.0)
+    rows = [SamplingRow(params, seed=row, index=0) for row in range(shapes.decode_tokens)]
+    sampler = Sampler(native=name == "native")
+
+    def run() -> torch.Tensor:
+        return sampler(logits, rows).token_ids
 
     return run
 

@@ -5,6 +5,7 @@
     norm_backend:      auto | native | torch                RMSNorm
     linear_backend:    auto | torch | onednn | onednn_t | onednn_packed
                                                             the dense linears and the LM head
+    sampler_backend:   auto | native | torch                the draw of unfiltered random rows
 
 `torch` is PyTorch's own ops: every device and dtype, and the reference the others are tested
 against. `native` is Lockstep's compiled CPU kernels (kernels/compute.py), which apply to
@@ -20,6 +21,11 @@ oneDNN runs it) keeps a second copy of each dense weight in oneDNN's blocked lay
 after loading, so its bf16 GEMMs (AMX tiles, AVX-512 BF16) stop re-laying the weight out at
 every call: on an AMX host 0.53-0.71x the time of a decode-sized bf16 linear; the copy doubles
 the dense weights' memory (not the experts').
+
+`native` for the sampler draws the rows that sample without top_k, top_p or min_p (vLLM's
+default sampling) by one compiled pass per row, where PyTorch's path runs a softmax, a
+threshold and block sums as passes over the whole [rows, vocab] (engine/sampler.py); other rows,
+and logits not on the CPU, take PyTorch's path call by call.
 
 `auto` measures: each rank times the implementations that can serve its model, on its real
 shapes at its steps' sizes, and takes the fastest per regime (dist_engine/autotune.py; cached
@@ -69,6 +75,7 @@ _OPS = {
     "expert_backend": "experts",
     "norm_backend": "norm",
     "linear_backend": "linear",
+    "sampler_backend": "sampler",
 }
 # the linear_backend implementations
 LINEAR_NAMES = ("torch", "onednn", "onednn_t", "onednn_packed")
@@ -103,6 +110,7 @@ class Backends:
     experts: RegimeChoice
     norm: RegimeChoice
     linear: RegimeChoice = RegimeChoice("torch", "torch")
+    sampler: RegimeChoice = RegimeChoice("torch", "torch")
     attention_kind: str = "gqa"  # the model's attention (gqa | mla): whose backends these are
 
     @classmethod
@@ -111,7 +119,8 @@ class Backends:
         where it is one of theirs, else `torch`."""
         choice = RegimeChoice(name, name)
         linear = choice if name in LINEAR_NAMES else RegimeChoice("torch", "torch")
-        return cls(choice, choice, choice, linear).for_attention_kind(attention_kind)
+        sampler = choice if name == "native" else RegimeChoice("torch", "torch")
+        return cls(choice, choice, choice, linear, sampler).for_attention_kind(attention_kind)
 
     def for_attention_kind(self, kind: str) -> Backends:
         """These backends for a model whose attention is `kind`: a regime set to a backend
@@ -128,7 +137,7 @@ class Backends:
     def describe(self) -> str:
         return (
             f"attention {self.attention}; experts {self.experts}; norm {self.norm}; "
-            f"linear {self.linear}"
+            f"linear {self.linear}; sampler {self.sampler}"
         )
 
 
@@ -189,6 +198,8 @@ def native_applies(
     this model: on the CPU, float32 (decode attention: any float dtype; the experts and the
     norm: bfloat16 too)."""
     on_cpu = device is None or torch.device(device).type == "cpu"
+    if key == "sampler_backend":  # the sampler draws from float32 logits whatever the model's
+        return on_cpu
     every_dtype = key == "attention_backend" and regime == "decode"
     bf16_too = key in ("expert_backend", "norm_backend") and dtype == torch.bfloat16
     return on_cpu and (dtype == torch.float32 or every_dtype or bf16_too)

@@ -88,6 +88,8 @@ DESCRIPTIONS = {
     "norm_backend": "implementation of RMSNorm (auto: measured on this host)",
     "linear_backend": "implementation of the dense linear layers and the LM head: torch, "
     "onednn (CPU) (auto: measured on this host)",
+    "sampler_backend": "implementation of the draw for rows sampled without top-k/top-p/min-p "
+    "(auto: measured on this host)",
     "tokenizer": "directory whose tokenizer files encode prompts and decode outputs "
     "(default: the model's)",
     "generation_config": "default sampling of requests that set none: auto (the model's "

@@ -2,7 +2,8 @@
 
     model: /path/to/hf_dir       # or a hub id, org/name (with revision: a branch, tag or commit)
     dtype: auto                  # the checkpoint's where the device runs it well, else float32
-    attention_backend: auto      # and expert_backend, norm_backend, linear_backend (backends.py)
+    attention_backend: auto      # and expert_backend, norm_backend, linear_backend,
+                                 # sampler_backend (backends.py)
     parallel: {dp_size: 2, launcher: ray, backend: auto}
     scheduler: {max_num_seqs: 64, block_size: 16, ...}      # scheduler.SchedulerConfig
     moe: {ll_max_tokens_per_rank: 64}
@@ -39,6 +40,7 @@ AttentionBackend = Literal["auto", "native", "torch"]
 ExpertBackend = Literal["auto", "native", "torch", "grouped_mm"]
 NormBackend = Literal["auto", "native", "torch"]
 LinearBackend = Literal["auto", "torch", "onednn", "onednn_t", "onednn_packed"]
+SamplerBackend = Literal["auto", "native", "torch"]
 # What the driver does when a rank dies or stops answering (launcher/healing.py).
 OnRankFailure = Literal["heal", "shrink", "fail"]
 # Where EPLB reads the experts new to a rank: a rank that holds them, the checkpoint, or
@@ -57,6 +59,7 @@ BACKEND_CHOICES = {
     "expert_backend": get_args(ExpertBackend),
     "norm_backend": get_args(NormBackend),
     "linear_backend": get_args(LinearBackend),
+    "sampler_backend": get_args(SamplerBackend),
 }
 EPLB_KEYS = (
     "enable_eplb",
@@ -202,6 +205,9 @@ class EngineConfig:
     expert_backend: ExpertBackend = "auto"
     norm_backend: NormBackend = "auto"
     linear_backend: LinearBackend = "auto"
+    # native: the sampler's unfiltered rows (vLLM's default sampling) drawn by a compiled CPU
+    # kernel in one pass per row.
+    sampler_backend: SamplerBackend = "auto"
     # The front ends' settings (the LLM API, `lockstep run`, `lockstep serve`); the ranks take
     # token ids and read none of them.
     # A directory whose tokenizer files (tokenizer.json, tokenizer_config.json) encode prompts
@@ -314,6 +320,7 @@ class EngineConfig:
             "expert_backend": self.expert_backend,
             "norm_backend": self.norm_backend,
             "linear_backend": self.linear_backend,
+            "sampler_backend": self.sampler_backend,
         }
 
     # -- construction -----------------------------------------------------------------------

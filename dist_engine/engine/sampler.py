@@ -126,14 +126,17 @@ def _mix64(value: int) -> int:
 
 
 class Sampler:
-    """Turns logits into one token per row (and logprobs where asked); stateless."""
+    """Turns logits into one token per row (and logprobs where asked); stateless.
+    `native`: draw the unfiltered random rows with the compiled kernel where it applies
+    (`sampler_backend: native`; `_native_draw`)."""
 
-    def __init__(self, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+    def __init__(self, logprobs_mode: LogprobsMode = "raw_logprobs", native: bool = False) -> None:
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(
                 f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}"
             )
         self.logprobs_mode = logprobs_mode
+        self.native = native
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
         return self.sample(logits, rows)
@@ -173,9 +176,16 @@ class Sampler:
             _write_rows(scored, asking, greedy, logits.log_softmax(-1) if greedy else None)
         if random:
             subset = logits if len(random) == len(rows) else logits[random]
-            scaled, kept = _filtered_probs(subset, [rows[b].params for b in random])
+            params = [rows[b].params for b in random]
             uniforms = [draw_uniform(rows[b].seed, rows[b].index) for b in random]
-            tokens[random] = _draw(kept, torch.tensor(uniforms, dtype=torch.float64))
+            native = None
+            if self.native and not (asking and not raw_mode):
+                native = _native_draw(subset, params, uniforms)
+            if native is not None:
+                tokens[random] = native
+            else:
+                scaled, kept = _filtered_probs(subset, params)
+                tokens[random] = _draw(kept, torch.tensor(uniforms, dtype=torch.float64))
             if asking and not raw_mode:
                 drawn = scaled.masked_fill(kept == 0, float("-inf")).log_softmax(-1)
                 _write_rows(scored, asking, random, drawn[:, :vocab])
@@ -523,6 +533,37 @@ def _cutoff(
     num_nucleus = (cumulative < (top_p * total).unsqueeze(1)).sum(-1) + 1
     num_kept = torch.where(top_p >= 1.0, num_inside, torch.minimum(num_nucleus, num_inside))
     return values.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1), num_kept
+
+
+def _native_draw(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: list[float]
+) -> torch.Tensor | None:
+    """The draw of `_filtered_probs` + `_draw` in one pass per row, by the compiled kernel
+    (`kernels.compute.sample_rows`), for float32 rows on the CPU with no filter (top_k, top_p
+    and min_p off: vLLM's default sampling): [R] int64, or None where it does not apply (or
+    the kernels are not built). The same inverse CDF over the same blocks; the weights are
+    exp(s - max) unnormalised, by the kernels' exp, so a draw can differ from PyTorch's path
+    only where the uniform falls within rounding of a token's edge. A row the kernel leaves
+    (-1: a NaN, or no finite logit) is drawn PyTorch's way."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        return None
+    vocab = logits.shape[1]
+    if any(p.min_p > 0 or 0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+        return None
+    from dist_engine.kernels.compute import sample_rows
+
+    kernel = sample_rows()
+    if kernel is None:
+        return None
+    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    drawn = torch.tensor(uniforms, dtype=torch.float64)
+    tokens = kernel(logits, temperatures, drawn, _BLOCK)
+    left = (tokens < 0).nonzero().flatten().tolist()
+    if left:
+        index = _long(left, logits.device)
+        _, kept = _filtered_probs(logits[index], [params[r] for r in left])
+        tokens[index] = _draw(kept, drawn[index])
+    return tokens
 
 
 def _draw(kept: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

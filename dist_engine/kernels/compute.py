@@ -10,6 +10,8 @@
   SwiGLU experts, without padding, float32 or bfloat16, the latter on AMX tiles where the
   processor has them (csrc/grouped_swiglu.cpp; `routed_swiglu_amx()` says whether it does).
 - `rms_norm()`: RMSNorm in one pass, float32 or bfloat16 (csrc/rms_norm.cpp).
+- `sample_rows()`: the sampler's draw for unfiltered rows, one pass per row
+  (csrc/sample_rows.cpp).
 
 Each returns the compiled function, or None when the module failed to build (no C++ compiler
 or ninja, say; one warning names the cause). Nothing here decides whether a kernel is used:
@@ -40,6 +42,7 @@ SOURCES = tuple(
         "grouped_swiglu.cpp",
         "rms_norm.cpp",
         "rope_cache.cpp",
+        "sample_rows.cpp",
     )
 )
 # -march=native: the build runs on the machine that uses it (the cache key holds the CPU's
@@ -89,6 +92,14 @@ def routed_swiglu_amx() -> bool:
     blocks; elsewhere, on the vector bf16 dot products."""
     module = _module()
     return module is not None and bool(module.routed_swiglu_amx())
+
+
+def sample_rows() -> Kernel | None:
+    """`sample_rows(logits, temperatures, uniforms, block)`: one token per row of float32
+    logits from softmax(logits / t), unfiltered, by the sampler's inverse CDF over blocks of
+    `block` tokens (`dist_engine.engine.sampler`); -1 for a row with a NaN or no finite
+    maximum. Or None."""
+    return _kernel("sample_rows")
 
 
 def rms_norm() -> Kernel | None:

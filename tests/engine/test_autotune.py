@@ -94,11 +94,13 @@ def test_auto_times_the_real_candidates_and_leaves_fixed_keys_alone(cache):
         assert getattr(backends.experts, regime) in ("native", "torch", "grouped_mm")
         assert getattr(backends.norm, regime) in ("native", "torch")
         assert getattr(backends.linear, regime) in ("torch", "onednn", "onednn_t")
+        assert getattr(backends.sampler, regime) in ("native", "torch")
     [record] = [json.loads(p.read_text()) for p in cache.glob("autotune/*.json")]
     timed = {(d["op"], d["regime"]): d["timings_ms"] for d in record["timings_ms"]}
-    ops = ("experts", "norm", "linear")
+    ops = ("experts", "norm", "linear", "sampler")
     assert set(timed) == {(op, r) for op in ops for r in ("decode", "prefill")}
     assert set(timed[("experts", "prefill")]) == {"native", "torch", "grouped_mm"}
+    assert set(timed[("sampler", "decode")]) == {"native", "torch"}
     assert set(timed[("linear", "decode")]) == {"torch", "onednn", "onednn_t"}
     assert all(ms > 0 for times in timed.values() for ms in times.values())
 
@@ -107,6 +109,10 @@ def test_without_timing_auto_is_the_rule_and_bad_choices_name_the_key(monkeypatc
     monkeypatch.setenv("LOCKSTEP_AUTOTUNE", "0")
     rule = resolve_backends({}, torch.float32, "cpu", shapes=TINY)
     assert str(rule.experts) == "native" and str(rule.attention) == "native"
+    assert str(rule.sampler) == "native"
+    assert str(resolve_backends({}, torch.float32, "cuda").sampler) == "torch"
+    with pytest.raises(ValueError, match=r"sampler_backend is 'native', which cannot run"):
+        resolve_backends({"sampler_backend": "native"}, torch.float32, "cuda")
     with pytest.raises(ValueError, match=r"expert_backend is 'grouped_mm', which cannot run"):
         resolve_backends({"expert_backend": "grouped_mm"}, torch.float64, "cpu")
     half = resolve_backends({"expert_backend": "grouped_mm"}, torch.bfloat16, "cpu")

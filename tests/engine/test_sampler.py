@@ -227,13 +227,16 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 @pytest.mark.parametrize(
     "settings", FILTERS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())
 )
-def test_drawn_frequencies_follow_the_filtered_softmax(settings: dict) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_drawn_frequencies_follow_the_filtered_softmax(settings: dict, native: bool) -> None:
     """6000 draws of one row (consecutive indices, as in a generation) against the filtered
-    softmax; the same statistic rejects the unfiltered softmax, so the bound has teeth."""
+    softmax; the same statistic rejects the unfiltered softmax, so the bound has teeth. With
+    the native draw (`sampler_backend: native`) the unfiltered rows take the compiled kernel,
+    the filtered ones PyTorch's path."""
     logits = _logits(1, seed=9, scale=1.5)
     num_draws = 6000
     rows = [_row(seed=12345, index=i, **settings) for i in range(num_draws)]
-    tokens = Sampler()(logits.expand(num_draws, -1), rows).token_ids
+    tokens = Sampler(native=native)(logits.expand(num_draws, -1), rows).token_ids
     probs = _hf_filtered(logits, rows[0].params)[0].softmax(-1)
     counts = torch.bincount(tokens, minlength=VOCAB)
     assert (counts[probs == 0] == 0).all(), "drew a token the filters remove"
@@ -244,14 +247,15 @@ def test_drawn_frequencies_follow_the_filtered_softmax(settings: dict) -> None:
     assert wrong_statistic > _chi_square_bound(wrong_degrees)
 
 
-def test_large_vocabulary_draws_follow_the_softmax() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_large_vocabulary_draws_follow_the_softmax(native: bool) -> None:
     """A vocabulary of many blocks (and not a whole number of them): the two-level draw."""
     vocab = 3 * 256 + 17
     logits = torch.zeros(1, vocab)
     logits[0, ::97] = 3.0  # a few likely tokens spread over the blocks
     num_draws = 4000
     rows = [_row(seed=99, index=i, temperature=1.0) for i in range(num_draws)]
-    tokens = Sampler()(logits.expand(num_draws, -1), rows).token_ids
+    tokens = Sampler(native=native)(logits.expand(num_draws, -1), rows).token_ids
     assert int(tokens.max()) < vocab
     probs = logits[0].softmax(-1)
     likely = logits[0] > 0
@@ -270,6 +274,7 @@ TARGETS = {
     },
     "wide top_p (sorts)": {"temperature": 1.5, "top_p": 0.97},
     "min_p+repetition": {"temperature": 1.0, "min_p": 0.01, "repetition_penalty": 1.3},
+    "unfiltered+presence": {"temperature": 0.8, "presence_penalty": 0.4},
 }
 OTHERS = [
     {},
@@ -283,7 +288,7 @@ OTHERS = [
 
 
 def _generate(
-    seed: int, target: dict, num_steps: int, num_others: int, batch_seed: int
+    seed: int, target: dict, num_steps: int, num_others: int, batch_seed: int, native: bool
 ) -> tuple[list[int], list[torch.Tensor]]:
     """Generate one seeded request placed among `num_others` rows of other settings. Its logits
     depend on its own history only (a toy model); the others' change with batch_seed."""
@@ -301,7 +306,7 @@ def _generate(
         rows = [*others[:position], row, *others[position:]]
         logits = _logits(num_others + 1, seed=batch_seed + step, vocab=vocab)
         logits[position] = table[history[-1] % 64 if history else 0]
-        out = Sampler()(logits, rows)
+        out = Sampler(native=native)(logits, rows)
         history = [*history, int(out.token_ids[position])]
         assert out.logprobs is not None
         logprobs.append(
@@ -316,15 +321,16 @@ def _generate(
     return history, logprobs
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
 @pytest.mark.parametrize("target", TARGETS.values(), ids=TARGETS.keys())
-def test_a_seeded_row_draws_the_same_whatever_shares_its_batch(target: dict) -> None:
-    alone, alone_logprobs = _generate(42, target, 12, num_others=0, batch_seed=0)
+def test_a_seeded_row_draws_the_same_whatever_shares_its_batch(target: dict, native: bool) -> None:
+    alone, alone_logprobs = _generate(42, target, 12, num_others=0, batch_seed=0, native=native)
     for num_others, batch_seed in ((3, 555), (10, 77)):
-        crowded, crowded_logprobs = _generate(42, target, 12, num_others, batch_seed)
+        crowded, crowded_logprobs = _generate(42, target, 12, num_others, batch_seed, native)
         assert crowded == alone
         for a, c in zip(alone_logprobs, crowded_logprobs, strict=True):
             assert torch.equal(a, c)
-    other_seed, _ = _generate(43, target, 12, num_others=0, batch_seed=0)
+    other_seed, _ = _generate(43, target, 12, num_others=0, batch_seed=0, native=native)
     assert other_seed != alone  # the seed matters (12 draws from a spread distribution)
 
 
@@ -347,12 +353,20 @@ def test_top_p_prefix_and_full_sort_give_the_same_cutoff(monkeypatch) -> None:
         assert torch.equal(tokens, results[0][0]) and torch.equal(logprobs, results[0][1])
 
 
-def test_a_resumed_request_draws_the_same_tail() -> None:
+@pytest.mark.parametrize(
+    "params, native",
+    [
+        ({"temperature": 1.0, "top_p": 0.9, "frequency_penalty": 0.7}, False),
+        ({"temperature": 1.0, "frequency_penalty": 0.7}, False),
+        ({"temperature": 1.0, "frequency_penalty": 0.7}, True),
+    ],
+    ids=["top_p", "unfiltered", "unfiltered-native"],
+)
+def test_a_resumed_request_draws_the_same_tail(params: dict, native: bool) -> None:
     """Generate 20 tokens; then restart from the committed first k (as after a failure, on
     another rank with other batch-mates): the same seed and index give the same tail."""
     vocab = 300
     table = _logits(vocab, seed=11, vocab=vocab, scale=2.0)
-    params = {"temperature": 1.0, "top_p": 0.9, "frequency_penalty": 0.7}
 
     def continue_from(history: list[int], num_tokens: int, num_others: int) -> list[int]:
         history = list(history)
@@ -365,7 +379,7 @@ def test_a_resumed_request_draws_the_same_tail() -> None:
                     table[history[-1] if history else 0].unsqueeze(0),
                 ]
             )
-            history.append(int(Sampler()(logits, [*others, row]).token_ids[-1]))
+            history.append(int(Sampler(native=native)(logits, [*others, row]).token_ids[-1]))
         return history
 
     full = continue_from([], 20, num_others=0)
@@ -574,3 +588,32 @@ def test_the_cpus_integer_sort_gives_the_float_sorts_values_exactly():
     assert torch.equal(got.isnan(), expected.isnan())
     assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0))
     assert torch.equal(got[[0, 3, 4]], expected[[0, 3, 4]])
+
+
+def test_the_native_draw_is_pytorchs_but_at_a_tokens_edge_and_leaves_odd_rows_to_it():
+    """`sampler_backend: native` draws the same inverse CDF over the same blocks, from
+    unnormalised weights by the kernels' exp: on 4000 draws over three vocabularies (one
+    block, several, not a whole number of them) and two temperatures it picks PyTorch's
+    token but where the uniform lands within rounding of an edge (at most 2 in 1000 here).
+    Rows it cannot take (a NaN; everything but one token masked is fine) are PyTorch's."""
+    from dist_engine.kernels.compute import sample_rows
+
+    assert sample_rows() is not None, "the CPU kernels failed to build (see the warning)"
+    for vocab, temperature in ((200, 1.0), (3 * 256 + 17, 0.7), (4096, 1.3)):
+        logits = _logits(40, seed=vocab, vocab=vocab, scale=2.0).repeat(100, 1)
+        rows = [_row(seed=3, index=i, temperature=temperature) for i in range(4000)]
+        native = Sampler(native=True)(logits, rows).token_ids
+        reference = Sampler()(logits, rows).token_ids
+        assert (native != reference).sum() <= 8, (vocab, temperature)
+    logits = _logits(4, seed=1, vocab=VOCAB)
+    logits[1] = float("-inf")
+    logits[1, 17] = 0.0  # one token left
+    logits[2, 5] = float("nan")
+    rows = [_row(seed=5, index=i, temperature=1.0) for i in range(4)]
+    native = Sampler(native=True)(logits, rows).token_ids
+    reference = Sampler()(logits, rows).token_ids
+    assert int(native[1]) == 17
+    assert int(native[2]) == int(reference[2])  # the NaN row went PyTorch's way
+    kernel = sample_rows()
+    raw = kernel(logits, torch.ones(4), torch.full((4,), 0.5, dtype=torch.float64), 256)
+    assert int(raw[2]) == -1 and int(raw[1]) == 17

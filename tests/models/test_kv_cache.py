@@ -214,7 +214,12 @@ def test_backends_come_from_the_config_keys() -> None:
     `auto` takes the kernels for float32 on the CPU, and `native` where it cannot run names
     the key."""
     torch_only = resolve_backends(
-        {"attention_backend": "torch", "expert_backend": "torch", "norm_backend": "torch"},
+        {
+            "attention_backend": "torch",
+            "expert_backend": "torch",
+            "norm_backend": "torch",
+            "sampler_backend": "torch",
+        },
         torch.float32,
         "cpu",
     )

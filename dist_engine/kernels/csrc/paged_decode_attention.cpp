@@ -209,6 +209,8 @@ torch::Tensor routed_swiglu(const torch::Tensor& hidden, const torch::Tensor& lo
                             const torch::Tensor& weights, const torch::Tensor& w13,
                             const torch::Tensor& w2);
 bool routed_swiglu_amx();
+torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperatures,
+                          const torch::Tensor& uniforms, int64_t block);
 torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor paged_prefill_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                                       const torch::Tensor& value_cache,
@@ -227,6 +229,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Weighted sum of SwiGLU experts over routed rows, float32 (grouped_swiglu.cpp)");
   m.def("routed_swiglu_amx", &routed_swiglu_amx,
         "Whether routed_swiglu multiplies bfloat16 on AMX tiles here (grouped_swiglu.cpp)");
+  m.def("sample_rows", &sample_rows,
+        "One token per row from softmax(logits / t), unfiltered, float32 (sample_rows.cpp)");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 or bfloat16 (rms_norm.cpp)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "Causal prefill attention over a paged KV cache, float32 (paged_prefill_attention.cpp)");
