@@ -266,7 +266,11 @@ def resolve_backends(
             note = f"no native {kind} kernels" if value != "torch" else ""
             chosen[key] = {"decode": "torch", "prefill": "torch", "note": note}
             continue
-        per_regime = {regime: candidates(key, regime, dtype, device, kind) for regime in _REGIMES}
+        # The sampler has one choice for both regimes (timed on decode-sized rows, which a
+        # prefill step's sample never exceeds), so a request is drawn the same way in every
+        # kind of step, a resumed one too.
+        regimes = ("decode",) if key == "sampler_backend" else _REGIMES
+        per_regime = {regime: candidates(key, regime, dtype, device, kind) for regime in regimes}
         if value not in ("auto", "torch") and not any(value in c for c in per_regime.values()):
             raise ValueError(
                 f"{key} is {value!r}, which cannot run this model ({dtype} on "
@@ -291,6 +295,7 @@ def resolve_backends(
         for key, op in _OPS.items():
             for regime, choice in timed.get(op, {}).items():
                 chosen[key][regime] = choice
+    chosen["sampler_backend"]["prefill"] = chosen["sampler_backend"]["decode"]
     backends = Backends(
         *(
             RegimeChoice(chosen[key]["decode"], chosen[key]["prefill"], chosen[key].get("note", ""))

@@ -68,8 +68,8 @@ class ModelRunner:
         self.max_columns = None if max_model_len is None else -(-max_model_len // block_size)
         self.device = torch.device(device)
         self.sampler = Sampler()
-        # sampler_backend's choice per step kind (is_prefill -> native): `use_sampler_backend`
-        self.native_sampler = {False: False, True: False}
+        # sampler_backend's choice (the engine sets it from its backends)
+        self.native_sampler = False
         self.decode_inputs: DecodeInputs | None = None
         if decode_batch_sizes and (max_num_seqs is None or self.max_columns is None):
             raise ValueError("decode_batch_sizes needs max_model_len and max_num_seqs")
@@ -96,7 +96,7 @@ class ModelRunner:
         """
         if outputs.known_empty:
             return [], []
-        self.sampler.native = self.native_sampler[outputs.is_prefill]
+        self.sampler.native = self.native_sampler
         seqs = outputs.scheduled_seqs
         mode = dispatch_mode(outputs.kind)
         # The scheduler advanced each ledger optimistically: the step's tokens start where the

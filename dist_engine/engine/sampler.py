@@ -178,14 +178,26 @@ class Sampler:
             subset = logits if len(random) == len(rows) else logits[random]
             params = [rows[b].params for b in random]
             uniforms = [draw_uniform(rows[b].seed, rows[b].index) for b in random]
-            native = None
+            # Which way a row is drawn depends on its own settings only (never on its batch):
+            # the kernel takes the unfiltered ones, PyTorch's path the rest.
+            by_kernel = []
             if self.native and not (asking and not raw_mode):
-                native = _native_draw(subset, params, uniforms)
-            if native is not None:
-                tokens[random] = native
+                by_kernel = [r for r, p in enumerate(params) if _unfiltered(p, vocab)]
+            drawn = _native_draw(subset, params, uniforms, by_kernel) if by_kernel else None
+            if drawn is not None:
+                tokens[_long([random[r] for r in by_kernel], tokens.device)] = drawn
+                taken = set(by_kernel)
+                others = [r for r in range(len(random)) if r not in taken]
             else:
-                scaled, kept = _filtered_probs(subset, params)
-                tokens[random] = _draw(kept, torch.tensor(uniforms, dtype=torch.float64))
+                others = list(range(len(random)))
+            if others:
+                if len(others) != len(random):
+                    subset = subset[_long(others, subset.device)]
+                scaled, kept = _filtered_probs(subset, [params[r] for r in others])
+                chosen = _draw(
+                    kept, torch.tensor([uniforms[r] for r in others], dtype=torch.float64)
+                )
+                tokens[_long([random[r] for r in others], tokens.device)] = chosen
             if asking and not raw_mode:
                 drawn = scaled.masked_fill(kept == 0, float("-inf")).log_softmax(-1)
                 _write_rows(scored, asking, random, drawn[:, :vocab])
@@ -535,33 +547,42 @@ def _cutoff(
     return values.gather(1, (num_kept - 1).unsqueeze(1)).squeeze(1), num_kept
 
 
+def _unfiltered(params: SamplingParams, vocab: int) -> bool:
+    """Whether a random row keeps its whole softmax (no min_p, top_k or top_p cut)."""
+    return params.min_p <= 0 and not 0 < params.top_k < vocab and params.top_p >= 1.0
+
+
 def _native_draw(
-    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: list[float]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    uniforms: list[float],
+    rows: list[int],
 ) -> torch.Tensor | None:
-    """The draw of `_filtered_probs` + `_draw` in one pass per row, by the compiled kernel
-    (`kernels.compute.sample_rows`), for float32 rows on the CPU with no filter (top_k, top_p
-    and min_p off: vLLM's default sampling): [R] int64, or None where it does not apply (or
-    the kernels are not built). The same inverse CDF over the same blocks; the weights are
-    exp(s - max) unnormalised, by the kernels' exp, so a draw can differ from PyTorch's path
-    only where the uniform falls within rounding of a token's edge. A row the kernel leaves
-    (-1: a NaN, or no finite logit) is drawn PyTorch's way."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.stride(-1) != 1:
-        return None
-    vocab = logits.shape[1]
-    if any(p.min_p > 0 or 0 < p.top_k < vocab or p.top_p < 1.0 for p in params):
+    """The draw of `_filtered_probs` + `_draw` for `rows` (unfiltered ones) in one pass per
+    row, by the compiled kernel (`kernels.compute.sample_rows`), on float32 logits on the CPU:
+    [len(rows)] int64, or None where it does not apply (or the kernels are not built). The
+    same inverse CDF over the same blocks; the weights are exp(s - max) unnormalised, by the
+    kernels' exp, so a draw can differ from PyTorch's path only where the uniform falls within
+    rounding of a token's edge. A row the kernel leaves (-1: a NaN, or no finite logit) is
+    drawn PyTorch's way."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return None
     from dist_engine.kernels.compute import sample_rows
 
     kernel = sample_rows()
     if kernel is None:
         return None
-    temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    drawn = torch.tensor(uniforms, dtype=torch.float64)
+    if len(rows) != logits.shape[0]:
+        logits = logits[_long(rows, logits.device)]
+    elif logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    temperatures = torch.tensor([params[r].temperature for r in rows], dtype=torch.float32)
+    drawn = torch.tensor([uniforms[r] for r in rows], dtype=torch.float64)
     tokens = kernel(logits, temperatures, drawn, _BLOCK)
     left = (tokens < 0).nonzero().flatten().tolist()
     if left:
         index = _long(left, logits.device)
-        _, kept = _filtered_probs(logits[index], [params[r] for r in left])
+        _, kept = _filtered_probs(logits[index], [params[rows[r]] for r in left])
         tokens[index] = _draw(kept, drawn[index])
     return tokens
 

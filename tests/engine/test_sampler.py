@@ -617,3 +617,26 @@ def test_the_native_draw_is_pytorchs_but_at_a_tokens_edge_and_leaves_odd_rows_to
     kernel = sample_rows()
     raw = kernel(logits, torch.ones(4), torch.full((4,), 0.5, dtype=torch.float64), 256)
     assert int(raw[2]) == -1 and int(raw[1]) == 17
+
+
+def test_a_row_takes_the_native_draw_by_its_own_settings_not_its_batch(monkeypatch):
+    """An unfiltered row goes to the kernel whether or not filtered rows share its batch (so
+    its token never depends on them, even at a token's edge); the filtered rows do not."""
+    from dist_engine.kernels import compute
+
+    kernel = compute.sample_rows()
+    seen: list[int] = []
+
+    def spy(logits, temperatures, uniforms, block):
+        seen.append(logits.shape[0])
+        return kernel(logits, temperatures, uniforms, block)
+
+    monkeypatch.setattr(compute, "sample_rows", lambda: spy)
+    logits = _logits(3, seed=4)
+    unfiltered = _row(seed=8, index=2, temperature=0.9)
+    alone = Sampler(native=True)(logits[:1], [unfiltered]).token_ids
+    mixed_rows = [unfiltered, _row(seed=9, index=2, top_p=0.5), _row(seed=1, index=2, top_k=4)]
+    mixed = Sampler(native=True)(logits, mixed_rows).token_ids
+    assert seen == [1, 1] and int(mixed[0]) == int(alone[0])
+    reference = Sampler()(logits, mixed_rows).token_ids
+    assert torch.equal(mixed[1:], reference[1:])  # the filtered rows drawn PyTorch's way
