@@ -5,7 +5,9 @@ Batch 1/16/64/256 x vocabulary 32k/152k, for greedy, temperature 1.0, temperatur
 penalties (the baseline has no penalties: "-"). The baseline is dist_engine/engine/sampler.py as
 of --baseline-rev (the per-request-generator sampler), loaded from git history, with its states
 made once as its runner kept them; the new sampler's time includes building its rows, as the
-runner does every step. Rounds interleave the two; each cell is the median and range over rounds.
+runner does every step, on PyTorch's path (`new`) and with `sampler_backend: native` (`native`:
+the unfiltered rows drawn by the compiled kernel; the filtered ones stay on PyTorch's path).
+Rounds interleave the three; each cell is the median and range over rounds.
 Host malloc is set as a CPU engine sets it (`--allocator retain`,
 dist_engine/engine/host_memory.py): without it each step's large tensors fault their pages in
 again. Prints a table and writes JSON with the processor's flags and the load average.
@@ -33,6 +35,7 @@ from machine import describe, processor
 
 from dist_engine.engine.host_memory import retain_freed_memory
 from dist_engine.engine.sampler import Sampler, SamplingRow
+from dist_engine.kernels.compute import sample_rows
 from scheduler import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,18 +80,24 @@ def contenders(
     history = torch.randint(vocab, (batch, PROMPT_LEN + OUTPUT_LEN), generator=generator)
     prompts = [h[:PROMPT_LEN].tolist() for h in history] if params.uses_penalties else [()] * batch
     outputs = [h[PROMPT_LEN:].tolist() for h in history] if params.uses_penalties else [()] * batch
-    sampler = Sampler()
     step = [OUTPUT_LEN]
 
-    def new() -> torch.Tensor:
-        step[0] += 1
-        rows = [
-            SamplingRow(params, seed, step[0], prompts[seed], outputs[seed])
-            for seed in range(batch)
-        ]
-        return sampler(logits, rows).token_ids
+    def run(sampler: Sampler) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            step[0] += 1
+            rows = [
+                SamplingRow(params, seed, step[0], prompts[seed], outputs[seed])
+                for seed in range(batch)
+            ]
+            return sampler(logits, rows).token_ids
 
-    result: dict[str, Callable[[], torch.Tensor] | None] = {"baseline": None, "new": new}
+        return call
+
+    result: dict[str, Callable[[], torch.Tensor] | None] = {
+        "baseline": None,
+        "new": run(Sampler()),
+        "native": run(Sampler(native=True)) if sample_rows() is not None else None,
+    }
     if not params.uses_penalties:
         old_sampler = baseline.Sampler()
         states = [
@@ -168,17 +177,17 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"processor: {describe(processor())}; torch {torch.__version__}, {threads} threads")
     print("| vocab | batch | mode | baseline ms (median [range]) | new ms (median [range]) "
-          "| speed-up |")  # fmt: skip
-    print("| ---: | ---: | --- | ---: | ---: | ---: |")
+          "| speed-up | native ms (median [range]) |")  # fmt: skip
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for vocab in args.vocabs:
         for batch in args.batches:
             for mode in args.modes:
                 cell = bench(baseline, batch, vocab, mode, args.rounds)
                 cells.append(cell)
-                old, new = cell["baseline"], cell["new"]
+                old, new, native = cell["baseline"], cell["new"], cell["native"]
                 ratio = f"{old['median_ms'] / new['median_ms']:.1f}x" if old else "-"
-                print(f"| {vocab} | {batch} | {mode} | {_cell(old)} | {_cell(new)} | {ratio} |",
-                      flush=True)  # fmt: skip
+                print(f"| {vocab} | {batch} | {mode} | {_cell(old)} | {_cell(new)} | {ratio} "
+                      f"| {_cell(native)} |", flush=True)  # fmt: skip
     meta = {
         "machine": platform.platform(),
         "processor": processor(),
