@@ -468,8 +468,9 @@ void amx_block(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_
   _tile_zero(3);
   for (int64_t k = 0; k < K; k += 32) {
     // Ask for the rows kAmxPrefetchRows ahead (into the next block's columns past the last
-    // k): each row's 128 bytes lie a row of B apart, a page apart or more, where the
-    // hardware's prefetchers do not follow.
+    // k): each row's 128 bytes lie a row of B apart (3 KiB for Mixtral's gate/up), a stride
+    // the hardware's prefetchers did not follow here. (A prefetch never faults, so one past
+    // B's last row is harmless.)
     const int64_t row = k + kAmxPrefetchRows;
     const at::BFloat16* ahead = row < K            ? B + row * ldb
                                 : next != nullptr ? next + (row - K) * ldb
