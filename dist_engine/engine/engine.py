@@ -198,7 +198,7 @@ class DPEngine:
             max_model_len=sched_config.max_model_len,
             max_num_seqs=sched_config.max_num_seqs,
         )
-        self.runner.native_sampler = self.backends.sampler.decode == "native"
+        self.runner.sampler.native = self.backends.sampler.decode == "native"
         self.scheduler = Scheduler(sched_config, vote=self.vote)
         self.wake = (
             StoreWake(dist_ctx.store, self._new_namespace(), dist_ctx.connect_store)

@@ -67,9 +67,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_columns = None if max_model_len is None else -(-max_model_len // block_size)
         self.device = torch.device(device)
-        self.sampler = Sampler()
-        # sampler_backend's choice (the engine sets it from its backends)
-        self.native_sampler = False
+        self.sampler = Sampler()  # the engine sets `native` from its sampler_backend
         self.decode_inputs: DecodeInputs | None = None
         if decode_batch_sizes and (max_num_seqs is None or self.max_columns is None):
             raise ValueError("decode_batch_sizes needs max_model_len and max_num_seqs")
@@ -96,7 +94,6 @@ class ModelRunner:
         """
         if outputs.known_empty:
             return [], []
-        self.sampler.native = self.native_sampler
         seqs = outputs.scheduled_seqs
         mode = dispatch_mode(outputs.kind)
         # The scheduler advanced each ledger optimistically: the step's tokens start where the

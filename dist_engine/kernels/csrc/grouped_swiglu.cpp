@@ -526,18 +526,14 @@ void amx_gemm(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t
   }
   _tile_release();
 }
-#else
-constexpr bool kAmxBf16 = false;
-bool amx_permitted() { return false; }
-inline bool amx_fits(int64_t, int64_t) { return false; }
-void amx_gemm(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, float*, int64_t,
-              int64_t, int64_t, int64_t) {}
 #endif
 #else
 constexpr bool kDotBf16 = false;
 void narrow_bf16(const float*, at::BFloat16*, int64_t) {}
 void dot_gemm(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, float*, int64_t,
               int64_t, int64_t, int64_t) {}
+#endif
+#if !(defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__))
 constexpr bool kAmxBf16 = false;
 bool amx_permitted() { return false; }
 inline bool amx_fits(int64_t, int64_t) { return false; }
