@@ -184,6 +184,12 @@ class DPEngine:
             # group's attempt points and hang in a collective later.
             agree_settings(dist_ctx.vote_group, config.group_agreed(model_identity(config.model)))
             self.vote = TorchVote(dist_ctx.vote_group, dist_ctx.shared_memory)
+        if model is not None:
+            # A model loaded by an earlier engine of this group (benchmarks and tests reuse one)
+            # takes this engine's low-latency capacity: it was sized for the earlier settings,
+            # and a decode step of more sequences than that would fail its dispatch.
+            for layer in moe_layers(model):
+                layer.ll_max_tokens_per_rank = self.config.ll_capacity
         self.model = model if model is not None else self._load_model(device, sched_config)
         self.balancer = self._make_balancer() if config.moe.enable_eplb else None
         sched_config = self._size_kv_pool(sched_config)

@@ -19,13 +19,13 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 class Running:
     """An engine looping on a thread, collecting every output."""
 
-    def __init__(self, model_dir: str, **overrides) -> None:
+    def __init__(self, model_dir: str, model=None, **overrides) -> None:
         settings = dict(max_num_seqs=8, max_model_len=64, block_size=4, num_blocks=128)
         settings.update(overrides)
         config = EngineConfig.from_dict({"model": model_dir, "scheduler": settings})
         self.outputs: dict[str, list] = {}
         self.lock = threading.Lock()
-        self.engine = DPEngine(config, on_output=self._collect)
+        self.engine = DPEngine(config, model=model, on_output=self._collect)
         self.thread = threading.Thread(target=self.engine.run, daemon=True)
         self.thread.start()
 
@@ -205,3 +205,21 @@ def test_a_resumed_request_draws_on_as_the_uninterrupted_one(running):
         assert all(abs(got.logprob - want.logprob) < 1e-4 for got, want in pairs)
     with pytest.raises(ValueError, match="leave nothing to generate"):
         running.engine.submit("done", [4, 8], PARAMS, resumed_token_ids=[1] * 6)
+
+
+def test_a_reused_model_takes_the_new_engines_decode_capacity(model_dir):
+    """An engine handed a model loaded for fewer sequences (tests and benchmarks reuse one)
+    sizes its low-latency capacity to its own max_num_seqs: a decode step of all of them runs."""
+    first = Running(model_dir, max_num_seqs=2)
+    first.engine.submit("warm", [1, 2, 3], PARAMS)
+    first.final("warm")
+    first.close()
+    second = Running(model_dir, model=first.engine.model)
+    for index in range(8):
+        second.engine.submit(f"r{index}", [3 + index, 4, 5], PARAMS)
+    try:
+        ends = [second.final(f"r{index}") for index in range(8)]
+        assert all(o.finish_reason == "length" for o in ends), ends
+        assert max(t.num_seqs for t in second.engine.trace) == 8
+    finally:
+        second.close()
