@@ -195,13 +195,15 @@ def native_applies(
     key: str, regime: str, dtype: torch.dtype, device: torch.device | str | None
 ) -> bool:
     """Whether the compiled CPU kernels serve `key`'s ops in `regime` (decode | prefill) for
-    this model: on the CPU, float32 (decode attention: any float dtype; the experts and the
-    norm: bfloat16 too)."""
+    this model: on the CPU, float32 (decode attention: any float dtype; prefill attention, the
+    experts and the norm: bfloat16 too)."""
     on_cpu = device is None or torch.device(device).type == "cpu"
     if key == "sampler_backend":  # the sampler draws from float32 logits whatever the model's
         return on_cpu
     every_dtype = key == "attention_backend" and regime == "decode"
-    bf16_too = key in ("expert_backend", "norm_backend") and dtype == torch.bfloat16
+    bf16_too = key in ("attention_backend", "expert_backend", "norm_backend") and (
+        dtype == torch.bfloat16
+    )
     return on_cpu and (dtype == torch.float32 or every_dtype or bf16_too)
 
 

@@ -2,8 +2,9 @@
 
 - decode: `paged_decode_attention` walks each sequence's blocks in place (scores of all heads,
   softmax, weighted values; one task per sequence on torch's OpenMP pool), any float dtype;
-- prefill: `paged_prefill_attention`, float32: tasks of (sequence, kv head, 16 queries)
-  largest first, an online softmax over blocks of 16 keys, nothing above the diagonal;
+- prefill: `paged_prefill_attention`, float32 or bfloat16 (computed in float32): tasks of
+  (sequence, kv head, 16 queries) largest first, an online softmax over blocks of 16 keys,
+  nothing above the diagonal;
 - rotary q/k plus the K/V cache write in one pass (`rope_write_kv`), float32 or bfloat16.
 
 Where a kernel does not apply (another dtype, a non-contiguous cache, a GPU tensor) the call
@@ -21,6 +22,7 @@ from dist_engine.kernels import compute
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 ROPE_DTYPES = (torch.float32, torch.bfloat16)  # what csrc/rope_cache.cpp takes
+PREFILL_DTYPES = (torch.float32, torch.bfloat16)  # and csrc/paged_prefill_attention.cpp
 
 
 class NativeAttention(AttentionBackend):
@@ -65,7 +67,12 @@ class NativeAttention(AttentionBackend):
             return self.decode_kernel(
                 query.contiguous(), key_cache, value_cache, tables, lens, scale
             )
-        if query.dtype == torch.float32 and key_cache.is_contiguous():
+        if (
+            query.dtype in PREFILL_DTYPES
+            and key_cache.dtype == value_cache.dtype == query.dtype
+            and key_cache.is_contiguous()
+            and value_cache.is_contiguous()
+        ):
             return self.prefill_kernel(
                 query.contiguous(),
                 key_cache,

@@ -2,8 +2,8 @@
 
 - `decode_attention()`: decode attention straight from the paged KV cache, any float dtype
   (csrc/paged_decode_attention.cpp).
-- `prefill_attention()`: float32 causal prefill attention straight from the paged KV cache, no
-  padding (csrc/paged_prefill_attention.cpp).
+- `prefill_attention()`: float32 or bfloat16 causal prefill attention straight from the paged
+  KV cache, no padding (csrc/paged_prefill_attention.cpp).
 - `rope_write_kv()`: float32 or bfloat16 rotary q/k plus the paged KV cache write in one pass
   (csrc/rope_cache.cpp).
 - `routed_swiglu()`: the expert side of an MoE layer, routed rows to their weighted sum of
@@ -66,7 +66,7 @@ def decode_attention() -> Kernel | None:
 
 def prefill_attention() -> Kernel | None:
     """`paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-    num_cached, scale)` for float32, or None."""
+    num_cached, scale)` for float32 or bfloat16 (computed in float32), or None."""
     return _kernel("paged_prefill_attention")
 
 

@@ -372,19 +372,22 @@ def test_rope_kernel_matches_rotary_then_write_kv(num_tokens: int, dtype) -> Non
             kernel(query[:1], key[:1], value[:1], cos[:1], sin[:1], torch.tensor([52]), *caches[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 64, 24])
-def test_prefill_kernel_matches_the_torch_path(head_dim: int) -> None:
-    """The float32 prefill kernel's vector path (blocks of 16, head dims 32/64) and its scalar
-    path (head dim 24) against the PyTorch SDPA path on the same cache: fresh prompts of mixed
-    lengths, chunks behind cached prefixes, GQA groups of 2."""
+def test_prefill_kernel_matches_the_torch_path(head_dim: int, dtype: torch.dtype) -> None:
+    """The prefill kernel's vector path (blocks of 16, head dims 32/64) and its scalar path
+    (head dim 24) against the PyTorch SDPA path on the same cache: fresh prompts of mixed
+    lengths, chunks behind cached prefixes, GQA groups of 2. In bfloat16 the kernel computes in
+    float32 and rounds once: within bfloat16's rounding of the float32 result on the same
+    (bfloat16) values, and as close to PyTorch's bfloat16 path as that is."""
     require_fused_kernel()
     gen = torch.Generator().manual_seed(head_dim)
     heads, kv_heads, block = 4, 2, 16
-    cache = KVCache(1, 80, block, kv_heads, head_dim, torch.float32)
+    cache = KVCache(1, 80, block, kv_heads, head_dim, dtype)
     key_cache, value_cache = cache.layer(0)
     with torch.no_grad():
-        key_cache.normal_(generator=gen)
-        value_cache.normal_(generator=gen)
+        key_cache.copy_(torch.randn(key_cache.shape, generator=gen))
+        value_cache.copy_(torch.randn(value_cache.shape, generator=gen))
     num_cached, num_new = [0, 0, 37, 0, 16], [150, 3, 40, 17, 1]
     free = (torch.randperm(79, generator=gen) + 1).tolist()
     tables = [
@@ -392,7 +395,16 @@ def test_prefill_kernel_matches_the_torch_path(head_dim: int) -> None:
         for c, n in zip(num_cached, num_new, strict=True)
     ]
     attn = AttentionMetadata.build(tables, num_cached, num_new, block, is_prefill=True)
-    query = torch.randn(sum(num_new), heads, head_dim, generator=gen)
+    query = torch.randn(sum(num_new), heads, head_dim, generator=gen).to(dtype)
     fused = attention_backend("native").attend(query, key_cache, value_cache, attn)
-    reference = paged_attention(query, key_cache, value_cache, attn)
-    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+    assert fused.dtype == dtype
+    if dtype == torch.float32:
+        reference = paged_attention(query, key_cache, value_cache, attn)
+        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+        return
+    exact = paged_attention(query.float(), key_cache.float(), value_cache.float(), attn)
+    # bfloat16 keeps 8 significant bits: one rounding is within 2^-9 of the value.
+    torch.testing.assert_close(fused.float(), exact, rtol=2**-8, atol=1e-6)
+    theirs = paged_attention(query, key_cache, value_cache, attn).float()
+    ours_error = (fused.float() - exact).abs().max()
+    assert ours_error <= (theirs - exact).abs().max() * 1.01 + 1e-6
