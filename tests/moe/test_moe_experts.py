@@ -253,15 +253,16 @@ def _cpu_has(*flags: str) -> bool:
     return set(flags) <= set(line.split())
 
 
-@pytest.mark.parametrize("num_rows", [3, 40, 150])
+@pytest.mark.parametrize("num_rows", [3, 20, 40, 150])
 def test_native_kernel_on_amx_tiles(num_rows, monkeypatch):
     """bfloat16 where the processor has AMX: a slot with at least 5 rows multiplies on the
     tiles when K % 32 == 0 and N % 64 == 0 (D=64, I=96 here: gate/up [64, 192], down [96, 64]).
     The tiles multiply the same bf16 pairs as the vector dot products and sum them in another
     order, so the result is no further from float64 than PyTorch's bf16 path. The kernel says it
     uses the tiles exactly where /proc/cpuinfo has them and LOCKSTEP_BF16_AMX=0 is unset. 3
-    rows leave every slot under the threshold (the vector path's bits); 40 give each slot one
-    partial row block of 16; 150 several blocks and a tail."""
+    rows leave every slot under the threshold (the vector path's bits); 20 give each slot about
+    8 rows, one partial row block of 16 (B packed as the k loop goes); 40 put slots on both
+    sides of 16 rows; 150 several blocks and a tail over a panel packed once."""
     kernel = native_kernel()
     size_d, size_i = 64, 96
     gen = torch.Generator().manual_seed(num_rows)

@@ -502,18 +502,72 @@ void amx_block(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_
 }
 
 // C[M, N] = A[M, K] @ B[K, N] in bf16 on AMX; K % 32 == 0 and N % 64 == 0 (`amx_fits`).
-// 64 columns at a time, each over every row block of 16; B is packed on the way through the k
-// loop, a 32 x 64 block (4 KiB, in L1) at a time, again for each row block. Measured on an AMX host
-// (8 Mixtral-shaped slots, 16-240 rows each), this beat packing a 64-column panel once for
-// all of a slot's row blocks (0.70 against 0.95 ms at 32 rows; 4.3 against 5.1 ms at 240),
-// and sharing each packed tile between two row blocks 32 columns at a time (0.85 ms at 32).
+// 64 columns at a time. A slot of one row block (M <= 16, decode's usual share) packs B on the
+// way through the k loop, a 32 x 64 block (4 KiB, in L1) at a time, with the rows ahead
+// prefetched (`amx_block`). More rows pack the 64-column panel once (K / 32 blocks of 4 KiB)
+// and run every row block over it (`amx_block_packed`). Measured on an AMX host, the two
+// alternated in one process over the autotune's expert workload (random routing, medians of
+// 7): the panel took 0.64x the time at 32 rows per slot (D 4096, I 1792), 0.43x at 256, 0.65x
+// at 128 (D 2048, I 768), 0.85x at 64 (D 256, I 128), and about the same at 16 or fewer
+// (hence the fused path there, whose prefetch matters when weights come from memory).
 inline bool amx_fits(int64_t K, int64_t N) { return K % 32 == 0 && N % 64 == 0; }
+
+// C[m, 64] = A[m, K] @ (a 64-column panel of B packed by pack_b_block, 32 rows of B per 4 KiB).
+void amx_block_packed(const at::BFloat16* A, int64_t lda, const at::BFloat16* panel, float* C,
+                      int64_t ldc, int m, int64_t K) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    const at::BFloat16* tiles = panel + (k / 32) * 4 * kTileB;
+    _tile_loadd(4, A + k, lda * sizeof(at::BFloat16));
+    _tile_loadd(5, tiles, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, tiles + kTileB, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, tiles + 2 * kTileB, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, tiles + 3 * kTileB, 64);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  alignas(64) float out[4][16][16];
+  _tile_stored(0, out[0], 64);
+  _tile_stored(1, out[1], 64);
+  _tile_stored(2, out[2], 64);
+  _tile_stored(3, out[3], 64);
+  store_group(C, ldc, m, out);
+  store_group(C + 32, ldc, m, out + 2);
+}
+
+constexpr int64_t kAmxPanelRows = 16;  // more rows than this: the packed panel
 
 void amx_gemm(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb, float* C,
               int64_t ldc, int64_t M, int64_t K, int64_t N) {
   alignas(64) at::BFloat16 tiles[4 * kTileB];
   int configured = -1;
-  for (int64_t j = 0; j < N; j += 64) {  // a block's B stays in cache over the row blocks
+  if (M > kAmxPanelRows) {
+    thread_local std::vector<at::BFloat16> storage;
+    storage.resize((K / 32) * 4 * kTileB + 32);  // + 64 bytes to align the start to 64
+    at::BFloat16* panel = reinterpret_cast<at::BFloat16*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    for (int64_t j = 0; j < N; j += 64) {
+      for (int64_t k = 0; k < K; k += 32) {
+        pack_b_block(B + k * ldb + j, ldb, panel + (k / 32) * 4 * kTileB);
+      }
+      for (int64_t i = 0; i < M; i += 16) {
+        const int m = static_cast<int>(std::min<int64_t>(16, M - i));
+        if (m != configured) {
+          configure_tiles(m);
+          configured = m;
+        }
+        amx_block_packed(A + i * lda, lda, panel, C + i * ldc + j, ldc, m, K);
+      }
+    }
+    _tile_release();
+    return;
+  }
+  for (int64_t j = 0; j < N; j += 64) {
     const at::BFloat16* next = j + 64 < N ? B + j + 64 : nullptr;
     for (int64_t i = 0; i < M; i += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, M - i));
