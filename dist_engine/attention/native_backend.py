@@ -3,7 +3,7 @@
 - decode: `paged_decode_attention` walks each sequence's blocks in place (scores of all heads,
   softmax, weighted values; one task per sequence on torch's OpenMP pool), any float dtype;
 - prefill: `paged_prefill_attention`, float32 or bfloat16 (computed in float32): tasks of
-  (sequence, kv head, 16 queries) largest first, an online softmax over blocks of 16 keys,
+  (sequence, kv head, 32 queries) largest first, an online softmax over blocks of 16 keys,
   nothing above the diagonal;
 - rotary q/k plus the K/V cache write in one pass (`rope_write_kv`), float32 or bfloat16.
 

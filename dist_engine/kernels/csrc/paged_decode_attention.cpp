@@ -233,7 +233,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "One token per row from softmax(logits / t), unfiltered, float32 (sample_rows.cpp)");
   m.def("rms_norm", &rms_norm_f32, "RMSNorm over the last dim, float32 or bfloat16 (rms_norm.cpp)");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "Causal prefill attention over a paged KV cache, float32 (paged_prefill_attention.cpp)");
+        "Causal prefill attention over a paged KV cache, float32 or bfloat16 "
+        "(paged_prefill_attention.cpp)");
   m.def("rope_write_kv", &rope_write_kv,
         "Rotary q/k and the paged KV cache write in one pass, float32 (rope_cache.cpp)");
 }
