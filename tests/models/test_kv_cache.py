@@ -231,15 +231,13 @@ def test_backends_come_from_the_config_keys() -> None:
     assert auto == Backends.all("native")
     native_ops = LayerOps.build(auto, max_decode_tokens=8)
     assert native_ops.attention.name == "native" and native_ops.norm.max_tokens is None
-    # Decode attention runs natively on every float dtype, the experts and the norm on
-    # float32 and bfloat16, the rest only on float32.
+    # Decode attention runs natively on every float dtype, prefill attention, the experts and
+    # the norm on float32 and bfloat16.
     half = resolve_backends({}, torch.bfloat16, "cpu")
-    assert (half.attention.decode, half.experts.decode, half.norm.decode) == (
-        "native",
-        "native",
-        "native",
-    )
-    assert half.attention.prefill == "torch"
+    assert (half.attention.decode, half.attention.prefill) == ("native", "native")
+    assert (half.experts.decode, half.norm.decode) == ("native", "native")
+    fp16 = resolve_backends({}, torch.float16, "cpu")
+    assert (fp16.attention.decode, fp16.attention.prefill) == ("native", "torch")
     with pytest.raises(ValueError, match=r"expert_backend is 'native'.*float16"):
         resolve_backends({"expert_backend": "native"}, torch.float16, "cpu")
     with pytest.raises(ValueError, match=r"norm_backend is 'native'.*float16"):
