@@ -458,14 +458,43 @@ inline void store_group(float* C, int64_t ldc, int m, float (*out)[16][16]) {
   }
 }
 
-// C[m, 64] = A[m, K] @ B[K, 64], m <= 16 (one row block). `next`: the next block's B (the
-// next 64 columns), or null.
-void amx_block(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb, float* C,
-               int64_t ldc, int m, int64_t K, at::BFloat16* tiles, const at::BFloat16* next) {
+// One k step of a row block: C's 4 tiles += A[m, k..k+32) (tile 4) @ the 4 B tiles at `tiles`
+// (alternating tiles 5 and 6, so a load can overlap the previous product).
+inline void multiply_tiles(const at::BFloat16* A, int64_t lda, const at::BFloat16* tiles) {
+  _tile_loadd(4, A, lda * sizeof(at::BFloat16));
+  _tile_loadd(5, tiles, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, tiles + kTileB, 64);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(5, tiles + 2 * kTileB, 64);
+  _tile_dpbf16ps(2, 4, 5);
+  _tile_loadd(6, tiles + 3 * kTileB, 64);
+  _tile_dpbf16ps(3, 4, 6);
+}
+
+inline void zero_tiles() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+// C's 4 tiles into C[m, 64], the columns back in order.
+inline void store_tiles(float* C, int64_t ldc, int m) {
+  alignas(64) float out[4][16][16];
+  _tile_stored(0, out[0], 64);
+  _tile_stored(1, out[1], 64);
+  _tile_stored(2, out[2], 64);
+  _tile_stored(3, out[3], 64);
+  store_group(C, ldc, m, out);
+  store_group(C + 32, ldc, m, out + 2);
+}
+
+// C[m, 64] = A[m, K] @ B[K, 64], m <= 16 (one row block). `next`: the next block's B (the
+// next 64 columns), or null.
+void amx_block(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb, float* C,
+               int64_t ldc, int m, int64_t K, at::BFloat16* tiles, const at::BFloat16* next) {
+  zero_tiles();
   for (int64_t k = 0; k < K; k += 32) {
     // Ask for the rows kAmxPrefetchRows ahead (into the next block's columns past the last
     // k): each row's 128 bytes lie a row of B apart (3 KiB for Mixtral's gate/up), a stride
@@ -482,23 +511,9 @@ void amx_block(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_
       }
     }
     pack_b_block(B + k * ldb, ldb, tiles);
-    _tile_loadd(4, A + k, lda * sizeof(at::BFloat16));
-    _tile_loadd(5, tiles, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, tiles + kTileB, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, tiles + 2 * kTileB, 64);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, tiles + 3 * kTileB, 64);
-    _tile_dpbf16ps(3, 4, 6);
+    multiply_tiles(A + k, lda, tiles);
   }
-  alignas(64) float out[4][16][16];
-  _tile_stored(0, out[0], 64);
-  _tile_stored(1, out[1], 64);
-  _tile_stored(2, out[2], 64);
-  _tile_stored(3, out[3], 64);
-  store_group(C, ldc, m, out);
-  store_group(C + 32, ldc, m, out + 2);
+  store_tiles(C, ldc, m);
 }
 
 // C[M, N] = A[M, K] @ B[K, N] in bf16 on AMX; K % 32 == 0 and N % 64 == 0 (`amx_fits`).
@@ -515,29 +530,9 @@ inline bool amx_fits(int64_t K, int64_t N) { return K % 32 == 0 && N % 64 == 0; 
 // C[m, 64] = A[m, K] @ (a 64-column panel of B packed by pack_b_block, 32 rows of B per 4 KiB).
 void amx_block_packed(const at::BFloat16* A, int64_t lda, const at::BFloat16* panel, float* C,
                       int64_t ldc, int m, int64_t K) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t k = 0; k < K; k += 32) {
-    const at::BFloat16* tiles = panel + (k / 32) * 4 * kTileB;
-    _tile_loadd(4, A + k, lda * sizeof(at::BFloat16));
-    _tile_loadd(5, tiles, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, tiles + kTileB, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, tiles + 2 * kTileB, 64);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, tiles + 3 * kTileB, 64);
-    _tile_dpbf16ps(3, 4, 6);
-  }
-  alignas(64) float out[4][16][16];
-  _tile_stored(0, out[0], 64);
-  _tile_stored(1, out[1], 64);
-  _tile_stored(2, out[2], 64);
-  _tile_stored(3, out[3], 64);
-  store_group(C, ldc, m, out);
-  store_group(C + 32, ldc, m, out + 2);
+  zero_tiles();
+  for (int64_t k = 0; k < K; k += 32) multiply_tiles(A + k, lda, panel + (k / 32) * 4 * kTileB);
+  store_tiles(C, ldc, m);
 }
 
 constexpr int64_t kAmxPanelRows = 16;  // more rows than this: the packed panel
