@@ -539,30 +539,22 @@ constexpr int64_t kAmxPanelRows = 16;  // more rows than this: the packed panel
 
 void amx_gemm(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t ldb, float* C,
               int64_t ldc, int64_t M, int64_t K, int64_t N) {
-  alignas(64) at::BFloat16 tiles[4 * kTileB];
-  int configured = -1;
-  if (M > kAmxPanelRows) {
-    thread_local std::vector<at::BFloat16> storage;
+  alignas(64) at::BFloat16 tiles[4 * kTileB];  // the fused path's one packed k step
+  const bool by_panel = M > kAmxPanelRows;
+  thread_local std::vector<at::BFloat16> storage;  // the panel: K / 32 packed k steps
+  at::BFloat16* panel = nullptr;
+  if (by_panel) {
     storage.resize((K / 32) * 4 * kTileB + 32);  // + 64 bytes to align the start to 64
-    at::BFloat16* panel = reinterpret_cast<at::BFloat16*>(
+    panel = reinterpret_cast<at::BFloat16*>(
         (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-    for (int64_t j = 0; j < N; j += 64) {
+  }
+  int configured = -1;
+  for (int64_t j = 0; j < N; j += 64) {
+    if (by_panel) {
       for (int64_t k = 0; k < K; k += 32) {
         pack_b_block(B + k * ldb + j, ldb, panel + (k / 32) * 4 * kTileB);
       }
-      for (int64_t i = 0; i < M; i += 16) {
-        const int m = static_cast<int>(std::min<int64_t>(16, M - i));
-        if (m != configured) {
-          configure_tiles(m);
-          configured = m;
-        }
-        amx_block_packed(A + i * lda, lda, panel, C + i * ldc + j, ldc, m, K);
-      }
     }
-    _tile_release();
-    return;
-  }
-  for (int64_t j = 0; j < N; j += 64) {
     const at::BFloat16* next = j + 64 < N ? B + j + 64 : nullptr;
     for (int64_t i = 0; i < M; i += 16) {
       const int m = static_cast<int>(std::min<int64_t>(16, M - i));
@@ -570,7 +562,11 @@ void amx_gemm(const at::BFloat16* A, int64_t lda, const at::BFloat16* B, int64_t
         configure_tiles(m);
         configured = m;
       }
-      amx_block(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, m, K, tiles, next);
+      if (by_panel) {
+        amx_block_packed(A + i * lda, lda, panel, C + i * ldc + j, ldc, m, K);
+      } else {
+        amx_block(A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, m, K, tiles, next);
+      }
     }
   }
   _tile_release();
