@@ -149,25 +149,29 @@ def require_fused_kernel():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 8), (8, 4, 32), (4, 4, 64)]
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(4, 2, 8, 16), (8, 4, 32, 16), (4, 4, 64, 16), (8, 2, 128, 16), (8, 4, 32, 8), (4, 2, 64, 32)],
 )
 def test_fused_decode_kernel_matches_torch_path(
-    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     """The kernel against the PyTorch decode path on the same cache: scattered blocks, contexts
     from 1 token to several blocks, GQA groups of 1 and more, the head sizes the kernel
-    specialises (32, 64) and one it does not (8), float32 (its own exp), float64, and the half
-    types (float accumulation)."""
+    specialises (32, 64, 128: vector paths for float32 and bfloat16, which walk blocks in
+    chunks of up to 16 tokens, so blocks of 8 and 32 too) and one it does not (8), float32 (its
+    own exp), float64, and the half types (float accumulation)."""
     kernel = require_fused_kernel()
-    gen = torch.Generator().manual_seed(head_dim)
-    lengths = [1, 3, 16, 17, 40, 64]
-    cache = KVCache(1, 200, 16, num_kv_heads, head_dim, dtype)
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    lengths = [1, 3, 16, 17, 40, 64, 95]
+    cache = KVCache(1, 200, block_size, num_kv_heads, head_dim, dtype)
     key_cache, value_cache = cache.layer(0)
     key_cache.copy_(torch.randn(key_cache.shape, generator=gen, dtype=torch.float64) * 2)
     value_cache.copy_(torch.randn(value_cache.shape, generator=gen, dtype=torch.float64))
     free = (torch.randperm(199, generator=gen) + 1).tolist()
-    tables = [[free.pop() for _ in range(-(-n // 16))] for n in lengths]
-    attn = AttentionMetadata.build(tables, [n - 1 for n in lengths], [1] * len(lengths), 16, False)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    attn = AttentionMetadata.build(
+        tables, [n - 1 for n in lengths], [1] * len(lengths), block_size, False
+    )
     query = torch.randn(len(lengths), num_heads, head_dim, generator=gen, dtype=torch.float64)
     query = query.to(dtype) * 2
     expected = paged_attention_module._decode(

@@ -47,28 +47,13 @@ struct Task {
   int64_t seq, kv_head, first, count, cost;
 };
 
+using lockstep::hmax16;
+using lockstep::hsum16;
 using lockstep::load16;
 using lockstep::splat;
 using lockstep::store16;
 using lockstep::v16;
 using lockstep::v16i;
-
-// The largest lane and the lanes' sum, by halving shuffles (4 steps, where a scalar walk over
-// the lanes is 15 dependent steps).
-inline v16 fold_halves(v16 x, bool take_max) {
-  const v16i shifts[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-                          {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
-                          {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
-                          {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}};
-  for (const v16i& shift : shifts) {
-    const v16 other = __builtin_shuffle(x, shift);
-    x = take_max ? (other > x ? other : x) : x + other;
-  }
-  return x;
-}
-
-inline float hmax16(v16 x) { return fold_halves(x, true)[0]; }
-inline float hsum16(v16 x) { return fold_halves(x, false)[0]; }
 
 // kRows consecutive query rows (q and acc rows 16 * kVectors apart) against one block of 16
 // keys (keys_t: the block transposed, [Dh][16]; v_block: its value rows, v_stride apart); row
