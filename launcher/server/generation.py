@@ -197,7 +197,16 @@ async def answer_stream(
             await events.put((choice, piece))
         await events.put((choice, None))  # this choice is done
 
-    feeders = [asyncio.ensure_future(feed(choice)) for choice in choices]
+    async def only(choice: Choice) -> tuple[Choice, Piece | None]:
+        """The next event of a stream of one choice, read in place: no feeder task and no
+        queue hop per token (the common case, n = 1; every hop is interpreter time the engine
+        thread waits for, docs/benchmarks.md, "Where a served step's time goes")."""
+        if choice.done:
+            return choice, None
+        return choice, choice.take(await choice.stream.next())
+
+    single = len(choices) == 1
+    feeders = [] if single else [asyncio.ensure_future(feed(choice)) for choice in choices]
     # An echoed prompt opens its choice once the choice's first output has come (it carries
     # the prompt's logprobs); the choice's text offsets count the prompt's text.
     echoed: dict[int, int] = {}
@@ -211,7 +220,7 @@ async def answer_stream(
     try:
         remaining = len(choices)
         while remaining:
-            choice, piece = await events.get()
+            choice, piece = await (only(choices[0]) if single else events.get())
             if choice.sample not in opened:
                 opened.add(choice.sample)
                 await send(shape.chunk(choice.sample, "", [], first=True))
