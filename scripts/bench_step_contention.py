@@ -5,16 +5,16 @@
 
 (from the repository root, with the package installed editable; not part of the test suite)
 
-Served, an engine shares the host with its HTTP server and, under `vllm bench serve` on the
-same machine, with the client: together about a third of a core at rate inf on the built-in
-model (docs/benchmarks.md, "Where a served step's time goes"). This reproduces that share
-offline, with nothing but a busy loop: `LLM(launcher="local")` on the built-in tiny Qwen3-MoE
-runs `vllm bench serve`'s rate-inf workload (64 prompts of 128 tokens, 64 output tokens each,
-all at once) while another process spins for `load` of every 2 ms and sleeps the rest, for each
-`--loads` value. With `--served`, one more case per round: the same engine behind `lockstep
-serve`'s HTTP server (in the worker's process, as `lockstep serve --launcher local` runs it),
-driven by `vllm bench serve --backend openai --request-rate inf` with that workload: the real
-load the spinning process stands in for. One worker process per `--threads` value (the
+Served, an engine shares the host's cores with its HTTP server and, under `vllm bench serve`
+on the same machine, with the client, and shares its own process's interpreter lock with the
+server's event loop (docs/benchmarks.md, "Where a served step's time goes"). This separates
+the two. `LLM(launcher="local")` on the built-in tiny Qwen3-MoE runs `vllm bench serve`'s
+rate-inf workload (64 prompts of 128 tokens, 64 output tokens each, all at once) offline while
+another process spins for `load` of every 2 ms and sleeps the rest, for each `--loads` value:
+the cores' share alone. With `--served`, one more case per round: the same engine behind
+`lockstep serve`'s HTTP server (in the worker's process, as `lockstep serve --launcher local`
+runs it), driven by `vllm bench serve --backend openai --request-rate inf` with that workload:
+both. One worker process per `--threads` value (the
 engine's torch threads), kept alive and taking turns with the others, the cases in rotating
 order within a round. Reported from `DPEngine.trace`: the time the run's steps took (the engine
 is busy from the first step to the last in every case) and the median decode step, median
