@@ -129,7 +129,8 @@ DESCRIPTIONS = {
     "scheduler.prefill_deadline_steps": "deadline: decode steps a ready prompt waits at most",
     "scheduler.mixed_steps": "prefill steps also decode the running sequences (default: on "
     "unless the policy is vote)",
-    "scheduler.mixed_prompt_tokens": "mixed steps: prompt tokens per step while any rank decodes",
+    "scheduler.mixed_prompt_tokens": "mixed steps: prompt tokens per step while any rank decodes "
+    "(default: 1024 for one rank, 256 in a group)",
     "scheduler.vocab_size": "fail prompts with ids beyond this (the engine sets it from the model)",
     "moe.ll_max_tokens_per_rank": "tokens a rank may send in one decode dispatch (default: "
     "max_num_seqs)",

@@ -7,6 +7,13 @@ from dataclasses import asdict, dataclass, replace
 from scheduler.vote import SYNC_POLICIES
 
 PREEMPTION_ORDERS = ("lcfs", "fcfs")
+# Mixed steps' prompt tokens per step while any rank decodes, unless set. In a group, one rank's
+# prompt chunks stretch every rank's step, and this is the TTFT / ITL point chosen for that
+# (docs/design.md, "Mixed steps"). A rank alone stretches only its own decoders: there fewer,
+# larger chunks gave more throughput and a shorter TTFT for a longer ITL p99, still well
+# below vLLM's (docs/benchmarks.md, "One rank's prompt chunks").
+MIXED_PROMPT_TOKENS_GROUP = 256
+MIXED_PROMPT_TOKENS_ALONE = 1024
 # The contenders the sync benchmarks compare: vote (prefill-only steps, the reference), and the
 # two other policies with prefill-only ("+separate") or mixed ("+mixed", the default) steps.
 POLICY_VARIANTS = (
@@ -63,7 +70,9 @@ class SchedulerConfig:
     # which bounds how much a prefill step stretches the decoders' token gap. None: on under
     # deadline and every_step, off under vote (the reference's protocol, kept exact).
     mixed_steps: bool | None = None
-    mixed_prompt_tokens: int = 256
+    # None: MIXED_PROMPT_TOKENS_GROUP, or MIXED_PROMPT_TOKENS_ALONE where the engine runs as a
+    # group of one rank (`for_group`).
+    mixed_prompt_tokens: int | None = None
     vocab_size: int | None = None  # when set, prompts with out-of-range ids are failed
 
     def __post_init__(self) -> None:
@@ -74,7 +83,6 @@ class SchedulerConfig:
             "prefill_attempt_interval",
             "prefill_any_attempt_interval",
             "prefill_deadline_steps",
-            "mixed_prompt_tokens",
             "cp_size",
         ):
             _require_int(name, getattr(self, name), minimum=1)
@@ -83,7 +91,12 @@ class SchedulerConfig:
         _require_int("num_state_slots", self.num_state_slots, minimum=0)
         if self.num_state_slots == 1:
             raise ValueError("num_state_slots=1 leaves no usable slot (slot 0 is reserved)")
-        for name in ("max_model_len", "prefill_max_sum_seqlen_k", "vocab_size"):
+        for name in (
+            "max_model_len",
+            "prefill_max_sum_seqlen_k",
+            "vocab_size",
+            "mixed_prompt_tokens",
+        ):
             if getattr(self, name) is not None:
                 _require_int(name, getattr(self, name), minimum=1)
         for name in ("chunked_prefill", "stop_preempted_request", "enable_prefix_caching"):
@@ -121,9 +134,9 @@ class SchedulerConfig:
                 f"prefill_max_sum_seqlen_k ({self.prefill_max_sum_seqlen_k}) must be >= "
                 f"max_model_len ({self.max_model_len}) or None"
             )
-        if self.mixed_prompt_tokens % self.cp_align:
+        if self.mixed_prompt_cap % self.cp_align:
             raise ValueError(
-                f"with cp_size={self.cp_size}, mixed_prompt_tokens ({self.mixed_prompt_tokens}) "
+                f"with cp_size={self.cp_size}, mixed_prompt_tokens ({self.mixed_prompt_cap}) "
                 f"must be a multiple of {self.cp_align}"
             )
         if self.max_num_batched_tokens % self.cp_align:
@@ -145,6 +158,21 @@ class SchedulerConfig:
         if self.mixed_steps is None:
             return self.sync_policy != "vote"
         return self.mixed_steps
+
+    @property
+    def mixed_prompt_cap(self) -> int:
+        """Mixed steps: a rank's prompt tokens per step while any rank decodes."""
+        if self.mixed_prompt_tokens is None:
+            return MIXED_PROMPT_TOKENS_GROUP
+        return self.mixed_prompt_tokens
+
+    def for_group(self, num_ranks: int) -> SchedulerConfig:
+        """This config for a group of ``num_ranks`` DP ranks: an unset ``mixed_prompt_tokens``
+        becomes MIXED_PROMPT_TOKENS_ALONE for one rank (a multiple of ``cp_align``)."""
+        if self.mixed_prompt_tokens is not None or num_ranks != 1:
+            return self
+        alone = MIXED_PROMPT_TOKENS_ALONE - MIXED_PROMPT_TOKENS_ALONE % self.cp_align
+        return replace(self, mixed_prompt_tokens=alone)
 
     @property
     def min_chunk_tokens(self) -> int:

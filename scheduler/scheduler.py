@@ -439,7 +439,7 @@ class Scheduler:
 
         Mixed steps, while some rank of the group decodes: the running sequences are scheduled
         first (they keep their claim on free blocks, and a preemption frees blocks before any
-        new prompt is admitted), then prompt chunks of at most ``mixed_prompt_tokens``.
+        new prompt is admitted), then prompt chunks of at most ``mixed_prompt_cap``.
         """
         config = self.config
         decode = None
@@ -447,7 +447,7 @@ class Scheduler:
         if self._mixed and not view.none_running:
             decode = self._decode(known_empty=False)
             if config.chunked_prefill:
-                budget = min(budget, config.mixed_prompt_tokens)
+                budget = min(budget, config.mixed_prompt_cap)
         batch = assemble_prefill(
             self.waiting, len(self.running), self.kv, config, self._terminate, budget
         )

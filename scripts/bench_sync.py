@@ -608,7 +608,7 @@ def _write(
         "scheduler": SCHEDULER,
         "spec": asdict(spec),
         "prefill_deadline_steps": SchedulerConfig().prefill_deadline_steps,
-        "mixed_prompt_tokens": SchedulerConfig().mixed_prompt_tokens,
+        "mixed_prompt_tokens": SchedulerConfig().mixed_prompt_cap,
         "online_loads": ONLINE_LOADS,
         "capacity_requests_per_s_per_rank": capacities,
         "cpu_binding": cpu_binding,

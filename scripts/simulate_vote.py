@@ -94,7 +94,7 @@ from scheduler import (
     SchedulerOutputs,
     Sequence,
 )
-from scheduler.config import POLICY_VARIANTS, policy_variant
+from scheduler.config import MIXED_PROMPT_TOKENS_GROUP, POLICY_VARIANTS, policy_variant
 
 WORKLOADS = ("uniform", "skewed", "bursty")
 POLICIES = POLICY_VARIANTS
@@ -776,7 +776,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--num-blocks", type=int, default=8192)
     s.add_argument("--all-interval", type=int, default=70)
     s.add_argument("--any-interval", type=int, default=100)
-    s.add_argument("--mixed-prompt-tokens", type=int, default=SchedulerConfig.mixed_prompt_tokens)
+    s.add_argument("--mixed-prompt-tokens", type=int, default=MIXED_PROMPT_TOKENS_GROUP)
     s.add_argument(
         "--goal-policy", choices=POLICIES, default="deadline+mixed", help="the policy checked"
     )

@@ -159,7 +159,7 @@ class DPEngine:
         self.config = config
         sched_config = dataclasses.replace(
             config.scheduler, vocab_size=self.model_config.vocab_size
-        )
+        ).for_group(config.parallel.dp_size)
         check_max_model_len(sched_config.max_model_len, self.model_config)
         device = dist_ctx.device if dist_ctx else None
         if join_as is not None:

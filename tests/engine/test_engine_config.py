@@ -212,3 +212,19 @@ def test_auto_is_the_default_and_resolves_on_the_rank(model_dir):
     # The tiny checkpoint is float32: auto keeps it, whatever the processor.
     assert engine.config.dtype == "float32" and engine.model.dtype == torch.float32
     assert "dtype float32 (the checkpoint's is float32)" in engine.describe_compute()
+
+
+def test_a_rank_alone_takes_larger_mixed_prompt_chunks_unless_set(model_dir):
+    from dist_engine.engine.engine import DPEngine
+
+    alone = DPEngine(
+        EngineConfig.from_dict({"model": model_dir, "scheduler": {"max_model_len": 32}})
+    )
+    assert alone.scheduler.config.mixed_prompt_cap == 1024
+    assert alone.config.scheduler.mixed_prompt_tokens is None  # the setting as given
+    set_ = DPEngine(
+        EngineConfig.from_dict(
+            {"model": model_dir, "scheduler": {"max_model_len": 32, "mixed_prompt_tokens": 64}}
+        )
+    )
+    assert set_.scheduler.config.mixed_prompt_cap == 64

@@ -227,3 +227,15 @@ def test_mixed_steps_resolve_against_the_policy():
         SchedulerConfig(sync_policy="vote", mixed_steps=True)
     with pytest.raises(ValueError, match="mixed_prompt_tokens"):
         SchedulerConfig(mixed_prompt_tokens=0)
+
+
+def test_mixed_prompt_cap_by_group_size():
+    unset = SchedulerConfig()
+    assert unset.mixed_prompt_tokens is None and unset.mixed_prompt_cap == 256
+    assert unset.for_group(2).mixed_prompt_cap == 256
+    assert unset.for_group(1).mixed_prompt_cap == 1024
+    assert SchedulerConfig(mixed_prompt_tokens=48).for_group(1).mixed_prompt_cap == 48
+    # Context parallelism charges chunks in whole units: the one-rank cap stays aligned.
+    assert (
+        SchedulerConfig(cp_size=2, mixed_prompt_tokens=None).for_group(1).mixed_prompt_cap % 4 == 0
+    )
