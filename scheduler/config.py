@@ -11,7 +11,8 @@ PREEMPTION_ORDERS = ("lcfs", "fcfs")
 # prompt chunks stretch every rank's step, and this is the TTFT / ITL point chosen for that
 # (docs/design.md, "Mixed steps"). A rank alone stretches only its own decoders: there fewer,
 # larger chunks gave more throughput and a shorter TTFT for a longer ITL p99, still well
-# below vLLM's (docs/benchmarks.md, "One rank's prompt chunks").
+# below vLLM's (docs/benchmarks.md, "On the AVX-512 host: float32 and bf16 at DP=1, DP=2,
+# and one rank's prompt chunks").
 MIXED_PROMPT_TOKENS_GROUP = 256
 MIXED_PROMPT_TOKENS_ALONE = 1024
 # The contenders the sync benchmarks compare: vote (prefill-only steps, the reference), and the
