@@ -345,23 +345,19 @@ class EngineHost:
         return self.error
 
 
-class LocalClient:
-    """A group of one, in this process."""
+class HostedClient:
+    """A client whose rank runs in this process (`EngineHost`): its calls go straight to the
+    host, and the group is never re-formed from here. Subclasses set the group's shape, build
+    `self.host`, and say why `reform` cannot be done (`_no_reform`)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        if config.parallel.dp_size != 1:
-            raise ValueError(
-                f"the local launcher runs one rank; parallel.dp_size is {config.parallel.dp_size} "
-                "(use launcher ray or torchrun)"
-            )
-        self.num_ranks = 1
-        self.live_ranks = [0]
-        self.moe_exchange = "none"  # one rank: its MoE layers exchange nothing
-        # The rank is this process: nothing is left to re-form a group with.
-        self.generation = 0
-        self.can_reform = False
-        self.host = EngineHost(config)
-        self.backends = self.host.engine.describe_compute()
+    num_ranks: int
+    live_ranks: list[int]
+    moe_exchange: str
+    backends: str
+    host: EngineHost
+    generation = 0
+    can_reform = False
+    _no_reform = "this group cannot be re-formed"
 
     def submit(self, rank: int, batch: list[Submission], generation: int | None = None) -> None:
         self.host.submit(batch)
@@ -373,10 +369,7 @@ class LocalClient:
         return self.host.take(timeout_s)
 
     def reform(self) -> set[int]:
-        raise RuntimeError(
-            "a group of one in this process cannot be re-formed (parallel.launcher local): "
-            "its rank is this process"
-        )
+        raise RuntimeError(self._no_reform)
 
     def kept_since(self, rank: int, generation: int) -> bool:
         return True  # never re-formed
@@ -391,11 +384,36 @@ class LocalClient:
         pass  # its engine never waits for a new group
 
     def stats(self, timeout_s: float | None = None) -> list[RankStats]:
-        """A snapshot taken on the caller's thread: it never waits on the engine's loop."""
+        """This process's rank, a snapshot taken on the caller's thread: it never waits on the
+        engine's loop (under torchrun the other ranks are other processes' to report)."""
         return [self.host.stats()]
 
     def silent_ranks(self) -> dict[int, float]:
-        return {}  # in this process: a stopped rank is a stopped server
+        # In this process a stopped rank is a stopped server; under torchrun a silent peer
+        # surfaces as this rank's collective timeout.
+        return {}
+
+
+class LocalClient(HostedClient):
+    """A group of one, in this process."""
+
+    # The rank is this process: nothing is left to re-form a group with.
+    _no_reform = (
+        "a group of one in this process cannot be re-formed (parallel.launcher local): "
+        "its rank is this process"
+    )
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.parallel.dp_size != 1:
+            raise ValueError(
+                f"the local launcher runs one rank; parallel.dp_size is {config.parallel.dp_size} "
+                "(use launcher ray or torchrun)"
+            )
+        self.num_ranks = 1
+        self.live_ranks = [0]
+        self.moe_exchange = "none"  # one rank: its MoE layers exchange nothing
+        self.host = EngineHost(config)
+        self.backends = self.host.engine.describe_compute()
 
     def stop_ranks(self) -> None:
         self.host.shutdown(timeout_s=30.0)

@@ -23,11 +23,10 @@ from dist_engine.distributed.groups import describe_exchange, init_distributed, 
 from dist_engine.distributed.plain_data import all_gather_json
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
-from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
 from dist_engine.kernels import compute
 from dist_engine.log import get_logger
-from launcher.clients import EngineHost, Submission
+from launcher.clients import EngineHost, HostedClient, Submission
 
 
 def torchrun_rank() -> tuple[int, int, str, int]:
@@ -106,7 +105,13 @@ def _bind_cpu_rank(config: EngineConfig, rank: int, world: int) -> list[int]:
     return cores
 
 
-class TorchrunClient:
+class TorchrunClient(HostedClient):
+    # No driver outlives a rank here: torchrun restarts the whole job (--max-restarts).
+    _no_reform = (
+        "a torchrun group cannot be re-formed from inside: every process is a rank; "
+        "torchrun --max-restarts restarts the job"
+    )
+
     def __init__(self, config: EngineConfig) -> None:
         rank, world, host, port = torchrun_rank()
         if world != config.parallel.dp_size:
@@ -117,9 +122,6 @@ class TorchrunClient:
         self.rank = rank
         self.num_ranks = world
         self.live_ranks = list(range(world))
-        # No driver outlives a rank here: torchrun restarts the whole job (--max-restarts).
-        self.generation = 0
-        self.can_reform = False
         # torchrun's agent already serves a store on MASTER_PORT; otherwise rank 0 hosts it.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         timeout = timedelta(seconds=config.parallel.collective_timeout_s)
@@ -148,37 +150,6 @@ class TorchrunClient:
     def submit(self, rank: int, batch: list[Submission], generation: int | None = None) -> None:
         assert rank == self.rank, "under torchrun a process only serves its own rank"
         self.host.submit(batch)
-
-    def abort(self, rank: int, request_id: str, generation: int | None = None) -> None:
-        self.host.abort(request_id)
-
-    def poll(self, timeout_s: float, generation: int | None = None) -> list[RequestOutput]:
-        return self.host.take(timeout_s)
-
-    def reform(self) -> set[int]:
-        raise RuntimeError(
-            "a torchrun group cannot be re-formed from inside: every process is a rank; "
-            "torchrun --max-restarts restarts the job"
-        )
-
-    def kept_since(self, rank: int, generation: int) -> bool:
-        return True  # never re-formed
-
-    def grow_ready(self) -> bool:
-        return False  # never shrinks
-
-    def grow(self) -> set[int]:
-        return set()
-
-    def give_up(self) -> None:
-        pass  # its engine never waits for a new group
-
-    def stats(self, timeout_s: float | None = None) -> list[RankStats]:
-        """This process's rank only: the others are other processes' to report."""
-        return [self.host.stats()]
-
-    def silent_ranks(self) -> dict[int, float]:
-        return {}  # a silent peer surfaces as this rank's collective timeout
 
     def stop_ranks(self) -> None:
         self.shutdown()
