@@ -14,7 +14,8 @@ PREEMPTION_ORDERS = ("lcfs", "fcfs")
 # below vLLM's (docs/benchmarks.md, "On the AVX-512 host: float32 and bf16 at DP=1, DP=2,
 # and one rank's prompt chunks").
 MIXED_PROMPT_TOKENS_GROUP = 256
-MIXED_PROMPT_TOKENS_ALONE = 1024
+# A multiple of GROUP: context parallelism's chunk alignment, met by GROUP, holds for it too.
+MIXED_PROMPT_TOKENS_ALONE = 4 * MIXED_PROMPT_TOKENS_GROUP
 # The contenders the sync benchmarks compare: vote (prefill-only steps, the reference), and the
 # two other policies with prefill-only ("+separate") or mixed ("+mixed", the default) steps.
 POLICY_VARIANTS = (
@@ -169,11 +170,11 @@ class SchedulerConfig:
 
     def for_group(self, num_ranks: int) -> SchedulerConfig:
         """This config for a group of ``num_ranks`` DP ranks: an unset ``mixed_prompt_tokens``
-        becomes MIXED_PROMPT_TOKENS_ALONE for one rank (a multiple of ``cp_align``)."""
+        becomes MIXED_PROMPT_TOKENS_ALONE for one rank (aligned wherever the unset config passed
+        its check, since ALONE is a multiple of GROUP)."""
         if self.mixed_prompt_tokens is not None or num_ranks != 1:
             return self
-        alone = MIXED_PROMPT_TOKENS_ALONE - MIXED_PROMPT_TOKENS_ALONE % self.cp_align
-        return replace(self, mixed_prompt_tokens=alone)
+        return replace(self, mixed_prompt_tokens=MIXED_PROMPT_TOKENS_ALONE)
 
     @property
     def min_chunk_tokens(self) -> int:
