@@ -357,7 +357,7 @@ class HostedClient:
     host: EngineHost
     generation = 0
     can_reform = False
-    _no_reform = "this group cannot be re-formed"
+    _no_reform: str  # why `reform` cannot be done, set by each subclass
 
     def submit(self, rank: int, batch: list[Submission], generation: int | None = None) -> None:
         self.host.submit(batch)
