@@ -20,15 +20,19 @@ import pytest
 import torch
 import torch._dynamo
 from model_fixtures import TINY_SIZES
+import torch.distributed as dist
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_engine.attention.decode_inputs import DecodeInputs
 from dist_engine.attention.metadata import AttentionMetadata
 from dist_engine.backends import Backends, RegimeChoice
+from dist_engine.distributed.spawn import run_multirank
 from dist_engine.engine.runner import ModelRunner
+from dist_engine.layers.moe import ExpertParallelContext
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
+from moe import ExpertPlacement
 
 BLOCK_SIZE = 4
 CAPTURE_BACKENDS = Backends(
@@ -118,8 +122,16 @@ def model_dir(tmp_path_factory):
     )
 
 
-def capture_runner(model_dir, dtype: torch.dtype) -> ModelRunner:
-    model = load_model(model_dir, dtype=dtype, backends=CAPTURE_BACKENDS, max_decode_tokens=8)
+def capture_runner(
+    model_dir, dtype: torch.dtype, ep_context: ExpertParallelContext | None = None
+) -> ModelRunner:
+    model = load_model(
+        model_dir,
+        dtype=dtype,
+        ep_context=ep_context,
+        backends=CAPTURE_BACKENDS,
+        max_decode_tokens=8,
+    )
     model.attach_kv_cache(model.new_kv_cache(64, BLOCK_SIZE))
     return ModelRunner(
         model, BLOCK_SIZE, max_model_len=64, max_num_seqs=8, decode_batch_sizes=(4, 8)
@@ -174,6 +186,58 @@ def test_decode_forward_has_no_data_dependent_op(model_dir, dtype, monkeypatch) 
         logits = runner.decode_logits(ids, attn)
     assert recorder.found == [] and tolist_calls == [], (recorder.found, tolist_calls)
     assert logits.shape == (4, TINY_SIZES["vocab_size"]) and torch.isfinite(logits).all()
+
+
+# Each rank's decode batch in the EP group: 3 rows padded to 4 on rank 0, 5 padded to 8 on
+# rank 1 (ranks pad independently; the low-latency dispatch's capacity is the same on both).
+EP_BATCHES = ([11, 5, 2], [7, 3, 9, 4, 6])
+
+
+def ep_decode_worker(rank: int, world_size: int, model_dir) -> dict:
+    """One rank of a DP=2 group (gloo, as NCCL would be on GPUs: the exchange is a dispatcher
+    op, unlike the shared-memory one): its padded decode forward, experts dispatched over the
+    group in the low-latency mode, recorded for data-dependent ops, in both dtypes."""
+    num_experts = TINY_SIZES["num_experts"]
+    context = ExpertParallelContext(
+        placement=ExpertPlacement.even(num_experts, world_size),
+        rank=rank,
+        group=dist.group.WORLD,
+        ll_max_tokens_per_rank=8,
+    )
+    report: dict = {}
+    tolist = torch.Tensor.tolist
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = capture_runner(model_dir, dtype, context)
+        ids, attn = decode_step(runner, EP_BATCHES[rank])
+        tolist_calls: list[tuple[int, ...]] = []
+        torch.Tensor.tolist = lambda tensor: tolist_calls.append(tuple(tensor.shape)) or tolist(
+            tensor
+        )
+        try:
+            with DataDependentOps() as recorder:
+                logits = runner.decode_logits(ids, attn)
+        finally:
+            torch.Tensor.tolist = tolist
+        report[str(dtype)] = (recorder.found, tolist_calls, logits)
+    return report
+
+
+@pytest.mark.multirank
+def test_ep_decode_forward_has_no_data_dependent_op(model_dir) -> None:
+    """At DP=2 the decode forward exchanges every MoE layer's rows with the other rank
+    (fixed-capacity buffers, equal splits): still no op the host waits for, and the real rows'
+    logits are a single process's."""
+    reports = run_multirank(2, ep_decode_worker, (model_dir,), timeout_s=120)
+    for rank, cached in enumerate(EP_BATCHES):
+        for dtype in (torch.float32, torch.bfloat16):
+            found, tolist_calls, logits = reports[rank][str(dtype)]
+            assert found == [] and tolist_calls == [], (rank, dtype, found, tolist_calls)
+            assert logits.shape == (4 if rank == 0 else 8, TINY_SIZES["vocab_size"])
+            assert torch.isfinite(logits).all()
+        reference = capture_runner(model_dir, torch.float32)  # a cache of its own, as the rank's
+        expected = reference.decode_logits(*decode_step(reference, cached))[: len(cached)]
+        logits = reports[rank][str(torch.float32)][2][: len(cached)]
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_recorder_flags_the_ops_that_wait_for_the_host() -> None:
