@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import os
 import signal
 from collections.abc import Callable
@@ -131,6 +132,7 @@ async def serve_until_signal(server: Any) -> None:
     except BaseException:
         await server.frontend.close()
         raise
+    freeze_startup_heap()
     config = server.config
     log.info("serving %s: %s", list(server.limits.served_model_names), config.public())
     log.info("%s", server.limits.defaults.describe())
@@ -140,3 +142,22 @@ async def serve_until_signal(server: Any) -> None:
     log.info("signal received: shutting down")
     await server.stop()
     print("lockstep serve: stopped", flush=True)
+
+
+def freeze_startup_heap() -> None:
+    """Leave what start-up built (modules, the model's objects, the app: ~300,000 objects for
+    the built-in model at DP=1) out of every later garbage collection, as vLLM's server does.
+
+    A full collection scans every tracked object, and Python runs one each time enough
+    objects have outlived two younger collections; serving makes them steadily (per-token
+    outputs, stream state). Over the start-up heap one took 150 ms on a 2-core host, a pause
+    every open stream sees, once every few hundred requests; over what serving itself keeps
+    it takes a few milliseconds. What is frozen here is never collected as a cycle later;
+    that is only the front end's own objects and, at DP=1, the engine's, which live as long
+    as the server. Rank processes are not frozen: a heal replaces their engines' objects.
+    """
+    gc.collect()
+    gc.freeze()
+    log.info(
+        "start-up heap frozen: %d objects left out of garbage collection", gc.get_freeze_count()
+    )

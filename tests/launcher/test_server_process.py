@@ -103,6 +103,8 @@ def test_serve_drains_in_flight_requests_on_sigterm(model_dir, tmp_path):
             process.kill()
             process.wait()
         log.close()
+    # What start-up built is left out of later collections (launcher/server/serve.py).
+    assert "start-up heap frozen" in (tmp_path / "serve.log").read_text()
     settings = {"dtype": "float64", "threads_per_rank": 1, **SCHEDULER}
     with LLM(model=model_dir, launcher="local", **settings) as llm:
         (expected,) = llm.generate(
