@@ -145,16 +145,18 @@ async def serve_until_signal(server: Any) -> None:
 
 
 def freeze_startup_heap() -> None:
-    """Leave what start-up built (modules, the model's objects, the app: ~300,000 objects for
+    """Leave what start-up built (modules, the model's objects, the app: ~314,000 objects for
     the built-in model at DP=1) out of every later garbage collection, as vLLM's server does.
 
     A full collection scans every tracked object, and Python runs one each time enough
-    objects have outlived two younger collections; serving makes them steadily (per-token
-    outputs, stream state). Over the start-up heap one took 150 ms on a 2-core host, a pause
-    every open stream sees, once every few hundred requests; over what serving itself keeps
-    it takes a few milliseconds. What is frozen here is never collected as a cycle later;
-    that is only the front end's own objects and, at DP=1, the engine's, which live as long
-    as the server. Rank processes are not frozen: a heal replaces their engines' objects.
+    objects have outlived two younger collections, which serving makes steadily (per-token
+    outputs, stream state): on the AVX-512 host one came after 832 chat requests and took
+    153 ms, a pause every open stream saw; over what serving itself keeps it takes under a
+    millisecond (docs/benchmark_notes.md, "Garbage collection while serving"). What is frozen
+    is never collected as part of a cycle later: the front end's own objects, at DP=1 the
+    engine's, which live as long as the server, and under Ray the handles of a group a heal
+    replaces (a few objects). Rank processes are not frozen: a heal replaces their engines'
+    objects, tensors included; their full collections came during start-up only.
     """
     gc.collect()
     gc.freeze()
