@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
-from model_fixtures import TINY_SIZES
 import torch.distributed as dist
+from model_fixtures import TINY_SIZES
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -210,9 +210,12 @@ def ep_decode_worker(rank: int, world_size: int, model_dir) -> dict:
         runner = capture_runner(model_dir, dtype, context)
         ids, attn = decode_step(runner, EP_BATCHES[rank])
         tolist_calls: list[tuple[int, ...]] = []
-        torch.Tensor.tolist = lambda tensor: tolist_calls.append(tuple(tensor.shape)) or tolist(
-            tensor
-        )
+
+        def counting_tolist(tensor: torch.Tensor, calls: list = tolist_calls):
+            calls.append(tuple(tensor.shape))
+            return tolist(tensor)
+
+        torch.Tensor.tolist = counting_tolist
         try:
             with DataDependentOps() as recorder:
                 logits = runner.decode_logits(ids, attn)
