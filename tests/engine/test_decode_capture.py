@@ -12,6 +12,9 @@ cost minutes here and proves nothing more about capturability).
 `fullgraph=True` alone does not exclude host syncs: torch 2.13's Dynamo traces `nonzero` and
 `bincount` into the graph with a size the host reads at run time (an unbacked symbol). So the
 backend also looks at every node's traced value and names any whose shape is data-dependent.
+
+At DP=2 (a real gloo group) each rank's padded decode forward, its MoE rows exchanged in the
+low-latency mode, must run no such op either, and give a single process's logits.
 """
 
 from __future__ import annotations
