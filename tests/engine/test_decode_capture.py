@@ -173,10 +173,11 @@ def test_decode_forward_compiles_whole_once_per_batch_size(model_dir) -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_forward_has_no_data_dependent_op(model_dir, dtype, monkeypatch) -> None:
-    runner = capture_runner(model_dir, dtype)
-    ids, attn = decode_step(runner, [11, 5, 2])
+def recorded_decode(
+    runner: ModelRunner, ids: torch.Tensor, attn: AttentionMetadata
+) -> tuple[list[str], list[tuple[int, ...]], torch.Tensor]:
+    """`runner.decode_logits` under `DataDependentOps`, with `Tensor.tolist` counted too (a
+    CPU `.tolist()` never reaches the dispatcher): (flagged ops, tolist shapes, logits)."""
     tolist_calls: list[tuple[int, ...]] = []
     tolist = torch.Tensor.tolist
 
@@ -184,10 +185,20 @@ def test_decode_forward_has_no_data_dependent_op(model_dir, dtype, monkeypatch) 
         tolist_calls.append(tuple(tensor.shape))
         return tolist(tensor)
 
-    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
-    with DataDependentOps() as recorder:
-        logits = runner.decode_logits(ids, attn)
-    assert recorder.found == [] and tolist_calls == [], (recorder.found, tolist_calls)
+    torch.Tensor.tolist = counting_tolist
+    try:
+        with DataDependentOps() as recorder:
+            logits = runner.decode_logits(ids, attn)
+    finally:
+        torch.Tensor.tolist = tolist
+    return recorder.found, tolist_calls, logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_forward_has_no_data_dependent_op(model_dir, dtype) -> None:
+    runner = capture_runner(model_dir, dtype)
+    found, tolist_calls, logits = recorded_decode(runner, *decode_step(runner, [11, 5, 2]))
+    assert found == [] and tolist_calls == [], (found, tolist_calls)
     assert logits.shape == (4, TINY_SIZES["vocab_size"]) and torch.isfinite(logits).all()
 
 
@@ -208,23 +219,9 @@ def ep_decode_worker(rank: int, world_size: int, model_dir) -> dict:
         ll_max_tokens_per_rank=8,
     )
     report: dict = {}
-    tolist = torch.Tensor.tolist
     for dtype in (torch.float32, torch.bfloat16):
         runner = capture_runner(model_dir, dtype, context)
-        ids, attn = decode_step(runner, EP_BATCHES[rank])
-        tolist_calls: list[tuple[int, ...]] = []
-
-        def counting_tolist(tensor: torch.Tensor, calls: list = tolist_calls):
-            calls.append(tuple(tensor.shape))
-            return tolist(tensor)
-
-        torch.Tensor.tolist = counting_tolist
-        try:
-            with DataDependentOps() as recorder:
-                logits = runner.decode_logits(ids, attn)
-        finally:
-            torch.Tensor.tolist = tolist
-        report[str(dtype)] = (recorder.found, tolist_calls, logits)
+        report[str(dtype)] = recorded_decode(runner, *decode_step(runner, EP_BATCHES[rank]))
     return report
 
 
