@@ -478,6 +478,20 @@ def _wait_for_a_stopped_rank(llm, limit_s: float) -> int:
     pytest.fail(f"no rank stopped in its EPLB staging within {limit_s} s")
 
 
+def _settled_expert_stats(llm, num_ranks: int, limit_s: float = 20.0):
+    """The group's EPLB stats once every rank reports the same number of rebalances. A rank
+    counts a rebalance after its step's outputs are out (engine.py: a decision never delays a
+    step's tokens), so just after the last output one rank may not have counted the rebalance
+    of that step yet; the count that disagrees for `limit_s` is what the caller sees."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        stats = llm.expert_stats()
+        counts = {rank.num_rebalances for rank in stats.ranks}
+        if (len(stats.ranks) == num_ranks and len(counts) == 1) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
 def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path):
     """DP=2 with EPLB on a skewed DeepSeek-V3, new experts sent by peers: a rank stops itself
     half-way through the transfer of the experts a rebalance gave it (`STOP_IN_STAGING_ENV`;
@@ -525,7 +539,7 @@ def test_a_rank_killed_during_an_expert_transfer_heals_like_any_failure(tmp_path
         (killed,) = [rank for rank, pid in pids.items() if pid == stopped]
         assert llm.client.pids[1 - killed] == pids[1 - killed]  # kept, with its requests
         assert llm.client.pids[killed] != stopped
-        joined = llm.expert_stats()
+        joined = _settled_expert_stats(llm, 2)
         assert joined.num_rebalances >= 1  # the replacement reports the group's count
         assert {rank.expert_source for rank in joined.ranks} == {source}
         assert len({rank.num_rebalances for rank in joined.ranks}) == 1, joined.ranks
