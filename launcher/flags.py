@@ -12,9 +12,9 @@ field's annotation:
 
 vLLM's spellings are aliases of the same flag where its name differs (`VLLM_NAMES`:
 `--data-parallel-size`/`-dp`, `--kv-cache-memory-bytes`); `--enable-expert-parallel` is
-accepted and changes nothing (expert parallelism is always on). A flag overrides `--set`,
-which overrides the YAML: config < set < flags. An unknown flag is argparse's error plus the
-closest known one.
+accepted and changes nothing (expert parallelism is always on); `--enforce-eager` is
+`--cuda-graphs off`. A flag overrides `--set`, which overrides the YAML: config < set < flags.
+An unknown flag is argparse's error plus the closest known one.
 
 Nothing here imports torch: `lockstep serve --help` builds the whole parser.
 """
@@ -90,6 +90,8 @@ DESCRIPTIONS = {
     "onednn (CPU) (auto: measured on this host)",
     "sampler_backend": "implementation of the draw for rows sampled without top-k/top-p/min-p "
     "(auto: measured on this host)",
+    "cuda_graphs": "replay decode steps from CUDA graphs: off, on, or auto (captured and timed "
+    "against the eager forward at the first decode step); CUDA at DP=1 without EPLB",
     "tokenizer": "directory whose tokenizer files encode prompts and decode outputs "
     "(default: the model's)",
     "generation_config": "default sampling of requests that set none: auto (the model's "
@@ -209,6 +211,14 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *, server: bool) -> 
         action="store_true",
         default=argparse.SUPPRESS,
         help="accepted; Lockstep always spreads the experts over the DP ranks",
+    )
+    compat.add_argument(
+        "--enforce-eager",
+        dest=_DEST + "cuda_graphs",
+        action="store_const",
+        const="off",
+        default=argparse.SUPPRESS,
+        help="vLLM's: no CUDA graphs, the same as --cuda-graphs off",
     )
 
 

@@ -57,11 +57,11 @@ def measure(model, num_seqs: int, num_steps: int) -> dict[str, float]:
     timings: dict[str, list[float]] = {part: [] for part in PARTS}
     forward_ms: list[float] = []
     sample_ms: list[float] = []
-    decode_logits, sample_all = runner.decode_logits, runner._sample_all
+    decode_step, sample_all = runner.decode_step, runner._sample_all
 
     def timed_forward(*args):
         start = time.perf_counter()
-        out = decode_logits(*args)
+        out = decode_step(*args)
         forward_ms.append((time.perf_counter() - start) * 1e3)
         return out
 
@@ -71,7 +71,7 @@ def measure(model, num_seqs: int, num_steps: int) -> dict[str, float]:
         sample_ms.append((time.perf_counter() - start) * 1e3)
         return out
 
-    runner.decode_logits, runner._sample_all = timed_forward, timed_sample
+    runner.decode_step, runner._sample_all = timed_forward, timed_sample
     sched = Scheduler(config)
     params = SamplingParams(max_tokens=num_steps + 2, ignore_eos=True)
     requests = {}

@@ -46,6 +46,8 @@ OnRankFailure = Literal["heal", "shrink", "fail"]
 # Where EPLB reads the experts new to a rank: a rank that holds them, the checkpoint, or
 # whichever the group measured faster as it formed (dist_engine/engine/eplb.py).
 ExpertSource = Literal["auto", "peer", "checkpoint"]
+# Decode steps replayed from CUDA graphs (dist_engine/engine/decode_graphs.py).
+CudaGraphs = Literal["off", "auto", "on"]
 
 LAUNCHERS = get_args(Launcher)
 BACKENDS = get_args(Backend)
@@ -53,6 +55,7 @@ PLACEMENT_STRATEGIES = get_args(PlacementStrategy)
 MOE_EXCHANGES = get_args(MoEExchange)
 ON_RANK_FAILURE = get_args(OnRankFailure)
 EXPERT_SOURCES = get_args(ExpertSource)
+CUDA_GRAPHS = get_args(CudaGraphs)
 DTYPES = get_args(Dtype)
 BACKEND_CHOICES = {
     "attention_backend": get_args(AttentionBackend),
@@ -208,6 +211,11 @@ class EngineConfig:
     # native: the sampler's unfiltered rows (vLLM's default sampling) drawn by a compiled CPU
     # kernel in one pass per row.
     sampler_backend: SamplerBackend = "auto"
+    # Decode steps replayed from CUDA graphs, one per padded batch size and block-table width:
+    # on, off, or auto (captured and timed against the eager forward at the first decode
+    # step). A CUDA device at DP = 1 without EPLB only; off by default until a GPU run has
+    # shown them (decode_graphs.py).
+    cuda_graphs: CudaGraphs = "off"
     # The front ends' settings (the LLM API, `lockstep run`, `lockstep serve`); the ranks take
     # token ids and read none of them.
     # A directory whose tokenizer files (tokenizer.json, tokenizer_config.json) encode prompts
@@ -240,6 +248,7 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         for key, allowed in BACKEND_CHOICES.items():
             _choice(key, getattr(self, key), allowed)
+        _choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         if self.kv_cache_bytes is not None:
             _positive_int("kv_cache_bytes", self.kv_cache_bytes)
         tokenizer = self.tokenizer

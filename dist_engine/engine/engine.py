@@ -35,6 +35,7 @@ from dist_engine.distributed.plain_data import all_gather_json, broadcast_json
 from dist_engine.distributed.step_sync import TorchVote, agree_settings, find_failed_ranks
 from dist_engine.distributed.wake import LocalWake, StoreWake
 from dist_engine.engine.config import EngineConfig, model_identity
+from dist_engine.engine.decode_graphs import ReplayedDecode, capture_sizes, graphs_refusal
 from dist_engine.engine.dtype import DtypeChoice, checkpoint_dtype, resolve_auto_dtype
 from dist_engine.engine.eplb import ExpertBalancer, count_nodes, initial_placement, moe_layers
 from dist_engine.engine.host_memory import retain_freed_memory
@@ -178,6 +179,7 @@ class DPEngine:
             shapes=self._tune_shapes(sched_config),
             attention_kind=self.model_config.attention_kind,
         )
+        graphs = self._cuda_graphs(device)  # before the load: `on` where it cannot run fails
         self.vote: TorchVote | None = None
         if dist_ctx is not None:
             # Before anything expensive: a rank with other settings would desynchronise the
@@ -203,7 +205,10 @@ class DPEngine:
             device or "cpu",
             max_model_len=sched_config.max_model_len,
             max_num_seqs=sched_config.max_num_seqs,
+            decode_batch_sizes=capture_sizes(sched_config.max_num_seqs) if graphs else None,
         )
+        if graphs:
+            self.runner.decode_step = ReplayedDecode(self.runner.decode_logits, graphs, self.log)
         self.runner.sampler.native = self.backends.sampler.decode == "native"
         self.scheduler = Scheduler(sched_config, vote=self.vote)
         self.wake = (
@@ -351,6 +356,20 @@ class DPEngine:
             backends=self.backends,
             max_decode_tokens=sched_config.max_num_seqs,
         )
+
+    def _cuda_graphs(self, device) -> str | None:
+        """The `cuda_graphs` mode decode steps run in ("on" | "auto"), or None for the eager
+        forward; ValueError for `on` where graphs cannot run (decode_graphs.graphs_refusal)."""
+        mode = self.config.cuda_graphs
+        if mode == "off":
+            return None
+        refusal = graphs_refusal(device, self.group_size, self.config.moe.enable_eplb)
+        if refusal is None:
+            return mode
+        if mode == "on":
+            raise ValueError(f"cuda_graphs is 'on', but {refusal}; set it to auto or off")
+        self.log.info("cuda_graphs auto: off (%s)", refusal)
+        return None
 
     def _make_balancer(self) -> ExpertBalancer:
         """EPLB on this rank (engine/eplb.py); collective (the nodes the group spans, the

@@ -11,7 +11,7 @@ must join; only a step the whole group knows to be empty (``known_empty``) skips
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,6 +68,11 @@ class ModelRunner:
         self.max_columns = None if max_model_len is None else -(-max_model_len // block_size)
         self.device = torch.device(device)
         self.sampler = Sampler()  # the engine sets `native` from its sampler_backend
+        # What runs a decode step's forward over the persistent buffers: `decode_logits`, or
+        # its replay from CUDA graphs (the engine sets that, engine/decode_graphs.py).
+        self.decode_step: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor] = (
+            self.decode_logits
+        )
         self.decode_inputs: DecodeInputs | None = None
         if decode_batch_sizes and (max_num_seqs is None or self.max_columns is None):
             raise ValueError("decode_batch_sizes needs max_model_len and max_num_seqs")
@@ -109,7 +114,7 @@ class ModelRunner:
         if not outputs.is_prefill and seqs and self.decode_inputs is not None:
             tables = [seq.block_table for seq in seqs]
             ids, decode_attn = self.decode_inputs.fill(input_ids, tables, cached)
-            logits = self.decode_logits(ids, decode_attn)[: len(seqs)]
+            logits = self.decode_step(ids, decode_attn)[: len(seqs)]
             return self._sample_all(logits, seqs, requests)
         attn = self._metadata(seqs, cached, new, outputs)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
