@@ -2,7 +2,9 @@
 # The CUDA/NCCL path, checked on a machine with a GPU (never in CI, which has none): the same
 # greedy job at DP=1 under torchrun, once on the CPU (gloo) and once on the GPU (NCCL), with
 # small budgets so prompts are chunked and ride in mixed steps; their tokens are compared. Then
-# scripts/bench_mixed_step.py on the GPU: what a prompt chunk costs inside a decode step there.
+# the GPU job again with decode steps replayed from CUDA graphs (cuda_graphs on), whose tokens
+# must equal the eager GPU run's, and scripts/bench_mixed_step.py on the GPU: what a prompt
+# chunk costs inside a decode step there.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # python3 on PATH, or $PYTHON; exit 1 on mismatch
 set -uo pipefail
@@ -36,6 +38,16 @@ sys.exit(0 if same == len(cpu) == len(gpu) else 1)
 PY
 status=$?
 if "$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
+    # Decode steps replayed from CUDA graphs (cuda_graphs on): the eager GPU run's tokens.
+    echo "== GPU (NCCL), CUDA graphs on"
+    "$py" "${job[@]}" --set cuda_graphs=on --output "$out/gpu_graphs.jsonl" || status=1
+    "$py" - "$out/gpu.jsonl" "$out/gpu_graphs.jsonl" <<'PY' || status=1
+import json, sys
+eager, graphs = ([json.loads(line) for line in open(path)] for path in sys.argv[1:3])
+same = sum(a["output_token_ids"] == b["output_token_ids"] for a, b in zip(eager, graphs))
+print(f"graphs on: tokens equal to the eager GPU run on {same} of {len(eager)} requests")
+sys.exit(0 if same == len(eager) == len(graphs) else 1)
+PY
     "$py" scripts/bench_mixed_step.py --device cuda --out "$out/mixed_step_cuda.json"
 fi
 exit $status
