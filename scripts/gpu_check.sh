@@ -40,7 +40,13 @@ status=$?
 if "$py" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
     # Decode steps replayed from CUDA graphs (cuda_graphs on): the eager GPU run's tokens.
     echo "== GPU (NCCL), CUDA graphs on"
-    "$py" "${job[@]}" --set cuda_graphs=on --output "$out/gpu_graphs.jsonl" || status=1
+    "$py" "${job[@]}" --set cuda_graphs=on --output "$out/gpu_graphs.jsonl" 2>&1 \
+        | tee "$out/gpu_graphs.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    # A capture that fails falls back to the eager forward with a warning: that is a failure here.
+    if grep -q "cuda_graphs on: graphs off" "$out/gpu_graphs.log"; then
+        echo "graphs on: a capture failed, the steps ran eagerly (above)"; status=1
+    fi
     "$py" - "$out/gpu.jsonl" "$out/gpu_graphs.jsonl" <<'PY' || status=1
 import json, sys
 eager, graphs = ([json.loads(line) for line in open(path)] for path in sys.argv[1:3])

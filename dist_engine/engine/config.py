@@ -248,6 +248,8 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         for key, allowed in BACKEND_CHOICES.items():
             _choice(key, getattr(self, key), allowed)
+        if isinstance(self.cuda_graphs, bool):  # YAML reads a bare on / off as a boolean
+            object.__setattr__(self, "cuda_graphs", "on" if self.cuda_graphs else "off")
         _choice("cuda_graphs", self.cuda_graphs, CUDA_GRAPHS)
         if self.kv_cache_bytes is not None:
             _positive_int("kv_cache_bytes", self.kv_cache_bytes)

@@ -17,6 +17,7 @@ import logging
 
 import pytest
 import torch
+import yaml
 from model_fixtures import TINY_SIZES
 
 from dist_engine.attention.metadata import AttentionMetadata
@@ -201,6 +202,12 @@ def test_the_setting_and_vllm_enforce_eager() -> None:
     assert EngineConfig(model="m").cuda_graphs == "off"
     with pytest.raises(ValueError, match="cuda_graphs must be one of"):
         EngineConfig(model="m", cuda_graphs="yes")
+    # YAML (a config file, --set) reads a bare on / off as a boolean.
+    for text, mode in (("on", "on"), ("off", "off"), ("true", "on"), ("auto", "auto")):
+        assert (
+            EngineConfig.from_dict(yaml.safe_load(f"{{model: m, cuda_graphs: {text}}}")).cuda_graphs
+            == mode
+        )
     parser, _ = build_parser()
     args = parser.parse_args(["serve", "m", "--cuda-graphs", "auto"])
     assert getattr(args, "setting:cuda_graphs") == "auto"
