@@ -43,7 +43,8 @@ class LocalExperts(nn.Module):
 
     w13: [S, D, 2I] — gate_proj then up_proj, input-major (HF's [2I, D] transposed).
     w2:  [S, I, D]  — down_proj, input-major (HF's [D, I] transposed).
-    Weights start at zero; the checkpoint loader fills them through `MoELayer.load_expert`.
+    Weights start at zero, on `device` (None: torch's default, the CPU); the checkpoint
+    loader fills them through `MoELayer.load_expert`.
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class LocalExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if num_slots < 0 or hidden_size < 1 or intermediate_size < 1:
@@ -63,11 +65,11 @@ class LocalExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(
-            torch.zeros(num_slots, hidden_size, 2 * intermediate_size, dtype=dtype),
+            torch.zeros(num_slots, hidden_size, 2 * intermediate_size, dtype=dtype, device=device),
             requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            torch.zeros(num_slots, intermediate_size, hidden_size, dtype=dtype),
+            torch.zeros(num_slots, intermediate_size, hidden_size, dtype=dtype, device=device),
             requires_grad=False,
         )
 

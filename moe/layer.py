@@ -73,6 +73,7 @@ class MoELayer(nn.Module):
         dtype: torch.dtype = torch.float32,
         ll_max_tokens_per_rank: int = 256,
         count_expert_load: bool = False,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if placement.num_experts != num_experts:
@@ -99,7 +100,11 @@ class MoELayer(nn.Module):
         self.exchange = exchange
         self.ll_max_tokens_per_rank = ll_max_tokens_per_rank
         self.hosted_slots = placement.hosted_slots(rank)
-        self.experts = LocalExperts(len(self.hosted_slots), hidden_size, intermediate_size, dtype)
+        # On the target device from the start: a GPU rank never fills its experts on the host
+        # (DeepSeek-V3's are tens of GB per rank).
+        self.experts = LocalExperts(
+            len(self.hosted_slots), hidden_size, intermediate_size, dtype, device
+        )
         # The implementation of the expert side per dispatch mode (None: PyTorch's ops).
         self.expert_impls: dict[DispatchMode, ExpertImpl | None] = dict.fromkeys(DispatchMode)
         # Device copies of the replica maps: they follow `.to(device)`, so replica choice never

@@ -137,6 +137,7 @@ class MoEBlock(nn.Module):
             group=context.group,
             dtype=dtype,
             ll_max_tokens_per_rank=context.ll_max_tokens_per_rank,
+            device=device,
         )
         for mode, impl in (expert_impls or {}).items():
             self.experts.set_expert_impl(impl, mode)

@@ -131,7 +131,8 @@ class MoECausalLM(nn.Module):
         self.linear_kernel: LinearKernel | None = None  # the LM head's (use_linear_kernel)
         self.lm_head_packed: torch.Tensor | None = None  # a tied head's packed copy
         if device is not None:
-            # MoELayer takes no device argument; its expert weights are created on the CPU.
+            # The parameters are on `device` already; the MoE layers' small buffers (replica
+            # maps, counters) are made on the CPU and follow here.
             self.to(device)
 
     def use_linear_kernel(self, kernel: LinearKernel | None) -> None:

@@ -74,6 +74,15 @@ def test_load_expert_fills_every_replica() -> None:
         assert not layer.experts.w13[slot].any()
 
 
+def test_expert_weights_are_made_on_the_layer_device() -> None:
+    """On "meta" (a device no host memory backs): a GPU rank's experts never pass through the
+    host on the way to the device (DeepSeek-V3's are tens of GB per rank)."""
+    placement = ExpertPlacement.from_phy2log(list(range(NUM_EXPERTS)), NUM_EXPERTS, num_ranks=1)
+    layer = MoELayer(NUM_EXPERTS, HIDDEN, INTERMEDIATE, placement, device="meta")
+    assert layer.experts.w13.device.type == layer.experts.w2.device.type == "meta"
+    assert MoELayer(NUM_EXPERTS, HIDDEN, INTERMEDIATE, placement).experts.w13.device.type == "cpu"
+
+
 def test_layer_rejects_bad_construction_and_inputs() -> None:
     two_ranks = ExpertPlacement.even(NUM_EXPERTS, 2)
     with pytest.raises(ValueError, match=r"num_ranks=2 but the group has 1 rank"):
