@@ -3,8 +3,9 @@
 # greedy job at DP=1 under torchrun, once on the CPU (gloo) and once on the GPU (NCCL), with
 # small budgets so prompts are chunked and ride in mixed steps; their tokens are compared. Then
 # the GPU job again with decode steps replayed from CUDA graphs (cuda_graphs on), whose tokens
-# must equal the eager GPU run's, and scripts/bench_mixed_step.py on the GPU: what a prompt
-# chunk costs inside a decode step there.
+# must equal the eager GPU run's, scripts/bench_mixed_step.py on the GPU (what a prompt chunk
+# costs inside a decode step there), and scripts/bench_gpu_step.py (a DeepSeek-V2-Lite-shaped
+# bf16 decode step with CUDA graphs off and on: its time, host share and roofline).
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]        # python3 on PATH, or $PYTHON; exit 1 on mismatch
 set -uo pipefail
@@ -55,5 +56,8 @@ print(f"graphs on: tokens equal to the eager GPU run on {same} of {len(eager)} r
 sys.exit(0 if same == len(eager) == len(graphs) else 1)
 PY
     "$py" scripts/bench_mixed_step.py --device cuda --out "$out/mixed_step_cuda.json"
+    # A DeepSeek-V2-Lite-shaped bf16 decode step, graphs off and on: step time, host share,
+    # roofline (random weights drawn on the device; ~32 GB of GPU memory).
+    "$py" scripts/bench_gpu_step.py --out "$out/gpu_step.json" || status=1
 fi
 exit $status
