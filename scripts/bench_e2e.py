@@ -16,6 +16,9 @@ Contenders, all alive at once and run interleaved (one full workload each per ro
                      intervals (70 / 100); round-robin routing over the ranks. (The engine's
                      default policy is `deadline`; bench_sync.py compares the three.)
   ours dpN tuned   — the same with smaller prefill attempt intervals (offline batch setting).
+  ours dpN deadline — the engine's own defaults: `sync_policy: deadline` with mixed steps
+                     (prompt chunks riding in decode steps, `mixed_prompt_tokens` unset), what
+                     a job that sets no policy gets.
   ours dp1 … 1 core — DP=1 with `threads_per_rank=1`: the cores of one DP=2 rank (every other
                      rank of ours gets cpu_count // DP torch threads, so DP=1 and DP=2 both
                      use the whole machine).
@@ -64,7 +67,8 @@ from launcher.builtin import BUILTIN_MODEL
 from launcher.ray_launcher import connect_ray
 
 # These contenders compare the vote policy's attempt intervals (the shipped 70 / 100 against
-# 8 / 8), so they pin it: the default policy is now `deadline`, which has no such intervals.
+# 8 / 8), so they pin it; the `deadline` contenders (the engine's default policy, which has no
+# such intervals) set none.
 DEFAULT_INTERVALS = {
     "sync_policy": "vote",
     "prefill_attempt_interval": 70,
@@ -330,6 +334,9 @@ def build_contenders(model_dir: Path, args: argparse.Namespace) -> dict[str, Con
             contenders[f"ours dp{dp} {label}"] = Ours(model_dir, dp, settings)
         one_core = {**settings, "threads_per_rank": 1}
         contenders[f"ours dp1 {label} 1 core"] = Ours(model_dir, 1, one_core)
+    shipped = engine_settings(args.max_num_seqs, max_len, {})
+    for dp in (1, 2):
+        contenders[f"ours dp{dp} deadline"] = Ours(model_dir, dp, shipped)
     # DP=2's all-to-alls on the gloo group instead of shared memory (what a multi-host group
     # gets), to show what the exchange is worth end to end.
     gloo = {
@@ -376,6 +383,8 @@ def main() -> None:
         "tuned_equals_default": agreement(results, "ours dp1 default", "ours dp1 tuned"),
         "gloo_equals_shared_memory": agreement(results, "ours dp2 tuned", "ours dp2 tuned gloo"),
         "hf_agreement": agreement(results, "ours dp1 default", baseline),
+        "deadline_equals_default": agreement(results, "ours dp1 default", "ours dp1 deadline"),
+        "deadline_dp2_equals_dp1": agreement(results, "ours dp1 deadline", "ours dp2 deadline"),
     }
     print(
         f"{args.requests} requests, prompts {args.prompt_len}, outputs {args.output_len}, "
@@ -400,6 +409,9 @@ def target_ratios(rows: dict[str, dict[str, Any]], baseline: str) -> dict[str, f
         ratios[f"dp1 {label} / {baseline} (target 3)"] = dp1 / rows[baseline]["tok_s"]
         ratios[f"dp2 / dp1 {label} (target 1.6)"] = dp2 / dp1
         ratios[f"dp2 / dp1 {label} 1 core (target 1.6)"] = dp2 / one_core
+    dp1, dp2 = rows["ours dp1 deadline"]["tok_s"], rows["ours dp2 deadline"]["tok_s"]
+    ratios[f"dp1 deadline / {baseline} (target 3)"] = dp1 / rows[baseline]["tok_s"]
+    ratios["dp2 / dp1 deadline (target 1.6)"] = dp2 / dp1
     return ratios
 
 
