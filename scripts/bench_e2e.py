@@ -359,7 +359,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(2)
     workload = make_workload(args.requests, args.seed, args.prompt_len, args.output_len)
-    connect_ray(num_cpus=10)  # logical CPUs: every contender's actors stay up at once
+    connect_ray(num_cpus=13)  # logical CPUs: every contender's ranks stay up at once (13)
     import ray
 
     with tempfile.TemporaryDirectory() as tmp:
