@@ -196,6 +196,9 @@ class RankStats:
     # has not answered for this many seconds.
     silent_s: float = 0.0
     experts: RankExpertStats | None = None  # EPLB's, when enabled
+    # The longest prompt plus output this rank takes: scheduler.max_model_len as the group
+    # resolved it (an unset one is the model's, capped by the pool; every rank agrees).
+    max_model_len: int | None = None
 
 
 def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:
@@ -227,4 +230,5 @@ def rank_stats(engine: DPEngine, error: str | None = None) -> RankStats:
         num_shared_prompt_tokens=pool.num_shared_prompt_tokens,
         error=error,
         experts=engine.balancer.snapshot() if engine.balancer is not None else None,
+        max_model_len=scheduler.config.max_model_len,
     )

@@ -27,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dist_engine.engine.config import EngineConfig
+from dist_engine.errors import LockstepError
 from dist_engine.log import LOGGER_NAME, get_logger
 from dist_engine.models.registry import load_config
 from launcher.clients import Client
@@ -70,6 +71,22 @@ _PREPARE_WORKERS = 2
 _ACCESS_LOG_TARGET_CHARS = 200
 
 
+def group_max_model_len(client: Client, engine_config: EngineConfig) -> int:
+    """The group's max_model_len: the configured one, or, when the config leaves it unset,
+    the one the ranks resolved at start-up (the model's, capped by the KV pool; the ranks
+    agree on it), which they report in their stats."""
+    configured = engine_config.scheduler.max_model_len
+    if configured is not None:
+        return configured
+    resolved = {stats.max_model_len for stats in client.stats()} - {None}
+    if len(resolved) != 1:
+        raise LockstepError(
+            f"the ranks did not report one max_model_len (got {sorted(resolved)}); "
+            f"set scheduler.max_model_len"
+        )
+    return resolved.pop()
+
+
 class LockstepServer:
     def __init__(self, client: Client, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.config = config
@@ -80,7 +97,7 @@ class LockstepServer:
         model_config = load_config(model_dir)
         self.limits = ModelLimits(
             served_model_name=name,
-            max_model_len=engine_config.scheduler.max_model_len,
+            max_model_len=group_max_model_len(client, engine_config),
             vocab_size=model_config.vocab_size,
             num_ranks=client.num_ranks,
             tokenizer=ModelTokenizer.load(tokenizer_dir, chat_template=config.chat_template_text()),

@@ -330,6 +330,27 @@ def test_models_lists_the_served_model(server, client):
     assert model.id == server.model and model.owned_by == "lockstep"
 
 
+def test_a_server_without_max_model_len_takes_the_groups(model_dir):
+    """`lockstep serve MODEL` with max_model_len unset: the ranks resolve it (the model's
+    4,096 positions, capped by a pool of 63 usable blocks of 8 = 504 tokens) and the server
+    checks requests against that (it once read the unset value and failed at start-up)."""
+    engine = {**ENGINE, "scheduler": {"max_num_seqs": 8, "num_blocks": 64, "block_size": 8}}
+    config = EngineConfig.from_dict({"model": model_dir, **engine})
+    assert config.scheduler.max_model_len is None
+    instance = ServerThread(config, ServerConfig(port=0))
+    try:
+        client = openai.OpenAI(base_url=f"{instance.url}/v1", api_key="none", max_retries=0)
+        assert instance.server.limits.max_model_len == 504
+        (model,) = client.models.list().data
+        assert model.max_model_len == 504
+        reply = client.completions.create(model=model.id, prompt=[5, 6, 7], max_tokens=4, **GREEDY)
+        assert len(reply.choices[0].token_ids) == 4
+        with pytest.raises(openai.BadRequestError, match="max_model_len is 504"):
+            client.completions.create(model=model.id, prompt=[7] * 504, max_tokens=1)
+    finally:
+        instance.stop()
+
+
 def metric_values(text: str) -> dict[tuple[str, tuple], float]:
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
