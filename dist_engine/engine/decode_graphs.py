@@ -42,7 +42,6 @@ import torch
 
 from dist_engine.attention.metadata import AttentionMetadata
 
-CUDA_GRAPH_MODES = ("off", "auto", "on")
 DecodeForward = Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
 _AUTO_RUNS = 5  # timed runs of each, eager and replayed, at the `auto` decision
 
@@ -79,17 +78,21 @@ class DecodeGraph(Protocol):
     def replay(self) -> torch.Tensor: ...
 
 
-GraphFactory = Callable[[DecodeForward, torch.Tensor, AttentionMetadata], DecodeGraph]
+# (forward, ids, attn, shared) -> a captured graph; `shared` is one dict per ReplayedDecode,
+# for what its graphs share (the CUDA graphs' memory pool).
+GraphFactory = Callable[[DecodeForward, torch.Tensor, AttentionMetadata, dict], DecodeGraph]
 
 
 class CudaDecodeGraph:
-    """A CUDA graph of `forward(ids, attn)`, captured into a pool shared by every size."""
+    """A CUDA graph of `forward(ids, attn)`, captured into the memory pool of `shared`, which
+    every size of one runner shares (its graphs replay one at a time, each output read before
+    the next replay); another runner's graphs get a pool of their own."""
 
-    _pool: tuple[int, int] | None = None
-
-    def __init__(self, forward: DecodeForward, ids: torch.Tensor, attn: AttentionMetadata):
-        if CudaDecodeGraph._pool is None:
-            CudaDecodeGraph._pool = torch.cuda.graph_pool_handle()
+    def __init__(
+        self, forward: DecodeForward, ids: torch.Tensor, attn: AttentionMetadata, shared: dict
+    ):
+        if "pool" not in shared:
+            shared["pool"] = torch.cuda.graph_pool_handle()
         # Warm up off the capture (lazy initialisation, library workspaces, autotuning) on a
         # side stream, as a capture needs; it writes this step's K/V, which the replay writes
         # again with the same values.
@@ -100,9 +103,7 @@ class CudaDecodeGraph:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls from the process's other threads do not void the capture.
-        with torch.cuda.graph(
-            self.graph, pool=CudaDecodeGraph._pool, capture_error_mode="thread_local"
-        ):
+        with torch.cuda.graph(self.graph, pool=shared["pool"], capture_error_mode="thread_local"):
             self.output = forward(ids, attn)
 
     def replay(self) -> torch.Tensor:
@@ -132,6 +133,7 @@ class ReplayedDecode:
         self.make_graph = make_graph
         self.synchronize = synchronize
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self.shared: dict = {}  # what this runner's graphs share (make_graph's `shared`)
         self.enabled: bool | None = True if mode == "on" else None  # auto: decided at first use
         self.decision = "graphs on (set)" if mode == "on" else ""
 
@@ -144,7 +146,8 @@ class ReplayedDecode:
             if self.enabled is None:
                 return self._decide(key, ids, attn)
             try:
-                graph = self.graphs[key] = self.make_graph(self.forward, ids, attn)
+                graph = self.make_graph(self.forward, ids, attn, self.shared)
+                self.graphs[key] = graph
             except Exception as error:  # the step still runs, eagerly, and so do the next
                 why = f"capturing a decode step of batch {key[0]}, {key[1]} block columns failed"
                 return self._off(f"{why}: {error!r}", ids, attn, True)
@@ -153,7 +156,7 @@ class ReplayedDecode:
     def _decide(self, key: tuple[int, int], ids: torch.Tensor, attn: AttentionMetadata):
         """`auto`'s one decision, at the first decode step; returns that step's logits."""
         try:
-            graph = self.make_graph(self.forward, ids, attn)
+            graph = self.make_graph(self.forward, ids, attn, self.shared)
             replayed = graph.replay().clone()
             eager = self.forward(ids, attn)
         except Exception as error:  # a capture that fails leaves the eager forward

@@ -36,7 +36,7 @@ LOG = logging.getLogger("lockstep.test_decode_graphs")
 class RerunGraph:
     """A stand-in CUDA graph: replay reruns the forward on the captured tensors."""
 
-    def __init__(self, forward, ids: torch.Tensor, attn: AttentionMetadata) -> None:
+    def __init__(self, forward, ids: torch.Tensor, attn: AttentionMetadata, shared) -> None:
         self.forward, self.ids, self.attn = forward, ids, attn
         self.output = forward(ids, attn).clone()
         self.replays = 0
@@ -59,7 +59,7 @@ class WrongGraph(RerunGraph):
         return self.output + 1.0
 
 
-def failing_graph(forward, ids, attn):
+def failing_graph(forward, ids, attn, shared):
     raise RuntimeError("operation not permitted when stream is capturing")
 
 
