@@ -13,6 +13,8 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,6 +24,7 @@ from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.engine import DPEngine
 from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.stats import RankStats
+from dist_engine.errors import LockstepError
 from scheduler import SamplingParams
 
 
@@ -139,6 +142,43 @@ class StaleGroup(RuntimeError):
 
     def __init__(self, asked: int, running: int) -> None:
         super().__init__(f"group {asked} has been replaced by group {running}")
+
+
+# Who reads each client's outputs (`claim_outputs`): a client hands every output out once.
+_readers: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_readers_lock = threading.Lock()
+
+
+def claim_outputs(client: Any, reader: str) -> None:
+    """Make ``reader`` (an `LLM.generate` call, a server) the one reader of ``client``'s
+    outputs until `release_outputs`. `poll` hands each output to whoever polls first, so two
+    readers would each take, and drop, outputs of the other's requests and wait for them
+    forever; the second is refused at once instead (LockstepError, naming the first)."""
+    with _readers_lock:
+        holder = _readers.get(client)
+        if holder is not None:
+            raise LockstepError(
+                f"{reader} cannot read this DP group's outputs while {holder} reads them (each "
+                f"output goes to one reader); finish or close that first, or send the requests "
+                f"through it. LLM is not thread-safe, as vLLM's is not."
+            )
+        _readers[client] = reader
+
+
+def release_outputs(client: Any, reader: str) -> None:
+    with _readers_lock:
+        if _readers.get(client) == reader:
+            del _readers[client]
+
+
+@contextlib.contextmanager
+def reading_outputs(client: Any, reader: str) -> Iterator[None]:
+    """`claim_outputs` for the block."""
+    claim_outputs(client, reader)
+    try:
+        yield
+    finally:
+        release_outputs(client, reader)
 
 
 class OutputBuffer:

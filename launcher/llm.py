@@ -63,7 +63,7 @@ from dist_engine.engine.stats import ExpertStats, group_expert_stats
 from dist_engine.errors import GroupFailedError, LockstepError
 from dist_engine.log import get_logger
 from dist_engine.models.loader import check_checkpoint
-from launcher.clients import Client, LocalClient, RankFailure, Submission
+from launcher.clients import Client, LocalClient, RankFailure, Submission, reading_outputs
 from launcher.flags import VLLM_KEYWORDS
 from launcher.generation_config import GenerationDefaults, load_generation_defaults, with_eos_ids
 from launcher.healing import (
@@ -430,6 +430,15 @@ class LLM:
         return RecoveryBudget(self.config.parallel.max_recoveries_per_hour)
 
     def _run(
+        self, requests: list[_Prompt], *, stream: bool
+    ) -> Iterator[tuple[int, int, RequestOutput, SampleText]]:
+        """`_run_reading`, as the one reader of the group's outputs (`claim_outputs`): a second
+        call while this one runs (another thread, an unfinished stream, a server over this
+        LLM's group) is refused before it submits anything."""
+        with reading_outputs(self.client, "LLM.generate"):
+            yield from self._run_reading(requests, stream=stream)
+
+    def _run_reading(
         self, requests: list[_Prompt], *, stream: bool
     ) -> Iterator[tuple[int, int, RequestOutput, SampleText]]:
         """Submit every prompt's samples, then yield (prompt index, sample index, output, its

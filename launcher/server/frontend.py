@@ -53,7 +53,14 @@ from typing import Any, Protocol
 from dist_engine.engine.outputs import ErrorKind, RequestOutput
 from dist_engine.engine.stats import RankStats
 from dist_engine.log import get_logger
-from launcher.clients import Client, RankFailure, StaleGroup, Submission
+from launcher.clients import (
+    Client,
+    RankFailure,
+    StaleGroup,
+    Submission,
+    claim_outputs,
+    release_outputs,
+)
 from launcher.healing import (
     DriverSeeds,
     GroupFault,
@@ -201,6 +208,7 @@ class EngineFrontend:
     # -- lifetime ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start the poller and the courier; call from the event loop that will serve."""
+        claim_outputs(self.client, "a LockstepServer")  # released by close()
         self._loop = asyncio.get_running_loop()
         self._idle.set()
         threads = [(self._poll_loop, (), "poller"), (self._monitor_loop, (), "monitor")]
@@ -242,6 +250,7 @@ class EngineFrontend:
         for commands in self._commands:
             commands.put(None)
         await _in_thread(lambda: [thread.join(5.0) for thread in self._threads])
+        release_outputs(self.client, "a LockstepServer")
         if self._ranks_stopping.is_set():  # a failure began stopping the ranks: let it finish
             await _in_thread(lambda: self._ranks_down.wait(120.0))
         await _in_thread(self._shutdown_client)
