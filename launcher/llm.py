@@ -76,6 +76,7 @@ from launcher.healing import (
 )
 from launcher.routing import Router
 from launcher.samples import Piece, SampleText, rank_params
+from launcher.server.protocol import chat_messages
 from launcher.server.tokenization import ModelTokenizer, check_tokenizer_dir
 from scheduler import SamplingParams
 
@@ -242,6 +243,43 @@ class LLM:
         """
         finals = dict(self.generate_as_completed(prompts, sampling_params, dp_rank, use_tqdm))
         return [finals[i] for i in range(len(finals))]
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        dp_rank: int | Sequence[int | None] | None = None,
+    ) -> list[Completion]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages, each with a ``role`` and a
+        string or text-part ``content``) or a list of them, each rendered by the model's chat
+        template and generated as `generate` does; the prompt is what the server's
+        /v1/chat/completions makes of the same messages, so the tokens are the same.
+        ``chat_template_kwargs`` reach the template (e.g. ``enable_thinking``). ValueError
+        without a tokenizer or a chat template, or for a message that is not one."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer; this model has none")
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.render_chat(
+                chat_messages(conversation),
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, dp_rank, use_tqdm)
+
+    def get_tokenizer(self) -> ModelTokenizer | None:
+        """vLLM's: the tokenizer prompts are encoded and outputs decoded with (`llm.tokenizer`;
+        `encode`, `decode`, `token_to_id`, `render_chat`), or None for a model without one."""
+        return self.tokenizer
 
     def generate_as_completed(
         self,

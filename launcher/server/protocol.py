@@ -683,6 +683,15 @@ def _one_prompt(
     return tokens
 
 
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """A conversation as the chat template gets it (`_messages`), for callers outside a
+    request (`LLM.chat`); ValueError naming the message that is wrong."""
+    try:
+        return _messages({"messages": messages})
+    except RequestError as error:
+        raise ValueError(str(error)) from None
+
+
 def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The conversation for the chat template: each message's content as one string (text
     parts joined); its other fields (name, tool_calls, tool_call_id, ...) passed on as they are,

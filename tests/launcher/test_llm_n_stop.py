@@ -375,3 +375,29 @@ def test_a_rank_refuses_front_end_fields(llm):
     assert "stop=['x']" in ended["rank-stop"].finish_reason
     (after,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert after.finish_reason == "length"  # the rank serves on
+
+
+def test_chat_gives_the_servers_chat_tokens(llm, client):
+    """vLLM's `LLM.chat`: a conversation (or a list of them) through the chat template, as
+    /v1/chat/completions renders it; greedy tokens equal the server's for the same messages."""
+    conversations = [
+        [{"role": "user", "content": "Once upon a time"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+        ],
+    ]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    (single,) = llm.chat(conversations[0], params, use_tqdm=False)
+    assert single.outputs[0].token_ids == outputs[0].outputs[0].token_ids
+    for conversation, output in zip(conversations, outputs, strict=True):
+        reply = client.chat.completions.create(
+            model="tiny", messages=conversation, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        assert output.outputs[0].token_ids == reply.choices[0].token_ids
+        assert len(output.prompt_token_ids) == reply.usage.prompt_tokens
+    assert llm.get_tokenizer() is llm.tokenizer
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role must be one of"):
+        llm.chat([{"role": "robot", "content": "hi"}], params, use_tqdm=False)
