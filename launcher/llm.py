@@ -407,8 +407,7 @@ class LLM:
     def _prepare(self, prompts, sampling_params, dp_rank) -> list[_Prompt]:
         if self.closed:
             raise LockstepError("this LLM is shut down; start a new one")
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise ValueError("prompts must be a list of strings or of token-id lists")
+        prompts = _prompt_list(prompts)
         count = len(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -437,7 +436,7 @@ class LLM:
         # draws them all alike).
         return [
             self._named(self._tokens(prompt), param, pin, prompt)
-            for prompt, param, pin in zip(prompts, params, pins, strict=True)
+            for prompt, param, pin in zip(map(_unwrapped, prompts), params, pins, strict=True)
         ]
 
     def _named(
@@ -902,6 +901,37 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
         return list(value)
     return [value] * count
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """`generate`'s prompts as a list, taken as vLLM takes them: a list of prompts, or one
+    prompt (a string, a list of token ids, a `{"prompt": text}` or
+    `{"prompt_token_ids": ids}` dict)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise ValueError(
+            "prompts must be a prompt or a list of them: strings, token-id lists, or "
+            f'{{"prompt": text}} / {{"prompt_token_ids": ids}} dicts; got {type(prompts).__name__}'
+        )
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]  # one prompt's token ids
+    return list(prompts)
+
+
+def _unwrapped(prompt: Any) -> str | Sequence[int]:
+    """A prompt's text or token ids (vLLM's TextPrompt / TokensPrompt dicts unwrapped)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], Sequence):
+        return prompt["prompt_token_ids"]
+    raise ValueError(
+        f'a dict prompt takes "prompt" (text) or "prompt_token_ids" alone; got keys '
+        f"{sorted(keys)} (no multi-modal data or embeddings here)"
+    )
 
 
 def _load_tokenizer(directory: str) -> ModelTokenizer | None:

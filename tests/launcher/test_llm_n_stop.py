@@ -401,3 +401,29 @@ def test_chat_gives_the_servers_chat_tokens(llm, client):
     assert llm.get_tokenizer() is llm.tokenizer
     with pytest.raises(ValueError, match=r"messages\[0\]\.role must be one of"):
         llm.chat([{"role": "robot", "content": "hi"}], params, use_tqdm=False)
+
+
+def test_prompts_as_vllm_takes_them(llm):
+    """One prompt or a list; text, token ids, or vLLM's {"prompt"} / {"prompt_token_ids"}."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ids = llm.tokenizer.encode(TEXT)
+    (expected,) = llm.generate([ids], params, use_tqdm=False)
+    for given in (
+        TEXT,
+        ids,
+        {"prompt": TEXT},
+        {"prompt_token_ids": ids},
+        [{"prompt": TEXT}],
+        [{"prompt_token_ids": ids}, TEXT],
+    ):
+        outputs = llm.generate(given, params, use_tqdm=False)
+        assert len(outputs) == (2 if isinstance(given, list) and len(given) == 2 else 1), given
+        for output in outputs:
+            assert output.outputs[0].token_ids == expected.outputs[0].token_ids, given
+            assert output.prompt_token_ids == ids
+    (text_output,) = llm.generate({"prompt": TEXT}, params, use_tqdm=False)
+    assert text_output.prompt == TEXT  # vLLM's `prompt`: the text, when text was given
+    with pytest.raises(ValueError, match="multi-modal"):
+        llm.generate({"prompt": TEXT, "multi_modal_data": {}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts must be a prompt or a list"):
+        llm.generate(42, params, use_tqdm=False)
