@@ -181,20 +181,46 @@ def reading_outputs(client: Any, reader: str) -> Iterator[None]:
         release_outputs(client, reader)
 
 
-class OutputBuffer:
-    """Outputs of one engine, collected on its loop thread and handed out in batches."""
+# How long a take that woke inside a step's burst of outputs waits for the burst's end.
+_BURST_WAIT_S = 0.005
 
-    def __init__(self) -> None:
+
+class OutputBuffer:
+    """Outputs of one engine, collected on its loop thread and handed out in batches.
+
+    A step emits its outputs in one burst (`begin_burst` .. `end_burst`, the engine's
+    `output_burst` hooks). A take that wakes at the burst's first output waits for its end
+    (at most `_BURST_WAIT_S`) and takes the whole step's outputs at once: a take that woke
+    at once took ~2 of 3 of them here and left the rest for another take (for a Ray rank
+    another actor call, ~2 ms of CPU between the two ends). Nothing waits to be put: an
+    output outside a burst is taken as soon as it comes, and one inside it as soon as the
+    burst ends (or `burst_wait_s` after the take woke)."""
+
+    def __init__(self, burst_wait_s: float = _BURST_WAIT_S) -> None:
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self._burst = threading.Condition()
+        self._in_burst = False
+        self._burst_wait_s = burst_wait_s
 
     def put(self, output: RequestOutput) -> None:
         self._queue.put(output)
+
+    def begin_burst(self) -> None:
+        with self._burst:
+            self._in_burst = True
+
+    def end_burst(self) -> None:
+        with self._burst:
+            self._in_burst = False
+            self._burst.notify_all()
 
     def take(self, timeout_s: float) -> list[RequestOutput]:
         try:
             first = self._queue.get(timeout=timeout_s)
         except queue.Empty:
             return []
+        with self._burst:
+            self._burst.wait_for(lambda: not self._in_burst, self._burst_wait_s)
         items = [first]
         while True:
             try:
@@ -270,6 +296,7 @@ class EngineHost:
             torch.set_num_threads(config.parallel.threads_per_rank or torch.get_num_threads())
             self.num_threads = torch.get_num_threads()
             self.engine = DPEngine(config, dist_ctx, on_output=self.outputs.put, join_as=join_as)
+            self.engine.output_burst = (self.outputs.begin_burst, self.outputs.end_burst)
             if self._rejoinable:
                 self.engine.rejoin = self._await_group
                 self.engine.on_joined = self._joined.set

@@ -217,6 +217,9 @@ class DPEngine:
             else LocalWake()
         )
         self.on_output = on_output
+        # Called around each step's outputs (begin, end), so a reader can take them as one
+        # batch (launcher/clients.py, OutputBuffer); None: not told.
+        self.output_burst: tuple[Callable[[], None], Callable[[], None]] | None = None
         # Set by the engine's host where a failed group may be re-formed around this rank
         # (Ray, `on_rank_failure: heal`): the loop then abandons the failed step, keeps its
         # requests and KV, and goes on in the new group (`_rejoin_after`).
@@ -663,8 +666,15 @@ class DPEngine:
         self._in_flight = None
         finished = sched.process_outputs(outputs, tokens)
         self._advance_grammars(outputs.scheduled_seqs)
-        self._emit_stream(outputs.scheduled_seqs)
-        self._emit_all(finished)
+        begin, end = self.output_burst or (None, None)
+        if begin is not None:
+            begin()
+        try:
+            self._emit_stream(outputs.scheduled_seqs)
+            self._emit_all(finished)
+        finally:
+            if end is not None:
+                end()
         eplb = ""
         if self.balancer is not None and not outputs.known_empty:
             # After the outputs are out, so a rebalance decision never delays this step's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -77,3 +78,34 @@ def test_slots_that_do_not_split_over_the_ranks_are_refused_before_any_rank_star
         ValueError, match=r"moe.eplb_num_redundant_experts is 2: .*parallel.dp_size=3"
     ):
         LLM(model=model_dir, dp_size=3, enable_eplb=True, eplb_num_redundant_experts=2, **SETTINGS)
+
+
+def test_a_take_inside_a_burst_takes_the_whole_burst():
+    """A take that wakes at a step's first output waits for the burst's end and takes every
+    output of it; outside a burst it returns at once; a burst that does not end holds a take
+    only its bound (`burst_wait_s`, 5 ms by default; long here, so the order is certain)."""
+    from launcher.clients import OutputBuffer
+
+    buffer = OutputBuffer(burst_wait_s=30.0)
+    taken: list[list[str]] = []
+    taker = threading.Thread(target=lambda: taken.append(buffer.take(30.0)))
+    taker.start()
+    buffer.begin_burst()
+    buffer.put("a")  # wakes the taker, which waits for the burst's end
+    time.sleep(0.05)
+    assert taken == []
+    buffer.put("b")
+    buffer.put("c")
+    buffer.end_burst()
+    taker.join(30)
+    assert taken == [["a", "b", "c"]]
+    buffer.put("d")  # outside a burst: at once
+    start = time.perf_counter()
+    assert buffer.take(30.0) == ["d"]
+    assert time.perf_counter() - start < 5.0
+    bounded = OutputBuffer(burst_wait_s=0.05)
+    bounded.begin_burst()  # never ended: the take waits its bound, then takes what is there
+    bounded.put("e")
+    start = time.perf_counter()
+    assert bounded.take(30.0) == ["e"]
+    assert 0.04 <= time.perf_counter() - start < 5.0
