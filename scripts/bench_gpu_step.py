@@ -8,7 +8,7 @@
 The model is DeepSeek-V2-Lite's shape (27 layers, hidden 2048, MLA with a 512-wide latent, 64
 routed experts top-6 plus 2 shared, the first layer dense, vocabulary 102,400: ~15.7B
 parameters) in bfloat16, its weights random (drawn on the device, no checkpoint on disk). Its
-config.json is written as the hub publishes the model's and read by the engine's own loader.
+config.json is the hub's (`dist_engine.models.hub_configs`), read by the engine's own loader.
 `--shape tiny` is the same structure at toy sizes, to run this script on a CPU.
 
 Per batch size B, B sequences of `--context` cached tokens decode: the real ModelRunner's decode
@@ -50,62 +50,13 @@ from machine import processor  # noqa: E402
 
 from dist_engine.engine.decode_graphs import ReplayedDecode, capture_sizes  # noqa: E402
 from dist_engine.engine.runner import ModelRunner  # noqa: E402
+from dist_engine.models.hub_configs import DEEPSEEK_V2_LITE_HUB  # noqa: E402
 from dist_engine.models.loader import build_model  # noqa: E402
 from dist_engine.models.registry import load_config  # noqa: E402
 
-# DeepSeek-V2-Lite's config.json as the hub publishes it (the fields this engine reads, in the
-# names transformers 5 writes), and the same structure at toy sizes.
-V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "vocab_size": 102400,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "n_shared_experts": 2,
-    "n_routed_experts": 64,
-    "routed_scaling_factor": 1.0,
-    "kv_lora_rank": 512,
-    "q_lora_rank": None,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "qk_nope_head_dim": 128,
-    "topk_method": "greedy",
-    "n_group": 1,
-    "topk_group": 1,
-    "num_experts_per_tok": 6,
-    "moe_layer_freq": 1,
-    "first_k_dense_replace": 1,
-    "norm_topk_prob": False,
-    "scoring_func": "softmax",
-    "hidden_act": "silu",
-    "max_position_embeddings": 163840,
-    "initializer_range": 0.02,
-    "rms_norm_eps": 1e-06,
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 40.0,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-    },
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 100000,
-    "eos_token_id": 100001,
-    "pad_token_id": None,
-    "tie_word_embeddings": False,
-    "use_cache": True,
-    "dtype": "bfloat16",
-}
+# DeepSeek-V2-Lite's config.json as the hub publishes it, and the same structure at toy sizes.
 TINY = {
-    **V2_LITE,
+    **DEEPSEEK_V2_LITE_HUB,
     "vocab_size": 2048,
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -120,7 +71,7 @@ TINY = {
     "qk_nope_head_dim": 32,
     "v_head_dim": 32,
 }
-SHAPES = {"v2-lite": V2_LITE, "tiny": TINY}
+SHAPES = {"v2-lite": DEEPSEEK_V2_LITE_HUB, "tiny": TINY}
 HBM_TBPS = {"H200": 4.8, "H100": 3.35}  # by the device's name: its memory's peak bandwidth
 BLOCK_SIZE = 16
 

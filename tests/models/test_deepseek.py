@@ -20,6 +20,7 @@ from dist_engine.attention.mla_torch import TorchMLA
 from dist_engine.backends import Backends, RegimeChoice, resolve_backends
 from dist_engine.layers.linear import Linear, onednn_serves
 from dist_engine.models.block_fp8 import BlockFP8Format
+from dist_engine.models.hub_configs import DEEPSEEK_V2_LITE_HUB, DEEPSEEK_V3_HUB
 from dist_engine.models.loader import load_model
 from dist_engine.models.make_model import make_tiny_checkpoint
 from dist_engine.models.registry import load_config, parse_config
@@ -251,86 +252,6 @@ def test_latent_spec_counts() -> None:
 
 
 # -- config.json ------------------------------------------------------------------------------
-DEEPSEEK_V3_HUB = {  # deepseek-ai/DeepSeek-V3's config.json (transformers 4.x spelling)
-    "model_type": "deepseek_v3",
-    "vocab_size": 129280,
-    "hidden_size": 7168,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61,
-    "num_nextn_predict_layers": 1,
-    "num_attention_heads": 128,
-    "num_key_value_heads": 128,
-    "n_shared_experts": 1,
-    "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "qk_nope_head_dim": 128,
-    "topk_method": "noaux_tc",
-    "n_group": 8,
-    "topk_group": 4,
-    "num_experts_per_tok": 8,
-    "moe_layer_freq": 1,
-    "first_k_dense_replace": 3,
-    "norm_topk_prob": True,
-    "scoring_func": "sigmoid",
-    "hidden_act": "silu",
-    "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 10000,
-    "rope_scaling": {
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "factor": 40,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "original_max_position_embeddings": 4096,
-        "type": "yarn",
-    },
-    "tie_word_embeddings": False,
-    "eos_token_id": 1,
-    "attention_bias": False,
-}
-DEEPSEEK_V2_LITE_HUB = {  # deepseek-ai/DeepSeek-V2-Lite
-    **{k: DEEPSEEK_V3_HUB[k] for k in ("hidden_act", "rope_theta", "tie_word_embeddings")},
-    "model_type": "deepseek_v2",
-    "vocab_size": 102400,
-    "hidden_size": 2048,
-    "intermediate_size": 10944,
-    "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "n_shared_experts": 2,
-    "n_routed_experts": 64,
-    "routed_scaling_factor": 1.0,
-    "kv_lora_rank": 512,
-    "q_lora_rank": None,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "qk_nope_head_dim": 128,
-    "topk_method": "greedy",
-    "n_group": 1,
-    "topk_group": 1,
-    "num_experts_per_tok": 6,
-    "moe_layer_freq": 1,
-    "first_k_dense_replace": 1,
-    "norm_topk_prob": False,
-    "scoring_func": "softmax",
-    "max_position_embeddings": 163840,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {
-        **DEEPSEEK_V3_HUB["rope_scaling"],
-        "mscale": 0.707,
-        "mscale_all_dim": 0.707,
-    },
-    "eos_token_id": 100001,
-}
-
-
 FP8 = {  # deepseek-ai/DeepSeek-V3's quantization_config
     "activation_scheme": "dynamic",
     "fmt": "e4m3",
