@@ -75,7 +75,7 @@ from launcher.healing import (
     is_group_failure,
 )
 from launcher.routing import Router
-from launcher.samples import Piece, SampleText, rank_params
+from launcher.samples import Piece, SampleText, rank_params, with_bad_words
 from launcher.server.protocol import chat_messages
 from launcher.server.tokenization import ModelTokenizer, check_tokenizer_dir
 from scheduler import SamplingParams
@@ -425,6 +425,7 @@ class LLM:
                 or not 0 <= pin < self.client.num_ranks
             ):
                 raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
+        params = [with_bad_words(p, self.tokenizer) for p in params]
         for param in params:
             if param.stop and self.tokenizer is None:
                 raise ValueError(
@@ -747,7 +748,14 @@ class LLM:
             index=index,
             # Bytes of a character that never completed at the end are left out, as the
             # server's text (and vLLM's) leaves them out.
-            text=text.text if self.tokenizer is not None and output.finished else None,
+            # detokenize=False: token ids only, the text empty (vLLM's).
+            text=(
+                None
+                if self.tokenizer is None or not output.finished
+                else text.text
+                if params.detokenize
+                else ""
+            ),
             token_ids=list(output.output_token_ids),
             finish_reason=output.finish_reason,
             cumulative_logprob=cumulative,

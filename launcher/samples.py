@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from dist_engine.engine.outputs import RequestOutput, TokenLogprob
 from launcher.server.tokenization import IncrementalDetokenizer, ModelTokenizer
 from scheduler import SamplingParams
+from scheduler.sampling_params import resolve_bad_words
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -42,6 +43,23 @@ def rank_params(params: SamplingParams, index: int = 0) -> SamplingParams:
     if front_end == (1, (), False) and seed == params.seed:
         return params
     return replace(params, n=1, stop=(), include_stop_str_in_output=False, seed=seed)
+
+
+def with_bad_words(params: SamplingParams, tokenizer: ModelTokenizer | None) -> SamplingParams:
+    """``params`` with its `bad_words` as the token-id sequences a rank masks (ValueError where
+    there is no tokenizer to encode them, or a word encodes to nothing)."""
+    if not params.bad_words:
+        return params
+    if tokenizer is None:
+        raise ValueError(
+            f"bad_words={list(params.bad_words)!r} are encoded with the model's tokenizer, and "
+            "this model has none (give token ids in bad_words_token_ids)"
+        )
+    sequences = resolve_bad_words(
+        params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False)
+    )
+    merged = tuple(dict.fromkeys(params.bad_words_token_ids + sequences))
+    return replace(params, bad_words_token_ids=merged)
 
 
 @dataclass(frozen=True)
@@ -83,9 +101,10 @@ class SampleText:
     def of(cls, params: SamplingParams, tokenizer: ModelTokenizer | None) -> SampleText:
         """The sample text of a request with ``params`` (its stop strings and stop ids)."""
         return cls(
-            tokenizer,
+            tokenizer if params.detokenize else None,
             params.stop,
             include_stop=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens,
             stop_token_ids=params.stop_token_ids,
         )
 

@@ -26,6 +26,10 @@ MAX_ABS_LOGIT_BIAS = 100.0
 # penalised logit finite in float32 even after the smallest temperature divides it.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
+# Bad words are matched in Python at every step of the request: at most this many token-id
+# sequences (vLLM's default limit, VLLM_MAX_NUM_BAD_WORDS) of this many ids each.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -80,11 +84,28 @@ class SamplingParams:
     # structured` builds from a JSON schema, a regex, a choice list or a Lark grammar); every
     # token is drawn from what the grammar allows next.
     grammar: str | None = None
+    # Token ids the sample may draw from (vLLM's `allowed_token_ids`): every other logit is
+    # masked. None: the whole vocabulary.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # `bad_words` as token-id sequences, which a rank applies: a sequence's last token is
+    # masked while the output ends with the rest of it (all of a one-token sequence always).
+    # The front end fills this from `bad_words` with the model's tokenizer (`resolve_bad_words`).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # Front-end fields: the `LLM` (launcher/llm.py) and the server apply them, never a rank
-    # (which refuses a request that still carries them, engine/request.py).
+    # (which refuses a request that still carries n or stop strings, engine/request.py).
     n: int = 1
     stop: str | list[str] | tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # Words the output must not contain, turned into `bad_words_token_ids` by the front end.
+    bad_words: tuple[str, ...] = ()
+    # How the front end turns tokens into text: ``detokenize=False`` leaves the text empty
+    # (token ids only; stop strings then cannot match, so they are refused);
+    # ``skip_special_tokens`` leaves special tokens out of it. ``spaces_between_special_tokens``
+    # is accepted for vLLM's sake: it concerns "slow" (Python) tokenizers, and the `tokenizers`
+    # library this front end decodes with has no such option (vLLM ignores it there too).
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens):
@@ -134,13 +155,48 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an int >= 1 (samples per prompt), got {self.n!r}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
-        if not isinstance(self.include_stop_str_in_output, bool):
-            value = self.include_stop_str_in_output
-            raise ValueError(f"include_stop_str_in_output must be a bool, got {value!r}")
+        for name in (
+            "include_stop_str_in_output",
+            "detokenize",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop={list(self.stop)!r} needs detokenize=True: stop strings are matched on "
+                "the text (stop_token_ids end a sample on token ids)"
+            )
+        if self.allowed_token_ids is not None:
+            ids = _id_sequence(self.allowed_token_ids, "allowed_token_ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)))
+        object.__setattr__(self, "bad_words", _bad_words(self.bad_words))
+        sequences = self.bad_words_token_ids
+        if isinstance(sequences, (str, bytes)) or not isinstance(sequences, (list, tuple)):
+            raise ValueError(
+                f"bad_words_token_ids must be a list of token id lists, got {sequences!r}"
+            )
+        if len(sequences) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"bad_words_token_ids holds {len(sequences)} sequences; at most {MAX_BAD_WORDS}"
+            )
+        sequences = tuple(_id_sequence(ids, "bad_words_token_ids") for ids in sequences)
+        if any(len(ids) > MAX_BAD_WORD_TOKENS for ids in sequences):
+            raise ValueError(
+                f"a bad word's token ids are at most {MAX_BAD_WORD_TOKENS}, got one of "
+                f"{max(map(len, sequences))}"
+            )
+        object.__setattr__(self, "bad_words_token_ids", sequences)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether the sampler reads the output token ids (penalties, bad words)."""
+        return self.uses_penalties or bool(self.bad_words_token_ids)
 
     @property
     def uses_penalties(self) -> bool:
@@ -170,6 +226,50 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
             f"stop_token_ids), got {stop!r}"
         )
     return tuple(strings)
+
+
+def _id_sequence(ids: object, name: str) -> tuple[int, ...]:
+    """A non-empty list of token ids, in order (duplicates allowed), as a tuple."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(f"{name} must be a non-empty list of token ids, got {ids!r}")
+    bad = [t for t in ids if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID]
+    if bad:
+        raise ValueError(f"{name} must hold token ids (ints >= 0), got {bad[:8]!r}")
+    return tuple(ids)
+
+
+def _bad_words(words: object) -> tuple[str, ...]:
+    if words is None:
+        return ()
+    if isinstance(words, str) or not isinstance(words, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of strings, got {words!r}")
+    if not all(isinstance(w, str) and w.strip() for w in words):
+        raise ValueError(f"bad_words must be non-blank strings, got {list(words)[:8]!r}")
+    if len(words) > MAX_BAD_WORDS:  # each encodes to one sequence at least
+        raise ValueError(f"bad_words holds {len(words)} words; at most {MAX_BAD_WORDS}")
+    return tuple(words)
+
+
+def resolve_bad_words(words: tuple[str, ...], encode) -> tuple[tuple[int, ...], ...]:
+    """`bad_words` as the token-id sequences a rank masks: each word as it reads at the start of
+    the text and, where that encodes differently with the same number of tokens, after a space
+    (the usual form inside a text, as vLLM resolves them). `encode(text)` gives token ids
+    without special tokens. A word that encodes to nothing is refused."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(encode(word.lstrip()))
+        if not bare:
+            raise ValueError(f"bad_words entry {word!r} encodes to no token")
+        sequences.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and len(spaced) == len(bare) and spaced[0] != bare[0]:
+            sequences.append(spaced)
+    sequences = list(dict.fromkeys(sequences))
+    if len(sequences) > MAX_BAD_WORDS:
+        raise ValueError(
+            f"bad_words encode to {len(sequences)} token sequences; at most {MAX_BAD_WORDS}"
+        )
+    return tuple(sequences)
 
 
 def _logit_bias(bias: object) -> dict[int, float]:

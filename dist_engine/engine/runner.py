@@ -297,7 +297,7 @@ def _sampling_row(seq: Sequence, request: Request) -> SamplingRow:
     from the random stream its record's seed keys."""
     params = seq.sampling_params
     index = seq.num_output_tokens
-    penalised = params.uses_penalties
+    penalised = params.reads_output
     return SamplingRow(
         params,
         request.seed,

@@ -4,10 +4,11 @@ Shape legend: B = rows (one per sequence that needs a token), V = vocab, R = row
 random, W = V rounded up to whole blocks, G = rows of one filter group, L = a sorted prefix's
 length, A = rows that asked for logprobs, T = positions, K = top logprobs per position.
 
-Order (vLLM's): logit_bias and min_tokens masking, then the repetition, frequency and presence
-penalties; greedy rows take the argmax of that. Random rows divide by their temperature, take the
-softmax, keep what min_p, top_k and top_p leave (in that order, each on what the one before kept)
-and draw one token by inverse CDF. Ties at a cut-off are all kept.
+Order (vLLM's): allowed_token_ids, bad words, logit_bias and min_tokens masking, then the
+repetition, frequency and presence penalties; greedy rows take the argmax of that. Random rows
+divide by their temperature, take the softmax, keep what min_p, top_k and top_p leave (in that
+order, each on what the one before kept) and draw one token by inverse CDF. Ties at a cut-off
+are all kept.
 
 Reproducibility: a row's only randomness is one uniform number, a pure function of (its seed, the
 index of the output token being drawn): the seed's SplitMix64 stream read at that index. Every
@@ -65,8 +66,9 @@ class SamplingRow:
 
     params: the request's settings. seed: its resolved seed (its own, or one drawn once when the
     request was created). index: how many output tokens it already has, i.e. the index of the one
-    being drawn. prompt_token_ids, output_token_ids: what the penalties count; needed only when
-    ``params.uses_penalties`` (the prompt's only for ``repetition_penalty != 1``).
+    being drawn. prompt_token_ids, output_token_ids: what the penalties count (and the bad words
+    match); needed only when ``params.reads_output`` (the prompt's only for
+    ``repetition_penalty != 1``).
     stop_token_ids: masked while ``index < params.min_tokens`` (the stop ids and the EOS ids).
     """
 
@@ -280,6 +282,16 @@ def check_row(row: SamplingRow, vocab_size: int) -> None:
     """Refuse what only the vocabulary can rule out: a logit_bias id beyond it, or min_tokens
     masking all of it. SamplingParams has checked everything else."""
     params = row.params
+    if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab_size:
+        outside = sorted({t for t in params.allowed_token_ids if t >= vocab_size})
+        raise ValueError(
+            f"allowed_token_ids {outside[:8]} are outside the vocabulary [0, {vocab_size})"
+        )
+    outside = sorted({t for ids in params.bad_words_token_ids for t in ids if t >= vocab_size})
+    if outside:
+        raise ValueError(
+            f"bad words' token ids {outside[:8]} are outside the vocabulary [0, {vocab_size})"
+        )
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         outside = sorted(t for t in params.logit_bias if t >= vocab_size)
         raise ValueError(
@@ -300,15 +312,22 @@ def _num_top(count: int | None, vocab: int) -> int:
 
 # -- logit adjustments (greedy and random rows alike) -------------------------------------------
 def _adjust(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """logit_bias, min_tokens masking and penalties. logits: [B, V] → [B, V] (a copy if any)."""
+    """allowed_token_ids, bad words, logit_bias, min_tokens masking and penalties.
+    logits: [B, V] → [B, V] (a copy if any)."""
     vocab = logits.shape[1]
     bias_rows: list[int] = []
     bias_ids: list[int] = []
     bias_values: list[float] = []
     masked_rows: list[int] = []
     masked_ids: list[int] = []
+    allowing = [b for b, row in enumerate(rows) if row.params.allowed_token_ids is not None]
     for b, row in enumerate(rows):
         params = row.params
+        for ids in params.bad_words_token_ids:
+            *before, last = ids
+            if not before or _ends_with(row.output_token_ids, before):
+                masked_rows.append(b)
+                masked_ids.append(last)
         if params.logit_bias:
             bias_rows += [b] * len(params.logit_bias)
             bias_ids += params.logit_bias.keys()
@@ -318,10 +337,16 @@ def _adjust(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
             masked_rows += [b] * len(ids)
             masked_ids += ids
     penalised = [b for b, row in enumerate(rows) if row.params.uses_penalties]
-    if not (bias_ids or masked_ids or penalised):
+    if not (allowing or bias_ids or masked_ids or penalised):
         return logits
     logits = logits.clone()  # edited in place below; the caller's logits stay untouched
     device = logits.device
+    if allowing:
+        keep = torch.zeros(len(allowing), vocab, dtype=torch.bool, device=device)
+        pairs = [(i, t) for i, b in enumerate(allowing) for t in rows[b].params.allowed_token_ids]
+        keep[_long([i for i, _ in pairs], device), _long([t for _, t in pairs], device)] = True
+        index = _long(allowing, device)
+        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
     if bias_ids:
         where = (_long(bias_rows, device), _long(bias_ids, device))
         logits.index_put_(where, torch.tensor(bias_values, device=device), accumulate=True)
@@ -331,6 +356,10 @@ def _adjust(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     if penalised:
         _penalise(logits, rows, penalised)
     return logits
+
+
+def _ends_with(tokens: Sequence[int], tail: list[int]) -> bool:
+    return len(tokens) >= len(tail) and list(tokens[len(tokens) - len(tail) :]) == tail
 
 
 def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]) -> None:

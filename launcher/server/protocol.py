@@ -6,9 +6,11 @@ token ids against the vocabulary, the prompts and `max_tokens` against `max_mode
 The policy on fields is vLLM's, so the clients written for it work unchanged:
 - the fields vLLM and OpenAI define are honoured (`_HONOURED`): sampling settings and
   penalties, `n` / `best_of`, `logprobs` / `top_logprobs` / `echo` / `prompt_logprobs`, stop
-  strings and ids, batched prompts on `/v1/completions`, streaming options;
+  strings and ids, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens` /
+  `truncation_side`, batched prompts on `/v1/completions`, structured output, streaming
+  options;
 - a field this server cannot honour is accepted at its neutral value and refused with a 400
-  naming it otherwise (`_NEUTRAL`: beam search, tools, suffix, structured output, ...);
+  naming it otherwise (`_NEUTRAL`: beam search, tools, suffix, logits processors, ...);
 - fields that do not change the output (`user`, `metadata`, ...) are accepted;
 - an unknown field is ignored, and the server logs one warning per field name
   (`GenerationRequest.ignored_fields`); with `server.strict_requests` it is a 400, as
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.generation_config import GenerationDefaults
-from launcher.samples import rank_params
+from launcher.samples import rank_params, with_bad_words
 from launcher.server.tokenization import ModelTokenizer
 from scheduler import SamplingParams
 
@@ -165,6 +167,10 @@ _HONOURED = {
     "guided_choice",
     "guided_grammar",
     "structured_outputs",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "truncation_side",
 }
 _COMPLETION_FIELDS = _HONOURED | {"prompt", "best_of", "echo", "add_special_tokens"}
 _CHAT_FIELDS = _HONOURED | {
@@ -199,9 +205,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "truncate_prompt_tokens": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "prompt_embeds": (None,),
@@ -220,8 +223,45 @@ def parse_completion(body: Any, limits: ModelLimits) -> GenerationRequest:
     body = _object(body)
     ignored = _check_fields(body, _COMPLETION_FIELDS, limits)
     add_special = _optional_bool(body, "add_special_tokens", True)
-    prompts = _completion_prompts(body, limits, add_special)
+    truncate = _truncation(body, limits)
+    prompts = _completion_prompts(body, limits, add_special, check_fits=truncate is None)
+    prompts = [_truncated(prompt, truncate) for prompt in prompts]
     return _generation(body, limits, "completion", prompts, "max_tokens", ignored)
+
+
+def _truncation(body: dict[str, Any], limits: ModelLimits) -> tuple[int, str] | None:
+    """vLLM's `truncate_prompt_tokens` (k >= 1: keep k of the prompt's tokens; -1: as many
+    as max_model_len leaves room for one output token) and `truncation_side` ("left", the
+    default for generation as in vLLM, keeps the last k; "right" the first k)."""
+    count = body.get("truncate_prompt_tokens")
+    side = body.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        raise RequestError(
+            f"truncation_side must be 'left' or 'right', got {shorten(side)}",
+            param="truncation_side",
+        )
+    if count is None:
+        return None
+    if not _is_int(count) or not (count >= 1 or count == -1):
+        raise RequestError(
+            f"truncate_prompt_tokens must be an int >= 1, or -1 (as many as max_model_len "
+            f"allows), got {shorten(count)}",
+            param="truncate_prompt_tokens",
+        )
+    if count > limits.max_model_len:
+        raise RequestError(
+            f"truncate_prompt_tokens={count} cannot be greater than max_model_len "
+            f"({limits.max_model_len})",
+            param="truncate_prompt_tokens",
+        )
+    return (limits.max_model_len - 1 if count == -1 else count), side or "left"
+
+
+def _truncated(prompt: list[int], truncate: tuple[int, str] | None) -> list[int]:
+    if truncate is None or len(prompt) <= truncate[0]:
+        return prompt
+    count, side = truncate
+    return prompt[-count:] if side == "left" else prompt[:count]
 
 
 def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
@@ -244,8 +284,10 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
         )
     except ValueError as error:
         raise RequestError(str(error), param="messages") from None
-    _check_text_fits(text, limits, "messages")
-    prompt = limits.tokenizer.encode(text, add_special_tokens=False)
+    truncate = _truncation(body, limits)
+    if truncate is None:
+        _check_text_fits(text, limits, "messages")
+    prompt = _truncated(limits.tokenizer.encode(text, add_special_tokens=False), truncate)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     if key is not None and body.get("max_tokens") is not None:
         raise RequestError(
@@ -438,7 +480,7 @@ def _sampling_params(
     }
     grammar = _grammar(body, limits)
     try:
-        return SamplingParams(
+        params = SamplingParams(
             max_tokens=max_tokens,
             temperature=float(temperature),
             top_p=float(top_p),
@@ -448,6 +490,8 @@ def _sampling_params(
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
             logit_bias=_logit_bias(body, limits),
+            allowed_token_ids=_allowed_token_ids(body, limits),
+            bad_words=body.get("bad_words") or (),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
@@ -455,6 +499,29 @@ def _sampling_params(
         )
     except ValueError as error:  # what only SamplingParams checks; its message names the field
         raise RequestError(str(error)) from None
+    try:
+        return with_bad_words(params, limits.tokenizer)
+    except ValueError as error:
+        raise RequestError(str(error), param="bad_words") from None
+
+
+def _allowed_token_ids(body: dict[str, Any], limits: ModelLimits) -> list[int] | None:
+    allowed = body.get("allowed_token_ids")
+    if allowed is None:
+        return None
+    if not isinstance(allowed, list) or not allowed or not all(_is_int(t) for t in allowed):
+        raise RequestError(
+            f"allowed_token_ids must be a non-empty list of token ids, got {shorten(allowed)}",
+            param="allowed_token_ids",
+        )
+    outside = [t for t in allowed if not 0 <= t < limits.vocab_size]
+    if outside:
+        raise RequestError(
+            f"allowed_token_ids holds {outside[0]}, outside the vocabulary "
+            f"[0, {limits.vocab_size})",
+            param="allowed_token_ids",
+        )
+    return allowed
 
 
 def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
@@ -626,7 +693,7 @@ def _stream_options(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
 
 
 def _completion_prompts(
-    body: dict[str, Any], limits: ModelLimits, add_special_tokens: bool
+    body: dict[str, Any], limits: ModelLimits, add_special_tokens: bool, *, check_fits: bool
 ) -> list[list[int]]:
     """`prompt`: a string, a list of token ids, or a batch (a list of strings or of id lists)."""
     if "prompt" not in body:
@@ -649,20 +716,21 @@ def _completion_prompts(
             param="prompt",
         )
     return [
-        _one_prompt(item, limits, where(index), add_special_tokens)
+        _one_prompt(item, limits, where(index), add_special_tokens, check_fits)
         for index, item in enumerate(batch)
     ]
 
 
 def _one_prompt(
-    prompt: Any, limits: ModelLimits, param: str, add_special_tokens: bool
+    prompt: Any, limits: ModelLimits, param: str, add_special_tokens: bool, check_fits: bool
 ) -> list[int]:
     if isinstance(prompt, str):
         if limits.tokenizer is None:
             raise RequestError(
                 "text prompts need the model's tokenizer; send token ids", param=param
             )
-        _check_text_fits(prompt, limits, param)
+        if check_fits:  # a prompt to be truncated may be longer
+            _check_text_fits(prompt, limits, param)
         tokens = limits.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     elif isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < limits.vocab_size]

@@ -463,6 +463,62 @@ def test_top_k_rows_use_topk_and_never_sort(monkeypatch) -> None:
     assert len(tokens) == 4
 
 
+def test_bad_words_mask_like_transformers_no_bad_words_over_the_output() -> None:
+    """vLLM's rule, which is transformers' NoBadWordsLogitsProcessor's over the output tokens
+    alone: a sequence's last token is masked when the output ends with the rest of it."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    bad = [[7], [3, 9], [1, 2, 11], [4, 4]]
+    outputs = [[5], [3], [5, 1, 2], [1, 2, 3], [4], [0, 4, 4]]
+    logits = _logits(len(outputs), seed=21)
+    rows = [_row(index=len(o), output=o, bad_words_token_ids=bad) for o in outputs]
+    got = sampler_module._adjust(logits, rows)
+    processor = NoBadWordsLogitsProcessor(bad, eos_token_id=None)
+    for b, output in enumerate(outputs):
+        expected = processor(torch.tensor([output]), logits[b : b + 1].clone())[0]
+        assert torch.equal(got[b], expected), (b, output)
+    masked = {b: set(torch.nonzero(got[b].isinf()).flatten().tolist()) for b in range(len(rows))}
+    assert masked == {0: {7}, 1: {7, 9}, 2: {7, 11}, 3: {7, 9}, 4: {7, 4}, 5: {7, 4}}
+    # Greedy rows then take the best token that is left.
+    tokens = Sampler()(logits, rows).token_ids
+    assert tokens.tolist() == got.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_allowed_token_ids_keep_only_those_logits_for_greedy_and_random_rows(native) -> None:
+    allowed = [3, 17, 17, 40]
+    logits = _logits(3, seed=22)
+    rows = [_row(allowed_token_ids=allowed), _row(), _row(allowed_token_ids=[9])]
+    got = sampler_module._adjust(logits, rows)
+    expected = torch.full_like(logits, float("-inf"))
+    expected[0, allowed] = logits[0, allowed]
+    expected[1] = logits[1]
+    expected[2, 9] = logits[2, 9]
+    assert torch.equal(got, expected)
+    tokens = Sampler(native=native)(logits, rows).token_ids.tolist()
+    assert tokens == expected.argmax(-1).tolist()
+    # Random rows draw only allowed tokens, in the softmax's proportions among them.
+    num_draws = 4000
+    draws = [
+        _row(seed=5, index=i, temperature=1.0, allowed_token_ids=allowed) for i in range(num_draws)
+    ]
+    one = _logits(1, seed=23, scale=1.0)
+    drawn = Sampler(native=native)(one.expand(num_draws, -1), draws).token_ids
+    counts = torch.bincount(drawn, minlength=VOCAB)
+    assert set(torch.nonzero(counts).flatten().tolist()) == {3, 17, 40}
+    probs = torch.zeros(VOCAB)
+    probs[[3, 17, 40]] = one[0, [3, 17, 40]].softmax(-1)
+    statistic, degrees = _chi_square(counts, probs)
+    assert statistic < _chi_square_bound(degrees), (statistic, degrees)
+
+
+def test_token_filter_ids_outside_the_vocabulary_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=rf"row 0: allowed_token_ids \[{VOCAB}\] are outside"):
+        Sampler()(_logits(1), [_row(allowed_token_ids=[1, VOCAB])])
+    with pytest.raises(ValueError, match=rf"bad words' token ids \[{VOCAB + 2}\] are outside"):
+        check_row(_row(bad_words_token_ids=[[1, VOCAB + 2]]), VOCAB)
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def test_a_logit_bias_id_outside_the_vocabulary_names_row_and_id() -> None:
     rows = [_row(), _row(logit_bias={3: 1.0, VOCAB + 5: 2.0})]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import urllib.request
 
 import openai
@@ -57,14 +58,22 @@ def hf_logprobs(model, tokens: list[int]) -> torch.Tensor:
 
 
 def hf_penalised_greedy(model, prompt, steps, *, presence=0.0, frequency=0.0, repetition=1.0,
-                        bias=None, min_tokens=0, eos=()):  # fmt: skip
+                        bias=None, min_tokens=0, eos=(), allowed=None, bad=()):  # fmt: skip
     """Greedy decoding by hand over transformers' logits, with vLLM's penalties (repetition
-    over prompt and output, presence and frequency over the output), logit_bias, and the EOS
-    ids masked until min_tokens."""
+    over prompt and output, presence and frequency over the output), logit_bias, the EOS
+    ids masked until min_tokens, only the `allowed` ids kept, and each `bad` id sequence's
+    last id masked while the output ends with the rest of it."""
     tokens, out = list(prompt), []
     for _ in range(steps):
         with torch.no_grad():
             logits = model(torch.tensor([tokens])).logits[0, -1].double().clone()
+        if allowed is not None:
+            kept = logits[allowed].clone()
+            logits[:] = -math.inf
+            logits[allowed] = kept
+        for sequence in bad:
+            if not sequence[:-1] or out[len(out) - len(sequence) + 1 :] == list(sequence[:-1]):
+                logits[sequence[-1]] = -math.inf
         for token_id, value in (bias or {}).items():
             logits[token_id] += value
         if len(out) < min_tokens:
@@ -183,6 +192,89 @@ def test_logit_bias_and_min_tokens(client, server, reference):
     expected = hf_penalised_greedy(reference, PROMPT, 5, bias={eos[0]: 50.0}, min_tokens=4, eos=eos)
     assert reply.choices[0].token_ids == expected[:4] + [eos[0]]
     assert reply.choices[0].finish_reason == "stop"
+
+
+def test_allowed_token_ids_and_bad_words_match_a_greedy_loop_over_transformers_logits(
+    client, server, reference
+):
+    reply = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True,
+                    "allowed_token_ids": [10, 33, 57, 200]},
+    )  # fmt: skip
+    expected = hf_penalised_greedy(reference, PROMPT, 8, allowed=[10, 33, 57, 200])
+    assert reply.choices[0].token_ids == expected and set(expected) <= {10, 33, 57, 200}
+    # bad_words are words: the server encodes each (bare and after a space, as vLLM does).
+    from scheduler.sampling_params import resolve_bad_words
+
+    tokenizer = server.server.limits.tokenizer
+    free = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    ).choices[0]  # fmt: skip
+
+    def encoded(word):
+        return resolve_bad_words((word,), lambda t: tokenizer.encode(t, add_special_tokens=False))
+
+    # A word of the free output that encodes back to its own token (this tiny tokenizer has
+    # byte pieces that do not).
+    word, sequences = next(
+        (word, encoded(word))
+        for token in free.token_ids
+        if (word := tokenizer.decode([token]).strip()) and (token,) in encoded(word)
+    )
+    banned = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "bad_words": [word]},
+    ).choices[0]  # fmt: skip
+    prompt = tokenizer.encode("Once upon a time")
+    expected = hf_penalised_greedy(reference, prompt, 12, bad=sequences)
+    assert banned.token_ids == expected != free.token_ids
+    assert word not in banned.text
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list of token ids"),
+        ({"allowed_token_ids": [1, 10**6]}, "allowed_token_ids holds 1000000, outside the vocab"),
+        ({"bad_words": "word"}, "bad_words must be a list of strings"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an int >= 1, or -1"),
+        ({"truncate_prompt_tokens": 257}, "truncate_prompt_tokens=257 cannot be greater than"),
+        ({"truncate_prompt_tokens": 4, "truncation_side": "middle"}, "truncation_side must be"),
+    ],
+)
+def test_token_filters_and_truncation_refuse_bad_values_naming_them(client, extra, message):
+    with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body=extra)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_or_the_first(client):
+    prompt = [(7 * i) % 300 + 1 for i in range(40)]
+
+    def run(tokens, **extra):
+        reply = client.completions.create(
+            model="tiny", prompt=tokens, max_tokens=5, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True, **extra},
+        )  # fmt: skip
+        return reply.usage.prompt_tokens, reply.choices[0].token_ids
+
+    last = run(prompt[-8:])
+    assert run(prompt, truncate_prompt_tokens=8) == last
+    assert run(prompt, truncate_prompt_tokens=8, truncation_side="left") == last
+    assert run(prompt, truncate_prompt_tokens=8, truncation_side="right") == run(prompt[:8])
+    assert run(prompt, truncate_prompt_tokens=-1) == run(prompt)  # it fits: nothing cut
+    assert run(prompt, truncate_prompt_tokens=100) == run(prompt)
+    # A text far beyond max_model_len (256) is served once truncated, on both endpoints.
+    text = "Once upon a time " * 300
+    assert run(text, truncate_prompt_tokens=16)[0] == 16
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=3,
+        extra_body={"truncate_prompt_tokens": 20},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 20
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model="tiny", prompt=text, max_tokens=3)
 
 
 def test_n_samples_are_the_offline_paths_seeded_samples(client, model_dir):

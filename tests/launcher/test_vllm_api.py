@@ -165,6 +165,66 @@ def test_outputs_have_vllms_shape_and_keep_lockstep_names(chat_model):
         assert output.dp_rank == 0 and output.detail is None  # Lockstep's own names stay
 
 
+def test_vllms_text_and_token_filter_fields_offline(model_dir):
+    """skip_special_tokens, detokenize, allowed_token_ids and bad_words through `LLM`, each
+    against what the same request gives without it (or through the server)."""
+    special = [1, 2]  # <|im_start|>, <|im_end|>: special tokens of the tiny tokenizer
+    forced = dict(max_tokens=4, ignore_eos=True, allowed_token_ids=special)
+    with LLM(model_dir, **LOCAL) as llm:
+        skipped, kept, silent = llm.generate(
+            ["a prompt"] * 3,
+            [
+                SamplingParams(**forced),
+                SamplingParams(**forced, skip_special_tokens=False),
+                SamplingParams(**forced, skip_special_tokens=False, detokenize=False),
+            ],
+            use_tqdm=False,
+        )
+        tokenizer = llm.tokenizer
+        free, banned = llm.generate(
+            ["Once upon a time"] * 2,
+            [
+                SamplingParams(max_tokens=12, ignore_eos=True),
+                SamplingParams(max_tokens=12, ignore_eos=True, bad_words=["placeholder"]),
+            ],
+            use_tqdm=False,
+        )
+        word = next(
+            word
+            for token in free.output_token_ids
+            if (word := tokenizer.decode([token]).strip())
+            and tokenizer.encode(word, add_special_tokens=False) == [token]
+        )
+        (offline,) = llm.generate(
+            ["Once upon a time"],
+            SamplingParams(max_tokens=12, ignore_eos=True, bad_words=[word]),
+            use_tqdm=False,
+        )
+        with pytest.raises(ValueError, match=r"stop=\['x'\] needs detokenize=True"):
+            llm.generate(["a"], SamplingParams(stop="x", detokenize=False), use_tqdm=False)
+    assert set(skipped.output_token_ids) <= set(special) and len(skipped.output_token_ids) == 4
+    assert kept.output_token_ids == silent.output_token_ids == skipped.output_token_ids
+    assert skipped.text == ""
+    assert kept.text == tokenizer.decode(kept.output_token_ids, skip_special_tokens=False)
+    assert "<|im" in kept.text and silent.text == ""
+    assert banned.output_token_ids == free.output_token_ids  # a word the output never holds
+    assert offline.output_token_ids != free.output_token_ids and word not in offline.text
+    # The server encodes bad words the same way: the same tokens.
+    server = ServerThread(
+        EngineConfig(model=model_dir).with_overrides(**LOCAL),
+        ServerConfig(port=0, served_model_name="tiny"),
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True, "bad_words": [word]},
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert reply.choices[0].token_ids == offline.output_token_ids
+
+
 def test_llm_keywords_in_vllms_spelling_are_checked_before_starting(chat_model):
     with pytest.raises(ValueError, match=r"data_parallel_size=2 and dp_size=1 .* give one"):
         LLM(chat_model, data_parallel_size=2, dp_size=1, launcher="local")

@@ -124,8 +124,56 @@ def test_edge_values_are_accepted(kwargs):
         ({"stop": [7]}, "(token ids go in stop_token_ids), got [7]"),
         ({"stop": {"a"}}, "stop must be a non-empty string or a list of them"),
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool, got 1"),
+        ({"skip_special_tokens": None}, "skip_special_tokens must be a bool, got None"),
+        ({"detokenize": 0}, "detokenize must be a bool, got 0"),
+        ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens must be a bool"),
+        ({"detokenize": False, "stop": "x"}, "stop=['x'] needs detokenize=True"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list of token ids"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids must be a non-empty list of token ids"),
+        ({"allowed_token_ids": [1, -1]}, "allowed_token_ids must hold token ids (ints >= 0)"),
+        ({"allowed_token_ids": [True]}, "allowed_token_ids must hold token ids"),
+        ({"bad_words": "word"}, "bad_words must be a list of strings, got 'word'"),
+        ({"bad_words": ["ok", " "]}, "bad_words must be non-blank strings"),
+        ({"bad_words": [3]}, "bad_words must be non-blank strings"),
+        ({"bad_words": ["w"] * 129}, "bad_words holds 129 words; at most 128"),
+        ({"bad_words_token_ids": [[]]}, "bad_words_token_ids must be a non-empty list of token"),
+        ({"bad_words_token_ids": [5]}, "bad_words_token_ids must be a non-empty list of token"),
+        ({"bad_words_token_ids": "ab"}, "bad_words_token_ids must be a list of token id lists"),
+        ({"bad_words_token_ids": [[1]] * 129}, "bad_words_token_ids holds 129 sequences; at most"),
+        ({"bad_words_token_ids": [[1] * 65]}, "a bad word's token ids are at most 64, got one"),
     ],
 )
 def test_bad_values_name_the_field_and_value(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**kwargs)
+
+
+def test_vllms_token_filters_and_text_fields_default_off_and_stay_hashable():
+    params = SamplingParams()
+    assert params.allowed_token_ids is None and params.bad_words == ()
+    assert params.bad_words_token_ids == () and not params.reads_output
+    assert params.detokenize and params.skip_special_tokens and params.spaces_between_special_tokens
+    given = SamplingParams(allowed_token_ids=[4, 2, 4], bad_words=["a b"],
+                           bad_words_token_ids=[[1, 2], (3,)])  # fmt: skip
+    assert given.allowed_token_ids == (4, 2) and given.bad_words == ("a b",)
+    assert given.bad_words_token_ids == ((1, 2), (3,)) and given.reads_output
+    same = SamplingParams(allowed_token_ids=(4, 2, 4), bad_words=("a b",),
+                          bad_words_token_ids=((1, 2), [3]))  # fmt: skip
+    assert given == same and hash(given) == hash(same)
+    assert SamplingParams(bad_words=None).bad_words == ()
+
+
+def test_bad_words_resolve_to_their_bare_and_spaced_encodings():
+    from scheduler.sampling_params import resolve_bad_words
+
+    # A stand-in encoder: a leading space changes a word's first token, as BPE tokenizers do.
+    vocab = {"bad": 1, " bad": 2, "two": 3, "words": 4, " two": 5, "x": 6}
+
+    def encode(text: str) -> list[int]:
+        pieces = text.replace(" words", "|words").split("|") if "two" in text else [text]
+        return [vocab[p] for p in pieces if p]
+
+    assert resolve_bad_words(("bad", " bad"), encode) == ((1,), (2,))
+    assert resolve_bad_words(("two words",), encode) == ((3, 4), (5, 4))
+    with pytest.raises(ValueError, match="bad_words entry 'y' encodes to no token"):
+        resolve_bad_words(("y",), lambda text: [])
