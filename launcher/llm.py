@@ -191,6 +191,7 @@ class LLM:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else frozenset()
         )
         check_gpu_memory_utilization(self.config)
+        check_cuda_graphs(self.config)
         self.client: Client
         with group_loading(self.config):
             if launcher_name == "ray":
@@ -860,6 +861,22 @@ def check_gpu_memory_utilization(config: EngineConfig, client: Client | None = N
             "is sized by scheduler.num_blocks or kv_cache_bytes",
             value,
         )
+
+
+def check_cuda_graphs(config: EngineConfig) -> None:
+    """`cuda_graphs: on` where graphs cannot run is refused before the group starts, with the
+    ranks' own reason (`decode_graphs.graphs_refusal`), rather than from a rank after its
+    model loaded. Only what the driver knows for certain: the group's size, EPLB, and a group
+    that runs on CPUs (a local one, or gloo); whether Ray's ranks get GPUs the ranks decide."""
+    if config.cuda_graphs != "on":
+        return
+    from dist_engine.engine.decode_graphs import graphs_refusal
+
+    parallel = config.parallel
+    on_cpus = parallel.launcher == "local" or parallel.backend == "gloo"
+    refusal = graphs_refusal("cpu" if on_cpus else "cuda", parallel.dp_size, config.moe.enable_eplb)
+    if refusal is not None:
+        raise ValueError(f"cuda_graphs is 'on', but {refusal}; set it to auto or off")
 
 
 def _group_on_gpus(config: EngineConfig, client: Client | None) -> bool:

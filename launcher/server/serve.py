@@ -47,9 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, builtin_job: Callable[[], dict[str, Any]]) -> int:
     """Run the server until a signal; ``builtin_job`` gives the built-in job's settings."""
     engine_config, server_config = prepare_model(*load_configs(args, builtin_job))
-    from launcher.llm import check_gpu_memory_utilization, group_loading
+    from launcher.llm import check_cuda_graphs, check_gpu_memory_utilization, group_loading
 
     check_gpu_memory_utilization(engine_config)
+    check_cuda_graphs(engine_config)
     with group_loading(engine_config):
         client = make_client(engine_config)
     try:

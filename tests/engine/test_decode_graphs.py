@@ -232,3 +232,24 @@ def test_graphs_on_a_cpu_engine(model_dir, caplog) -> None:
             outputs[mode] = [o.output_token_ids for o in got]
     assert outputs["auto"] == outputs["off"]
     assert "cuda_graphs auto: off (CUDA graphs need a CUDA device)" in caplog.text
+
+
+def test_on_is_refused_by_the_driver_before_a_group_starts(model_dir, monkeypatch) -> None:
+    """What the driver knows (the group's size, EPLB, a CPU group) refuses `on` before any
+    rank starts, with the ranks' own reason; a Ray group's GPUs are the ranks' to find."""
+    import launcher.ray_launcher as ray_launcher
+    from launcher.llm import check_cuda_graphs
+
+    def started(*args, **kwargs):
+        raise AssertionError("a group started")
+
+    monkeypatch.setattr(ray_launcher.RayClient, "__init__", started)
+    with pytest.raises(ValueError, match=r"cuda_graphs is 'on', but .* DP = 1 only"):
+        LLM(model=str(model_dir), launcher="ray", dp_size=2, cuda_graphs="on")
+    config = EngineConfig(model="m", cuda_graphs="on")
+    check_cuda_graphs(config)  # Ray's ranks may have GPUs: theirs to say
+    with pytest.raises(ValueError, match="EPLB"):
+        check_cuda_graphs(config.with_overrides(**{"moe.enable_eplb": True}))
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        check_cuda_graphs(config.with_overrides(**{"parallel.backend": "gloo"}))
+    check_cuda_graphs(EngineConfig(model="m", cuda_graphs="auto", parallel={"dp_size": 2}))
