@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dist_engine.errors import LockstepError
     from launcher.llm import LLM, Completion
-    from scheduler import SamplingParams
+    from scheduler import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "Completion", "LockstepError", "SamplingParams"]
+__all__ = ["LLM", "Completion", "LockstepError", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -25,8 +25,8 @@ def __getattr__(name: str) -> Any:
         from dist_engine.errors import LockstepError
 
         return LockstepError
-    if name == "SamplingParams":
-        from scheduler import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        import scheduler
 
-        return SamplingParams
+        return getattr(scheduler, name)
     raise AttributeError(f"module 'launcher' has no attribute {name!r}")

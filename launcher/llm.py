@@ -75,7 +75,14 @@ from launcher.healing import (
     is_group_failure,
 )
 from launcher.routing import Router
-from launcher.samples import Piece, SampleText, rank_params, with_bad_words
+from launcher.samples import (
+    Piece,
+    SampleText,
+    grammar_tokenizer,
+    rank_params,
+    with_bad_words,
+    with_grammar,
+)
 from launcher.server.protocol import chat_messages
 from launcher.server.tokenization import ModelTokenizer, check_tokenizer_dir
 from scheduler import SamplingParams
@@ -176,7 +183,7 @@ class LLM:
         # (the ranks get that directory), and a bad model is one clear line here, not a remote
         # traceback from every rank after the launcher came up.
         self.config = self.config.with_local_model()
-        model_config = check_checkpoint(self.config.model)
+        model_config = self._model_config = check_checkpoint(self.config.model)
         check_max_model_len(self.config.scheduler.max_model_len, model_config)
         check_slots(self.config.moe, model_config.num_experts, self.config.parallel.dp_size)
         if self.config.tokenizer is not None:
@@ -427,6 +434,8 @@ class LLM:
             ):
                 raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
         params = [with_bad_words(p, self.tokenizer) for p in params]
+        if any(p.structured_outputs is not None for p in params):
+            params = [with_grammar(p, self._grammar_checker) for p in params]
         for param in params:
             if param.stop and self.tokenizer is None:
                 raise ValueError(
@@ -459,6 +468,11 @@ class LLM:
             )
         text = given if isinstance(given, str) else None
         return _Prompt(request_id, token_ids, params, pin, text, tuple(samples))
+
+    @cached_property
+    def _grammar_checker(self) -> Any:
+        """The tokenizer llguidance compiles `structured_outputs` against, as the server's."""
+        return grammar_tokenizer(self.config.tokenizer or self.config.model, self._model_config)
 
     @cached_property
     def _driver_seeds(self) -> DriverSeeds:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from dist_engine.engine.outputs import RequestOutput, TokenLogprob
 from launcher.server.tokenization import IncrementalDetokenizer, ModelTokenizer
@@ -60,6 +62,38 @@ def with_bad_words(params: SamplingParams, tokenizer: ModelTokenizer | None) -> 
     )
     merged = tuple(dict.fromkeys(params.bad_words_token_ids + sequences))
     return replace(params, bad_words_token_ids=merged)
+
+
+def grammar_tokenizer(tokenizer_dir: str | Path, model_config: Any) -> Any:
+    """The tokenizer llguidance checks grammars with, or None without a tokenizer.json."""
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        return None
+    from dist_engine.engine.structured import model_tokenizer
+
+    return model_tokenizer(
+        str(tokenizer_dir), model_config.vocab_size, tuple(model_config.eos_token_ids)
+    )
+
+
+def with_grammar(params: SamplingParams, checker: Any) -> SamplingParams:
+    """``params`` with vLLM's `structured_outputs` as the llguidance `grammar` a rank runs,
+    checked against the model's tokenizer (``checker``, `grammar_tokenizer`'s) as the server
+    checks it. ValueError (or json's own error) for a constraint that is not of its kind or
+    does not compile, and where there is no tokenizer to compile it against."""
+    outputs = params.structured_outputs
+    if outputs is None:
+        return params
+    from dist_engine.engine import structured
+
+    if checker is None:
+        raise ValueError("structured_outputs need the model's tokenizer.json")
+    grammar = structured.grammar_from(*outputs.constraint())
+    problem = structured.check_grammar(grammar, checker)
+    if problem:
+        raise ValueError(
+            f"structured_outputs {outputs.constraint()[0]} does not compile: {problem}"
+        )
+    return replace(params, grammar=grammar, structured_outputs=None)
 
 
 @dataclass(frozen=True)

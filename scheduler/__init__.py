@@ -4,7 +4,7 @@ from scheduler.block_pool import AllocStatus, BlockPool
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import SchedulerOutputs, StepKind
 from scheduler.prefix_cache import PrefixCache
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.vote import (
@@ -32,5 +32,6 @@ __all__ = [
     "Sequence",
     "SequenceStatus",
     "StepKind",
+    "StructuredOutputsParams",
     "Vote",
 ]

@@ -8,6 +8,8 @@ refused here, with a message naming the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import copy
+import json as jsonlib
 import math
 from dataclasses import dataclass, field
 
@@ -30,6 +32,77 @@ MAX_REPETITION_PENALTY = 100.0
 # sequences (vLLM's default limit, VLLM_MAX_NUM_BAD_WORDS) of this many ids each.
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured-output constraint of one request: exactly one of ``json`` (a JSON
+    schema, as a dict or its text), ``regex``, ``choice`` (the output is one of these strings),
+    ``grammar`` (a Lark grammar) or ``json_object=True`` (any JSON object). The `LLM` turns it
+    into `SamplingParams.grammar` (llguidance's form) before a rank sees the request.
+
+    vLLM's backend options `disable_any_whitespace`, `disable_additional_properties`,
+    `whitespace_pattern` and `structural_tag` are accepted at their defaults only (this
+    engine's one backend has no such switches): anything else is refused, not ignored."""
+
+    json: str | dict | None = field(default=None, hash=False)
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
+                raise ValueError(f"choice must be a list of strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, dict):  # a private copy: nobody changes it after validation
+            object.__setattr__(self, "json", copy.deepcopy(self.json))
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured outputs take exactly one of {list(_CONSTRAINTS)}, got "
+                f"{given or 'none'}"
+            )
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"json_object must be True when given, got {self.json_object!r}")
+        for name, default in (
+            ("disable_any_whitespace", False),
+            ("disable_additional_properties", False),
+            ("whitespace_pattern", None),
+            ("structural_tag", None),
+        ):
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"structured outputs' {name}={getattr(self, name)!r} is not supported here "
+                    f"(only its default, {default!r})"
+                )
+
+    def constraint(self) -> tuple[str, object]:
+        """(kind, spec) for `dist_engine.engine.structured.grammar_from`."""
+        if self.json is not None:
+            return "json", self.json
+        if self.json_object:
+            return "json", {"type": "object"}
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", list(self.choice)
+        return "lark", self.grammar
+
+    def __hash__(self) -> int:
+        return hash((_json_key(self.json), self.regex, self.choice, self.grammar, self.json_object))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def _json_key(value: object) -> object:
+    return jsonlib.dumps(value, sort_keys=True) if isinstance(value, dict) else value
 
 
 @dataclass(frozen=True)
@@ -98,6 +171,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Words the output must not contain, turned into `bad_words_token_ids` by the front end.
     bad_words: tuple[str, ...] = ()
+    # vLLM's spelling of structured output, turned into `grammar` by the front end.
+    structured_outputs: StructuredOutputsParams | None = None
     # How the front end turns tokens into text: ``detokenize=False`` leaves the text empty
     # (token ids only; stop strings then cannot match, so they are refused);
     # ``skip_special_tokens`` leaves special tokens out of it. ``spaces_between_special_tokens``
@@ -168,6 +243,16 @@ class SamplingParams:
                 f"stop={list(self.stop)!r} needs detokenize=True: stop strings are matched on "
                 "the text (stop_token_ids end a sample on token ids)"
             )
+        outputs = self.structured_outputs
+        if isinstance(outputs, dict):  # vLLM's dict form, as the server receives it
+            outputs = StructuredOutputsParams(**outputs)
+            object.__setattr__(self, "structured_outputs", outputs)
+        if outputs is not None and not isinstance(outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {outputs!r}"
+            )
+        if outputs is not None and self.grammar is not None:
+            raise ValueError("give structured_outputs or grammar, not both")
         if self.allowed_token_ids is not None:
             ids = _id_sequence(self.allowed_token_ids, "allowed_token_ids")
             object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)))

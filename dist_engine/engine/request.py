@@ -70,14 +70,22 @@ class Request:
         the tokens after them are new, and its prompt logprobs, which went out with its first
         token, are not sent again.
 
-        Raises ValueError for the front-end fields (`SamplingParams.n`, `stop`): a rank cannot
-        apply them, and a request must not have them silently ignored."""
+        Raises ValueError for the front-end fields (`SamplingParams.n`, `stop`, and
+        `structured_outputs` or `bad_words` not yet converted): a rank cannot apply them, and a
+        request must not have them silently ignored."""
         params = seq.sampling_params
         if params.n != 1 or params.stop:
             raise ValueError(
                 f"n={params.n} and stop={list(params.stop)!r} are applied by the front end (the "
                 "LLM, the server), which sends each sample to a rank as a request of its own "
                 "with n=1 and no stop strings; a rank cannot apply them"
+            )
+        if params.structured_outputs is not None or (
+            params.bad_words and not params.bad_words_token_ids
+        ):
+            raise ValueError(
+                "structured_outputs and bad_words are turned into a grammar and token ids by "
+                "the front end (the LLM, the server); a rank cannot apply them as given"
             )
         if params.seed is not None:
             seed = params.seed

@@ -63,6 +63,27 @@ def lark(grammar: str) -> str:
     return _llguidance().LLMatcher.grammar_from_lark(grammar)
 
 
+def grammar_from(kind: str, spec: Any) -> str:
+    """The grammar of one structured-output constraint as clients give it: ``kind`` "json"
+    (a schema, a dict or its JSON text), "regex" (a pattern), "choice" (a non-empty list of
+    strings) or "lark" (a Lark grammar). ValueError (or llguidance's / json's own error,
+    naming the spot) for a spec that is not of its kind."""
+    if kind == "json":
+        return json_schema(spec)
+    if kind == "regex" and isinstance(spec, str):
+        return regex(spec)
+    if (
+        kind == "choice"
+        and isinstance(spec, (list, tuple))
+        and spec
+        and all(isinstance(option, str) for option in spec)
+    ):
+        return choice(list(spec))
+    if kind == "lark" and isinstance(spec, str):
+        return lark(spec)
+    raise ValueError(f"not a {kind} specification: {repr(spec)[:80]}")
+
+
 def check_grammar(grammar: str, tokenizer: Any) -> str | None:
     """Why ``grammar`` does not compile against ``tokenizer`` (an LLTokenizer), or None."""
     # validate_grammar returns the error text, empty when the grammar is fine.

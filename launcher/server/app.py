@@ -32,6 +32,7 @@ from dist_engine.log import LOGGER_NAME, get_logger
 from dist_engine.models.registry import load_config
 from launcher.clients import Client
 from launcher.generation_config import load_generation_defaults
+from launcher.samples import grammar_tokenizer
 from launcher.server.config import ServerConfig
 from launcher.server.frontend import EngineFrontend, RequestStream, Unavailable
 from launcher.server.generation import Choice, answer_stream, answer_whole
@@ -104,7 +105,7 @@ class LockstepServer:
             strict_requests=config.strict_requests,
             other_model_names=names[1:],
             defaults=load_generation_defaults(engine_config.generation_config, model_dir),
-            grammar_tokenizer=_grammar_tokenizer(tokenizer_dir, model_config),
+            grammar_tokenizer=grammar_tokenizer(tokenizer_dir, model_config),
         )
         self.metrics = ServerMetrics(name, client.num_ranks, self.limits.max_model_len)
         stats_log = None
@@ -401,17 +402,6 @@ class LockstepServer:
 
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": _VERSION})
-
-
-def _grammar_tokenizer(tokenizer_dir: str, model_config: Any) -> Any:
-    """The tokenizer llguidance checks grammars with, or None without a tokenizer.json."""
-    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
-        return None
-    from dist_engine.engine.structured import model_tokenizer
-
-    return model_tokenizer(
-        tokenizer_dir, model_config.vocab_size, tuple(model_config.eos_token_ids)
-    )
 
 
 def _prepare(raw: bytes, parse: Any, limits: ModelLimits) -> GenerationRequest:

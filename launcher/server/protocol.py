@@ -576,21 +576,7 @@ def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
     if limits.grammar_tokenizer is None:
         raise RequestError("structured output needs the model's tokenizer.json", param=name)
     try:
-        if kind == "json":
-            grammar = structured.json_schema(spec)
-        elif kind == "regex" and isinstance(spec, str):
-            grammar = structured.regex(spec)
-        elif (
-            kind == "choice"
-            and isinstance(spec, list)
-            and spec
-            and all(isinstance(option, str) for option in spec)
-        ):
-            grammar = structured.choice(spec)
-        elif kind == "lark" and isinstance(spec, str):
-            grammar = structured.lark(spec)
-        else:
-            raise ValueError(f"not a {kind} specification: {shorten(spec)}")
+        grammar = structured.grammar_from(kind, spec)
     except (ValueError, TypeError) as error:  # llguidance's and json's messages name the spot
         raise RequestError(f"{name}: {shorten(str(error), 300)}", param=name) from None
     problem = structured.check_grammar(grammar, limits.grammar_tokenizer)

@@ -18,7 +18,7 @@ from server_harness import ServerThread
 
 from dist_engine.engine.config import EngineConfig
 from dist_engine.engine.outputs import ErrorKind, Logprob, RequestOutput
-from launcher import LLM, SamplingParams
+from launcher import LLM, SamplingParams, StructuredOutputsParams
 from launcher.clients import Submission
 from launcher.llm import _kept
 from launcher.routing import Router
@@ -361,11 +361,16 @@ def test_stop_strings_without_a_tokenizer_are_refused(model_dir, tmp_path):
 
 def test_a_rank_refuses_front_end_fields(llm):
     """n and stop strings reaching a rank end that request with a clear error, never ignored."""
-    bad = {"rank-n": SamplingParams(n=2), "rank-stop": SamplingParams(stop=["x"])}
+    bad = {
+        "rank-n": SamplingParams(n=2),
+        "rank-stop": SamplingParams(stop=["x"]),
+        "rank-json": SamplingParams(structured_outputs=StructuredOutputsParams(json={})),
+        "rank-words": SamplingParams(bad_words=["x"]),
+    }
     llm.client.submit(0, [Submission(rid, [1, 2, 3], params, False) for rid, params in bad.items()])
     ended: dict[str, object] = {}
     deadline = time.monotonic() + 10
-    while len(ended) < 2 and time.monotonic() < deadline:
+    while len(ended) < len(bad) and time.monotonic() < deadline:
         ended.update({o.request_id: o for o in llm.client.poll(0.1) if o.request_id in bad})
     assert ended["rank-n"].error_kind is ErrorKind.INVALID_REQUEST
     assert ended["rank-n"].finish_reason.startswith(
@@ -373,6 +378,11 @@ def test_a_rank_refuses_front_end_fields(llm):
     )
     assert ended["rank-stop"].error_kind is ErrorKind.INVALID_REQUEST
     assert "stop=['x']" in ended["rank-stop"].finish_reason
+    for name in ("rank-json", "rank-words"):
+        assert ended[name].error_kind is ErrorKind.INVALID_REQUEST
+        assert "are turned into a grammar and token ids by the front end" in (
+            ended[name].finish_reason
+        )
     (after,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
     assert after.finish_reason == "length"  # the rank serves on
 

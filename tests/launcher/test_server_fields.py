@@ -19,7 +19,7 @@ from model_fixtures import hf_model
 from server_harness import ServerThread
 
 from dist_engine.engine.config import EngineConfig
-from launcher import LLM, SamplingParams
+from launcher import LLM, SamplingParams, StructuredOutputsParams
 from launcher.server.config import ServerConfig
 
 ENGINE = {
@@ -441,6 +441,55 @@ def test_regex_choice_and_json_object_constrain_the_text(client):
         assert isinstance(json.loads(whole.message.content), dict)
     else:
         assert whole.message.content.startswith("{")
+
+
+def test_offline_structured_outputs_draw_what_the_server_draws(client, model_dir):
+    """vLLM's `StructuredOutputsParams` through `LLM.generate`: the same grammar as the
+    server's `structured_outputs`, so a seeded request draws the same tokens either way."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    options = ["yes", "no", "maybe"]
+    asks = [
+        ("give json", 60, 5, {"json": schema}),
+        ("pick", 10, 1, {"choice": options}),
+        ("number", 10, 2, {"regex": "[0-9]{3}-[a-c]"}),
+    ]
+    served = [
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=1.0, seed=seed,
+            extra_body={"structured_outputs": spec, "return_token_ids": True},
+        ).choices[0]
+        for prompt, max_tokens, seed, spec in asks
+    ]  # fmt: skip
+    settings = {"dtype": "float64", "threads_per_rank": 1, **ENGINE["scheduler"]}
+    with LLM(model=model_dir, launcher="local", **settings) as llm:
+        offline = llm.generate(
+            [prompt for prompt, *_ in asks],
+            [
+                SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed,
+                               structured_outputs=StructuredOutputsParams(**spec))
+                for _, max_tokens, seed, spec in asks
+            ],
+            use_tqdm=False,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="regex"):
+            llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(
+                regex="(unclosed")), use_tqdm=False)  # fmt: skip
+    assert [o.output_token_ids for o in offline] == [c.token_ids for c in served]
+    assert [o.text for o in offline] == [c.text for c in served]
+    value = json.loads(offline[0].text)
+    assert set(value) == {"name", "n"} and isinstance(value["n"], int)
+    assert offline[1].text in options and len(offline[2].text) == 5
+    with pytest.raises(ValueError, match="give structured_outputs or grammar, not both"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"), grammar="g")
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(json=schema, choice=options)
+    with pytest.raises(ValueError, match="disable_any_whitespace=True is not supported"):
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True)
 
 
 def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(client):
