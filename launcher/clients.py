@@ -487,3 +487,19 @@ class LocalClient(HostedClient):
 
     def shutdown(self) -> None:
         self.host.shutdown(timeout_s=30.0)
+
+
+def group_max_model_len(client: Client, engine_config: EngineConfig) -> int:
+    """The group's max_model_len: the configured one, or, when the config leaves it unset,
+    the one the ranks resolved at start-up (the model's, capped by the KV pool; the ranks
+    agree on it), which they report in their stats."""
+    configured = engine_config.scheduler.max_model_len
+    if configured is not None:
+        return configured
+    resolved = {stats.max_model_len for stats in client.stats()} - {None}
+    if len(resolved) != 1:
+        raise LockstepError(
+            f"the ranks did not report one max_model_len (got {sorted(resolved)}); "
+            f"set scheduler.max_model_len"
+        )
+    return resolved.pop()

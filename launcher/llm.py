@@ -63,7 +63,14 @@ from dist_engine.engine.stats import ExpertStats, group_expert_stats
 from dist_engine.errors import GroupFailedError, LockstepError
 from dist_engine.log import get_logger
 from dist_engine.models.loader import check_checkpoint
-from launcher.clients import Client, LocalClient, RankFailure, Submission, reading_outputs
+from launcher.clients import (
+    Client,
+    LocalClient,
+    RankFailure,
+    Submission,
+    group_max_model_len,
+    reading_outputs,
+)
 from launcher.flags import VLLM_KEYWORDS
 from launcher.generation_config import GenerationDefaults, load_generation_defaults, with_eos_ids
 from launcher.healing import (
@@ -80,6 +87,8 @@ from launcher.samples import (
     SampleText,
     grammar_tokenizer,
     rank_params,
+    truncated,
+    truncation,
     with_bad_words,
     with_grammar,
 )
@@ -240,16 +249,36 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         dp_rank: int | Sequence[int | None] | None = None,
         use_tqdm: bool = True,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        lora_request: Any = None,
+        priority: int | Sequence[int] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[Completion]:
         """Run every prompt to its end; results in input order. ``sampling_params``: one for
         all, one per prompt, or None for `get_default_sampling_params()`.
+
+        vLLM's keywords: ``tokenization_kwargs`` takes ``add_special_tokens`` (for text
+        prompts; default True), ``truncate_prompt_tokens`` and ``truncation_side`` (as the
+        server's fields); ``lora_request``, ``priority`` and ``mm_processor_kwargs`` are
+        accepted at their neutral values (None, 0) only: there are no adapters, priority
+        policy or multi-modal inputs here, and a request must not have them ignored.
 
         A rank that fails is healed over (`on_rank_failure: heal`): the results are those of a
         fault-free run. Where it is not, raises `LockstepError` naming it once every request
         has its one terminal result: the error's `outputs` hold all of them in input order,
         the finished ones as they finished and the others failed with the reason.
         """
-        finals = dict(self.generate_as_completed(prompts, sampling_params, dp_rank, use_tqdm))
+        _check_neutral(lora_request, priority, mm_processor_kwargs)
+        finals = dict(
+            self.generate_as_completed(
+                prompts,
+                sampling_params,
+                dp_rank,
+                use_tqdm,
+                tokenization_kwargs=tokenization_kwargs,
+            )
+        )
         return [finals[i] for i in range(len(finals))]
 
     def chat(
@@ -261,13 +290,26 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         dp_rank: int | Sequence[int | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        lora_request: Any = None,
+        priority: int | Sequence[int] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[Completion]:
         """vLLM's `LLM.chat`: one conversation (a list of messages, each with a ``role`` and a
         string or text-part ``content``) or a list of them, each rendered by the model's chat
         template and generated as `generate` does; the prompt is what the server's
         /v1/chat/completions makes of the same messages, so the tokens are the same.
-        ``chat_template_kwargs`` reach the template (e.g. ``enable_thinking``). ValueError
-        without a tokenizer or a chat template, or for a message that is not one."""
+        ``chat_template_kwargs`` reach the template (e.g. ``enable_thinking``);
+        ``tokenization_kwargs`` truncate the rendered prompt as `generate`'s do. ValueError
+        without a tokenizer or a chat template, for a message that is not one, and for vLLM's
+        ``continue_final_message`` and ``tools``, which this front end does not implement."""
+        if continue_final_message or tools:
+            raise ValueError(
+                "chat: continue_final_message and tools are not supported here (the server "
+                "refuses them too); leave them unset"
+            )
         if self.tokenizer is None:
             raise ValueError("chat needs the model's tokenizer; this model has none")
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
@@ -282,7 +324,16 @@ class LLM:
                 **(chat_template_kwargs or {}),
             )
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, dp_rank, use_tqdm)
+        return self.generate(
+            prompts,
+            sampling_params,
+            dp_rank,
+            use_tqdm,
+            tokenization_kwargs=tokenization_kwargs,
+            lora_request=lora_request,
+            priority=priority,
+            mm_processor_kwargs=mm_processor_kwargs,
+        )
 
     def get_tokenizer(self) -> ModelTokenizer | None:
         """vLLM's: the tokenizer prompts are encoded and outputs decoded with (`llm.tokenizer`;
@@ -295,6 +346,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         dp_rank: int | Sequence[int | None] | None = None,
         use_tqdm: bool = False,
+        *,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> Iterator[tuple[int, Completion]]:
         """Yield `(prompt index, result)` for every prompt as it finishes (each exactly once;
         a prompt with n > 1 once all its samples have).
@@ -306,7 +359,7 @@ class LLM:
         torchrun this process's share comes first, the other ranks' results after the
         exchange.
         """
-        requests = self._prepare(prompts, sampling_params, dp_rank)
+        requests = self._prepare(prompts, sampling_params, dp_rank, tokenization_kwargs)
         finals: dict[int, Completion] = {}
         ended: dict[int, dict[int, _Ended]] = {}  # prompt index -> sample index -> its end
         total = len(requests)
@@ -412,9 +465,12 @@ class LLM:
     def _torchrun(self) -> bool:
         return self.config.parallel.launcher == "torchrun"
 
-    def _prepare(self, prompts, sampling_params, dp_rank) -> list[_Prompt]:
+    def _prepare(
+        self, prompts, sampling_params, dp_rank, tokenization_kwargs=None
+    ) -> list[_Prompt]:
         if self.closed:
             raise LockstepError("this LLM is shut down; start a new one")
+        add_special_tokens, cut = self._tokenization(tokenization_kwargs)
         prompts = _prompt_list(prompts)
         count = len(prompts)
         if sampling_params is None:
@@ -446,9 +502,32 @@ class LLM:
         # Every sample's seed, in order, whichever rank serves it (under torchrun every process
         # draws them all alike).
         return [
-            self._named(self._tokens(prompt), param, pin, prompt)
+            self._named(
+                truncated(self._tokens(prompt, add_special_tokens), cut), param, pin, prompt
+            )
             for prompt, param, pin in zip(map(_unwrapped, prompts), params, pins, strict=True)
         ]
+
+    def _tokenization(self, kwargs: dict[str, Any] | None) -> tuple[bool, tuple[int, str] | None]:
+        """vLLM's `tokenization_kwargs`: (add_special_tokens, the truncation to apply)."""
+        kwargs = dict(kwargs or {})
+        known = {"add_special_tokens", "truncate_prompt_tokens", "truncation_side"}
+        if set(kwargs) - known:
+            raise ValueError(
+                f"tokenization_kwargs {sorted(set(kwargs) - known)} are not supported here "
+                f"(supported: {sorted(known)})"
+            )
+        add_special_tokens = kwargs.get("add_special_tokens", True)
+        if not isinstance(add_special_tokens, bool):
+            raise ValueError(f"add_special_tokens must be a bool, got {add_special_tokens!r}")
+        count, side = kwargs.get("truncate_prompt_tokens"), kwargs.get("truncation_side")
+        if count is None and side is None:
+            return add_special_tokens, None
+        return add_special_tokens, truncation(count, side, self._max_model_len)
+
+    @cached_property
+    def _max_model_len(self) -> int:
+        return group_max_model_len(self.client, self.config)
 
     def _named(
         self, token_ids: list[int], params: SamplingParams, pin: int | None, given: Any
@@ -721,13 +800,13 @@ class LLM:
             error_kind=ErrorKind.GROUP_FAILED,
         )
 
-    def _tokens(self, prompt: str | Sequence[int]) -> list[int]:
+    def _tokens(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
                     f"text prompts need {self.config.model}/tokenizer.json; pass token ids"
                 )
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return list(prompt)
 
     def _replayed(self, prompt: _Prompt, output: RequestOutput) -> _Ended:
@@ -940,6 +1019,20 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
         return list(value)
     return [value] * count
+
+
+def _check_neutral(lora_request: Any, priority: Any, mm_processor_kwargs: Any) -> None:
+    """vLLM's `generate` keywords this engine has nothing behind: only their neutral values."""
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported here; leave it None")
+    priorities = [priority] if isinstance(priority, int) else list(priority or [])
+    if any(p != 0 for p in priorities):
+        raise ValueError(
+            f"priority {priority!r}: the scheduler has no priority policy (vLLM refuses "
+            "priorities without one too); leave it unset or 0"
+        )
+    if mm_processor_kwargs:
+        raise ValueError("mm_processor_kwargs: there are no multi-modal inputs here")
 
 
 def _prompt_list(prompts: Any) -> list[Any]:

@@ -64,6 +64,35 @@ def with_bad_words(params: SamplingParams, tokenizer: ModelTokenizer | None) -> 
     return replace(params, bad_words_token_ids=merged)
 
 
+def truncation(count: object, side: object, max_model_len: int) -> tuple[int, str] | None:
+    """vLLM's `truncate_prompt_tokens` and `truncation_side` as (tokens kept, side), or None:
+    k >= 1 keeps k of a prompt's tokens, -1 as many as max_model_len leaves room for one
+    output token; "left" (vLLM's default for generation) keeps the last ones, "right" the
+    first. ValueError naming the field for anything else."""
+    if side is not None and side not in ("left", "right"):
+        raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
+    if count is None:
+        return None
+    if not isinstance(count, int) or isinstance(count, bool) or not (count >= 1 or count == -1):
+        raise ValueError(
+            f"truncate_prompt_tokens must be an int >= 1, or -1 (as many as max_model_len "
+            f"allows), got {count!r}"
+        )
+    if count > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens={count} cannot be greater than max_model_len ({max_model_len})"
+        )
+    return (max_model_len - 1 if count == -1 else count), str(side or "left")
+
+
+def truncated(prompt: list[int], spec: tuple[int, str] | None) -> list[int]:
+    """``prompt`` cut as `truncation` said (unchanged where it fits)."""
+    if spec is None or len(prompt) <= spec[0]:
+        return prompt
+    count, side = spec
+    return prompt[-count:] if side == "left" else prompt[:count]
+
+
 def grammar_tokenizer(tokenizer_dir: str | Path, model_config: Any) -> Any:
     """The tokenizer llguidance checks grammars with, or None without a tokenizer.json."""
     if not (Path(tokenizer_dir) / "tokenizer.json").is_file():

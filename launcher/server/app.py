@@ -27,10 +27,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from dist_engine.engine.config import EngineConfig
-from dist_engine.errors import LockstepError
 from dist_engine.log import LOGGER_NAME, get_logger
 from dist_engine.models.registry import load_config
-from launcher.clients import Client
+from launcher.clients import Client, group_max_model_len
 from launcher.generation_config import load_generation_defaults
 from launcher.samples import grammar_tokenizer
 from launcher.server.config import ServerConfig
@@ -70,22 +69,6 @@ _SHUTDOWN_GRACE_S = 5.0  # after the drain: how long handlers get to write their
 # reach them only once admitted (server.max_pending_requests), so their queue is bounded.
 _PREPARE_WORKERS = 2
 _ACCESS_LOG_TARGET_CHARS = 200
-
-
-def group_max_model_len(client: Client, engine_config: EngineConfig) -> int:
-    """The group's max_model_len: the configured one, or, when the config leaves it unset,
-    the one the ranks resolved at start-up (the model's, capped by the KV pool; the ranks
-    agree on it), which they report in their stats."""
-    configured = engine_config.scheduler.max_model_len
-    if configured is not None:
-        return configured
-    resolved = {stats.max_model_len for stats in client.stats()} - {None}
-    if len(resolved) != 1:
-        raise LockstepError(
-            f"the ranks did not report one max_model_len (got {sorted(resolved)}); "
-            f"set scheduler.max_model_len"
-        )
-    return resolved.pop()
 
 
 class LockstepServer:

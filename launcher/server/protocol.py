@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.generation_config import GenerationDefaults
-from launcher.samples import rank_params, with_bad_words
+from launcher.samples import rank_params, truncated, truncation, with_bad_words
 from launcher.server.tokenization import ModelTokenizer
 from scheduler import SamplingParams
 
@@ -225,43 +225,19 @@ def parse_completion(body: Any, limits: ModelLimits) -> GenerationRequest:
     add_special = _optional_bool(body, "add_special_tokens", True)
     truncate = _truncation(body, limits)
     prompts = _completion_prompts(body, limits, add_special, check_fits=truncate is None)
-    prompts = [_truncated(prompt, truncate) for prompt in prompts]
+    prompts = [truncated(prompt, truncate) for prompt in prompts]
     return _generation(body, limits, "completion", prompts, "max_tokens", ignored)
 
 
 def _truncation(body: dict[str, Any], limits: ModelLimits) -> tuple[int, str] | None:
-    """vLLM's `truncate_prompt_tokens` (k >= 1: keep k of the prompt's tokens; -1: as many
-    as max_model_len leaves room for one output token) and `truncation_side` ("left", the
-    default for generation as in vLLM, keeps the last k; "right" the first k)."""
-    count = body.get("truncate_prompt_tokens")
-    side = body.get("truncation_side")
-    if side is not None and side not in ("left", "right"):
-        raise RequestError(
-            f"truncation_side must be 'left' or 'right', got {shorten(side)}",
-            param="truncation_side",
+    """`truncate_prompt_tokens` / `truncation_side` (`launcher.samples.truncation`)."""
+    try:
+        return truncation(
+            body.get("truncate_prompt_tokens"), body.get("truncation_side"), limits.max_model_len
         )
-    if count is None:
-        return None
-    if not _is_int(count) or not (count >= 1 or count == -1):
-        raise RequestError(
-            f"truncate_prompt_tokens must be an int >= 1, or -1 (as many as max_model_len "
-            f"allows), got {shorten(count)}",
-            param="truncate_prompt_tokens",
-        )
-    if count > limits.max_model_len:
-        raise RequestError(
-            f"truncate_prompt_tokens={count} cannot be greater than max_model_len "
-            f"({limits.max_model_len})",
-            param="truncate_prompt_tokens",
-        )
-    return (limits.max_model_len - 1 if count == -1 else count), side or "left"
-
-
-def _truncated(prompt: list[int], truncate: tuple[int, str] | None) -> list[int]:
-    if truncate is None or len(prompt) <= truncate[0]:
-        return prompt
-    count, side = truncate
-    return prompt[-count:] if side == "left" else prompt[:count]
+    except ValueError as error:
+        name = str(error).split(" ", 1)[0].split("=", 1)[0]
+        raise RequestError(str(error), param=name) from None
 
 
 def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
@@ -287,7 +263,7 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
     truncate = _truncation(body, limits)
     if truncate is None:
         _check_text_fits(text, limits, "messages")
-    prompt = _truncated(limits.tokenizer.encode(text, add_special_tokens=False), truncate)
+    prompt = truncated(limits.tokenizer.encode(text, add_special_tokens=False), truncate)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else None
     if key is not None and body.get("max_tokens") is not None:
         raise RequestError(

@@ -225,6 +225,42 @@ def test_vllms_text_and_token_filter_fields_offline(model_dir):
     assert reply.choices[0].token_ids == offline.output_token_ids
 
 
+def test_vllms_generate_keywords_truncate_or_are_refused_at_non_neutral_values(model_dir):
+    prompt = [(7 * i) % 300 + 1 for i in range(40)]
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(model_dir, **LOCAL) as llm:
+
+        def tokens(prompts, **keywords):
+            done = llm.generate(prompts, greedy, use_tqdm=False, **keywords)
+            return [(o.prompt_token_ids, o.output_token_ids) for o in done]
+
+        last, first = tokens([prompt[-8:], prompt[:8]])
+        assert tokens([prompt], tokenization_kwargs={"truncate_prompt_tokens": 8}) == [last]
+        cut = {"truncate_prompt_tokens": 8, "truncation_side": "right"}
+        assert tokens([prompt], tokenization_kwargs=cut) == [first]
+        # -1: max_model_len (128) - 1 tokens at most; this prompt fits, nothing is cut.
+        assert tokens([prompt], tokenization_kwargs={"truncate_prompt_tokens": -1}) == tokens(
+            [prompt]
+        )
+        text = "experts route tokens"
+        bare = llm.tokenizer.encode(text, add_special_tokens=False)
+        (ids, _), *_ = tokens(text, tokenization_kwargs={"add_special_tokens": False})
+        assert ids == bare
+        assert tokens([prompt], priority=[0], lora_request=None) == tokens([prompt])
+        for keywords, message in (
+            ({"tokenization_kwargs": {"padding": True}}, r"tokenization_kwargs \['padding'\]"),
+            ({"tokenization_kwargs": {"truncate_prompt_tokens": 0}}, "must be an int >= 1"),
+            ({"tokenization_kwargs": {"truncate_prompt_tokens": 200}}, "max_model_len"),
+            ({"lora_request": object()}, "LoRA adapters are not supported"),
+            ({"priority": [1]}, "no priority policy"),
+            ({"mm_processor_kwargs": {"size": 1}}, "no multi-modal inputs"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                llm.generate([prompt], greedy, use_tqdm=False, **keywords)
+        with pytest.raises(ValueError, match="continue_final_message and tools"):
+            llm.chat([{"role": "user", "content": "hi"}], greedy, tools=[{"type": "function"}])
+
+
 def test_llm_keywords_in_vllms_spelling_are_checked_before_starting(chat_model):
     with pytest.raises(ValueError, match=r"data_parallel_size=2 and dp_size=1 .* give one"):
         LLM(chat_model, data_parallel_size=2, dp_size=1, launcher="local")
