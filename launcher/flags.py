@@ -35,6 +35,7 @@ from dist_engine.log import get_logger
 from launcher.routing import ROUTING_POLICIES
 from launcher.server.config import SERVER_KEYS as _SERVER_KEYS
 from launcher.server.config import ServerConfig
+from launcher.server.reasoning import REASONING_PARSERS
 from scheduler import SchedulerConfig
 from scheduler.config import PREEMPTION_ORDERS
 from scheduler.vote import SYNC_POLICIES
@@ -67,6 +68,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler.sync_policy": SYNC_POLICIES.names(),
     "scheduler.preemption_order": PREEMPTION_ORDERS,
     "server.routing": ROUTING_POLICIES.names(),
+    "server.reasoning_parser": REASONING_PARSERS,
 }
 log = get_logger()
 # Keys that have no flag of their own: the sections themselves.
@@ -156,6 +158,8 @@ DESCRIPTIONS = {
     "server.read_timeout_s": "seconds a request body may take to arrive (else 408)",
     "server.keepalive_timeout_s": "seconds a connection may sit idle or take to send headers",
     "server.routing": "which rank serves a request",
+    "server.reasoning_parser": "split a reasoning model's <think> block out of chat replies "
+    "as `reasoning` (deepseek_r1, qwen3)",
 }
 
 

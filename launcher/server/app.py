@@ -308,7 +308,8 @@ class LockstepServer:
             Choice(sample, generation, self.limits.tokenizer, stream,
                    RequestTimer(self.metrics, stream.rank, arrival,
                                 len(generation.prompts[sample // generation.best_of]),
-                                generation.params.max_tokens))
+                                generation.params.max_tokens),
+                   self.config.reasoning_parser)
             for sample, stream in enumerate(streams)
         ]  # fmt: skip
         try:

@@ -21,6 +21,8 @@
       access_log: false            # one log line per HTTP request (method, path, status, time)
       strict_requests: false       # unknown request fields: false ignores each (one warning per
                                    # field name, as vLLM does), true refuses them with a 400
+      reasoning_parser: null       # deepseek_r1 or qwen3: chat replies carry the model's
+                                   # <think> block as `reasoning` (launcher/server/reasoning.py)
 
 The engine's sections are left to `EngineConfig`; nothing here reaches a rank. Every field is
 also a flag of `lockstep serve` (launcher/flags.py): `--served-model-name a b`, `--port 0`, ...
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.routing import ROUTING_POLICIES
+from launcher.server.reasoning import REASONING_PARSERS
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class ServerConfig:
     stats_log_interval_s: float = 10.0
     access_log: bool = False
     strict_requests: bool = False
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -110,6 +114,11 @@ class ServerConfig:
         if not isinstance(self.strict_requests, bool):
             raise ValueError(
                 f"server.strict_requests must be true or false, got {self.strict_requests!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"server.reasoning_parser must be one of {list(REASONING_PARSERS)} or null, got "
+                f"{self.reasoning_parser!r}"
             )
 
     @classmethod

@@ -22,8 +22,12 @@ from launcher.samples import Piece, SampleText
 from launcher.server.frontend import RequestStream
 from launcher.server.metrics import RequestTimer
 from launcher.server.protocol import GenerationRequest, RequestError
+from launcher.server.reasoning import ReasoningSplitter
 from launcher.server.responses import ResponseShape, Usage, sse
 from launcher.server.tokenization import ModelTokenizer
+
+# How many of a chat prompt's last tokens tell whether its template left a <think> open.
+_PROMPT_TAIL = 32
 
 
 class Choice:
@@ -37,10 +41,18 @@ class Choice:
         tokenizer: ModelTokenizer | None,
         stream: RequestStream,
         timer: RequestTimer,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.sample = sample
         self.generation = generation
         self.prompt_token_ids = generation.prompts[sample // generation.best_of]
+        # A chat reply's <think> block, split out as it streams (server.reasoning_parser).
+        self.reasoning: ReasoningSplitter | None = None
+        if reasoning_parser is not None and generation.endpoint == "chat" and tokenizer is not None:
+            tail = tokenizer.decode(
+                self.prompt_token_ids[-_PROMPT_TAIL:], skip_special_tokens=False
+            )
+            self.reasoning = ReasoningSplitter(reasoning_parser, tail)
         self.sample_text = SampleText(
             tokenizer,
             generation.stop,
@@ -152,16 +164,25 @@ async def answer_whole(
         if choice.error is not None:
             raise choice.error
     kept = _best(generation, choices)
-    bodies = [
-        shape.choice(
-            index,
-            _echo_text(generation, choice, shape) + choice.text,
-            choice.token_ids,
-            choice.finish_reason,
-            _logprobs_of(choice, shape),
+    bodies = []
+    for index, choice in enumerate(kept):
+        text: str | None = _echo_text(generation, choice, shape) + choice.text
+        reasoning = None
+        if choice.reasoning is not None:
+            split = choice.reasoning.feed(choice.text, final=True)
+            text = split.content or None
+            if generation.include_reasoning:
+                reasoning = split.reasoning or None
+        bodies.append(
+            shape.choice(
+                index,
+                text,
+                choice.token_ids,
+                choice.finish_reason,
+                _logprobs_of(choice, shape),
+                reasoning=reasoning,
+            )
         )
-        for index, choice in enumerate(kept)
-    ]
     return web.json_response(shape.full(bodies, usage(generation, kept)))
 
 
@@ -234,6 +255,10 @@ async def answer_stream(
                 if choice.error is not None:
                     await response.write(sse(choice.error.body()))
                     break
+                if choice.reasoning is not None:  # what it held back (a possible tag's start)
+                    text, thought = _split(generation, choice, "", final=True)
+                    if text or thought:
+                        await send(shape.chunk(choice.sample, text, [], reasoning=thought))
                 await send(shape.chunk(choice.sample, "", [], choice.finish_reason))
                 continue
             # A chunk for every output that carries tokens, even when their text is held back
@@ -242,8 +267,11 @@ async def answer_stream(
             if piece.text or piece.token_ids:
                 offset = echoed.get(choice.sample, 0) + _offset(choice, piece)
                 logprobs = shape.logprobs(piece.token_ids, piece.logprobs, offset)
+                text, thought = _split(generation, choice, piece.text)
                 await send(
-                    shape.chunk(choice.sample, piece.text, piece.token_ids, logprobs=logprobs)
+                    shape.chunk(
+                        choice.sample, text, piece.token_ids, logprobs=logprobs, reasoning=thought
+                    )
                 )
         else:
             if generation.include_usage:
@@ -254,6 +282,17 @@ async def answer_stream(
         for feeder in feeders:
             feeder.cancel()
     return response
+
+
+def _split(
+    generation: GenerationRequest, choice: Choice, text: str, *, final: bool = False
+) -> tuple[str, str]:
+    """(content, reasoning) of a piece of a choice's text: all content without a reasoning
+    parser; the reasoning left out where the request set include_reasoning false."""
+    if choice.reasoning is None:
+        return text, ""
+    split = choice.reasoning.feed(text, final=final)
+    return split.content, split.reasoning if generation.include_reasoning else ""
 
 
 def _with_usage(

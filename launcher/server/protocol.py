@@ -118,6 +118,7 @@ class GenerationRequest:
     prompt_logprobs: int | None  # top logprobs per prompt token (echo with logprobs, or asked)
     ignored_fields: tuple[str, ...] = ()  # unknown fields, for the server's one warning each
     model: str = ""  # the served name the request gave; its reply carries the same
+    include_reasoning: bool = True  # chat, with a reasoning parser: send the reasoning too
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -179,6 +180,7 @@ _CHAT_FIELDS = _HONOURED | {
     "top_logprobs",
     "add_generation_prompt",
     "chat_template_kwargs",
+    "include_reasoning",
 }
 # Fields that do not change what is generated: accepted whatever their value.
 _HARMLESS = {
@@ -370,6 +372,7 @@ def _generation(
         prompt_logprobs=prompt_logprobs,
         ignored_fields=ignored,
         model=model,
+        include_reasoning=_optional_bool(body, "include_reasoning", True),
     )
 
 

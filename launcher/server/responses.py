@@ -54,16 +54,21 @@ class ResponseShape:
     def choice(
         self,
         index: int,
-        text: str,
+        text: str | None,
         token_ids: list[int],
         finish_reason: str | None,
         logprobs: dict[str, Any] | None = None,
+        *,
+        reasoning: str | None = None,
     ) -> dict[str, Any]:
-        """One choice of a whole (not streamed) reply."""
+        """One choice of a whole (not streamed) reply; ``reasoning``: a chat reply's reasoning
+        (a reasoning parser split it from ``text``)."""
         if self.endpoint == "completion":
             body: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
         else:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                message.update(_reasoning(reasoning))
             body = {"index": index, "message": message, "logprobs": logprobs}
         body["finish_reason"] = finish_reason
         if self.return_token_ids:
@@ -85,14 +90,17 @@ class ResponseShape:
         *,
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         """One streamed piece of choice ``index``; ``first`` opens a chat choice with the
-        assistant's role."""
+        assistant's role; ``reasoning``: what the piece adds to a chat reply's reasoning."""
         if self.endpoint == "completion":
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
             obj = "text_completion"
         else:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if reasoning:
+                delta.update(_reasoning(reasoning))
             if text or first:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
@@ -182,6 +190,12 @@ class ResponseShape:
         """Completions' logprobs of the echoed prompt followed by the output's (whose text
         offsets already count the prompt's text)."""
         return {key: first[key] + second[key] for key in first}
+
+
+def _reasoning(text: str) -> dict[str, str]:
+    """A reply's reasoning under vLLM's name and the one DeepSeek's API (and earlier vLLM
+    releases) use, so clients of either find it."""
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def sse(body: dict[str, Any] | str) -> bytes:
