@@ -36,6 +36,7 @@ from launcher.routing import ROUTING_POLICIES
 from launcher.server.config import SERVER_KEYS as _SERVER_KEYS
 from launcher.server.config import ServerConfig
 from launcher.server.reasoning import REASONING_PARSERS
+from launcher.server.tools import TOOL_CALL_PARSERS
 from scheduler import SchedulerConfig
 from scheduler.config import PREEMPTION_ORDERS
 from scheduler.vote import SYNC_POLICIES
@@ -69,6 +70,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scheduler.preemption_order": PREEMPTION_ORDERS,
     "server.routing": ROUTING_POLICIES.names(),
     "server.reasoning_parser": REASONING_PARSERS,
+    "server.tool_call_parser": TOOL_CALL_PARSERS,
 }
 log = get_logger()
 # Keys that have no flag of their own: the sections themselves.
@@ -160,6 +162,9 @@ DESCRIPTIONS = {
     "server.routing": "which rank serves a request",
     "server.reasoning_parser": "split a reasoning model's <think> block out of chat replies "
     "as `reasoning` (deepseek_r1, qwen3)",
+    "server.enable_auto_tool_choice": "let chat requests use tool_choice auto (needs "
+    "--tool-call-parser)",
+    "server.tool_call_parser": "how the model writes tool calls, for tool_choice auto (hermes)",
 }
 
 

@@ -116,7 +116,7 @@ def with_grammar(params: SamplingParams, checker: Any) -> SamplingParams:
 
     if checker is None:
         raise ValueError("structured_outputs need the model's tokenizer.json")
-    grammar = structured.grammar_from(*outputs.constraint())
+    grammar = structured.grammar_from(*outputs.constraint(), **outputs.json_options())
     problem = structured.check_grammar(grammar, checker)
     if problem:
         raise ValueError(

@@ -41,9 +41,10 @@ class StructuredOutputsParams:
     ``grammar`` (a Lark grammar) or ``json_object=True`` (any JSON object). The `LLM` turns it
     into `SamplingParams.grammar` (llguidance's form) before a rank sees the request.
 
-    vLLM's backend options `disable_any_whitespace`, `disable_additional_properties`,
-    `whitespace_pattern` and `structural_tag` are accepted at their defaults only (this
-    engine's one backend has no such switches): anything else is refused, not ignored."""
+    For JSON, `disable_any_whitespace` allows no whitespace between tokens and
+    `whitespace_pattern` sets the regex whitespace must match (vLLM's options); vLLM's
+    `disable_additional_properties` and `structural_tag` are accepted at their defaults only:
+    anything else is refused, not ignored."""
 
     json: str | dict | None = field(default=None, hash=False)
     regex: str | None = None
@@ -70,10 +71,21 @@ class StructuredOutputsParams:
             )
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"json_object must be True when given, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                f"disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}"
+            )
+        pattern = self.whitespace_pattern
+        if pattern is not None and not isinstance(pattern, str):
+            raise ValueError(f"whitespace_pattern must be a regex string, got {pattern!r}")
+        json_kind = self.json is not None or self.json_object is not None
+        if (self.disable_any_whitespace or pattern is not None) and not json_kind:
+            raise ValueError(
+                "disable_any_whitespace and whitespace_pattern apply to json and json_object "
+                "constraints only"
+            )
         for name, default in (
-            ("disable_any_whitespace", False),
             ("disable_additional_properties", False),
-            ("whitespace_pattern", None),
             ("structural_tag", None),
         ):
             if getattr(self, name) != default:
@@ -81,6 +93,15 @@ class StructuredOutputsParams:
                     f"structured outputs' {name}={getattr(self, name)!r} is not supported here "
                     f"(only its default, {default!r})"
                 )
+
+    def json_options(self) -> dict[str, object]:
+        """The JSON compiler's options these settings ask for (`structured.json_schema`)."""
+        options: dict[str, object] = {}
+        if self.disable_any_whitespace:
+            options["any_whitespace"] = False
+        if self.whitespace_pattern is not None:
+            options["whitespace_pattern"] = self.whitespace_pattern
+        return options
 
     def constraint(self) -> tuple[str, object]:
         """(kind, spec) for `dist_engine.engine.structured.grammar_from`."""
@@ -95,7 +116,17 @@ class StructuredOutputsParams:
         return "lark", self.grammar
 
     def __hash__(self) -> int:
-        return hash((_json_key(self.json), self.regex, self.choice, self.grammar, self.json_object))
+        return hash(
+            (
+                _json_key(self.json),
+                self.regex,
+                self.choice,
+                self.grammar,
+                self.json_object,
+                self.disable_any_whitespace,
+                self.whitespace_pattern,
+            )
+        )
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

@@ -42,12 +42,21 @@ def _llguidance() -> Any:
 
 
 # -- grammars from what clients send --------------------------------------------------------
-def json_schema(schema: Any) -> str:
+def json_schema(
+    schema: Any, *, any_whitespace: bool = True, whitespace_pattern: str | None = None
+) -> str:
     """A grammar for JSON matching ``schema`` (a dict, or its JSON text); ``{}`` or True for
-    any JSON value, `{"type": "object"}` for OpenAI's json_object."""
+    any JSON value, `{"type": "object"}` for OpenAI's json_object. ``any_whitespace=False``
+    (vLLM's `disable_any_whitespace`) allows none between tokens (compact JSON);
+    ``whitespace_pattern`` is the regex whitespace there must match instead."""
     if isinstance(schema, str):
         schema = json.loads(schema)
-    return _llguidance().LLMatcher.grammar_from_json_schema(schema)
+    options: dict[str, Any] = {}
+    if not any_whitespace:
+        options["whitespace_flexible"] = False
+    if whitespace_pattern is not None:
+        options["whitespace_pattern"] = whitespace_pattern
+    return _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=options or None)
 
 
 def regex(pattern: str) -> str:
@@ -63,13 +72,15 @@ def lark(grammar: str) -> str:
     return _llguidance().LLMatcher.grammar_from_lark(grammar)
 
 
-def grammar_from(kind: str, spec: Any) -> str:
+def grammar_from(kind: str, spec: Any, **json_options: Any) -> str:
     """The grammar of one structured-output constraint as clients give it: ``kind`` "json"
     (a schema, a dict or its JSON text), "regex" (a pattern), "choice" (a non-empty list of
-    strings) or "lark" (a Lark grammar). ValueError (or llguidance's / json's own error,
-    naming the spot) for a spec that is not of its kind."""
+    strings) or "lark" (a Lark grammar); ``json_options`` go to `json_schema`. ValueError (or
+    llguidance's / json's own error, naming the spot) for a spec that is not of its kind."""
     if kind == "json":
-        return json_schema(spec)
+        return json_schema(spec, **json_options)
+    if json_options:
+        raise ValueError(f"whitespace options apply to JSON only, not to a {kind} constraint")
     if kind == "regex" and isinstance(spec, str):
         return regex(spec)
     if (

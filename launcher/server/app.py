@@ -86,6 +86,8 @@ class LockstepServer:
             num_ranks=client.num_ranks,
             tokenizer=ModelTokenizer.load(tokenizer_dir, chat_template=config.chat_template_text()),
             strict_requests=config.strict_requests,
+            enable_auto_tool_choice=config.enable_auto_tool_choice,
+            tool_call_parser=config.tool_call_parser,
             other_model_names=names[1:],
             defaults=load_generation_defaults(engine_config.generation_config, model_dir),
             grammar_tokenizer=grammar_tokenizer(tokenizer_dir, model_config),

@@ -23,6 +23,9 @@
                                    # field name, as vLLM does), true refuses them with a 400
       reasoning_parser: null       # deepseek_r1 or qwen3: chat replies carry the model's
                                    # <think> block as `reasoning` (launcher/server/reasoning.py)
+      enable_auto_tool_choice: false  # tool_choice "auto" (with tool_call_parser), as vLLM's
+      tool_call_parser: null       # hermes: how "auto" replies' tool calls are read
+                                   # (launcher/server/tools.py)
 
 The engine's sections are left to `EngineConfig`; nothing here reaches a rank. Every field is
 also a flag of `lockstep serve` (launcher/flags.py): `--served-model-name a b`, `--port 0`, ...
@@ -38,6 +41,7 @@ from typing import Any
 
 from launcher.routing import ROUTING_POLICIES
 from launcher.server.reasoning import REASONING_PARSERS
+from launcher.server.tools import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class ServerConfig:
     access_log: bool = False
     strict_requests: bool = False
     reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -114,6 +120,21 @@ class ServerConfig:
         if not isinstance(self.strict_requests, bool):
             raise ValueError(
                 f"server.strict_requests must be true or false, got {self.strict_requests!r}"
+            )
+        if not isinstance(self.enable_auto_tool_choice, bool):
+            raise ValueError(
+                "server.enable_auto_tool_choice must be true or false, got "
+                f"{self.enable_auto_tool_choice!r}"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"server.tool_call_parser must be one of {list(TOOL_CALL_PARSERS)} or null, got "
+                f"{self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "server.enable_auto_tool_choice needs server.tool_call_parser (which format "
+                "the model's tool calls take)"
             )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(

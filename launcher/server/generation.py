@@ -25,6 +25,7 @@ from launcher.server.protocol import GenerationRequest, RequestError
 from launcher.server.reasoning import ReasoningSplitter
 from launcher.server.responses import ResponseShape, Usage, sse
 from launcher.server.tokenization import ModelTokenizer
+from launcher.server.tools import ToolCall, ToolCallReader, finish_reason
 
 # How many of a chat prompt's last tokens tell whether its template left a <think> open.
 _PROMPT_TAIL = 32
@@ -53,6 +54,10 @@ class Choice:
                 self.prompt_token_ids[-_PROMPT_TAIL:], skip_special_tokens=False
             )
             self.reasoning = ReasoningSplitter(reasoning_parser, tail)
+        tools = generation.tools
+        self.tool_calls: ToolCallReader | None = None
+        if tools is not None and tools.mode != "none":
+            self.tool_calls = ToolCallReader(tools)
         self.sample_text = SampleText(
             tokenizer,
             generation.stop,
@@ -173,14 +178,20 @@ async def answer_whole(
             text = split.content or None
             if generation.include_reasoning:
                 reasoning = split.reasoning or None
+        calls: list[ToolCall] = []
+        if choice.tool_calls is not None:
+            shown = choice.tool_calls.feed(text or "")
+            rest, calls = choice.tool_calls.finish()
+            text = (shown + rest) or None
         bodies.append(
             shape.choice(
                 index,
                 text,
                 choice.token_ids,
-                choice.finish_reason,
+                finish_reason(generation.tools, choice.finish_reason, calls),
                 _logprobs_of(choice, shape),
                 reasoning=reasoning,
+                tool_calls=[call.body() for call in calls] or None,
             )
         )
     return web.json_response(shape.full(bodies, usage(generation, kept)))
@@ -255,11 +266,21 @@ async def answer_stream(
                 if choice.error is not None:
                     await response.write(sse(choice.error.body()))
                     break
-                if choice.reasoning is not None:  # what it held back (a possible tag's start)
-                    text, thought = _split(generation, choice, "", final=True)
-                    if text or thought:
-                        await send(shape.chunk(choice.sample, text, [], reasoning=thought))
-                await send(shape.chunk(choice.sample, "", [], choice.finish_reason))
+                # What the readers held back (a possible tag's start; tool calls, whole).
+                text, thought = _split(generation, choice, "", final=True)
+                calls: list[ToolCall] = []
+                if choice.tool_calls is not None:
+                    rest, calls = choice.tool_calls.finish()
+                    text += rest
+                if text or thought or calls:
+                    bodies = [call.body(index) for index, call in enumerate(calls)]
+                    await send(
+                        shape.chunk(
+                            choice.sample, text, [], reasoning=thought, tool_calls=bodies or None
+                        )
+                    )
+                reason = finish_reason(generation.tools, choice.finish_reason, calls)
+                await send(shape.chunk(choice.sample, "", [], reason))
                 continue
             # A chunk for every output that carries tokens, even when their text is held back
             # (a split character, a possible stop string): clients time tokens by chunks (vLLM's
@@ -288,11 +309,16 @@ def _split(
     generation: GenerationRequest, choice: Choice, text: str, *, final: bool = False
 ) -> tuple[str, str]:
     """(content, reasoning) of a piece of a choice's text: all content without a reasoning
-    parser; the reasoning left out where the request set include_reasoning false."""
-    if choice.reasoning is None:
-        return text, ""
-    split = choice.reasoning.feed(text, final=final)
-    return split.content, split.reasoning if generation.include_reasoning else ""
+    parser; the reasoning left out where the request set include_reasoning false; content
+    that may be a tool call held back by the choice's tool-call reader."""
+    content, reasoning = text, ""
+    if choice.reasoning is not None:
+        split = choice.reasoning.feed(text, final=final)
+        content = split.content
+        reasoning = split.reasoning if generation.include_reasoning else ""
+    if choice.tool_calls is not None and content:
+        content = choice.tool_calls.feed(content)
+    return content, reasoning
 
 
 def _with_usage(

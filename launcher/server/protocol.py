@@ -31,7 +31,8 @@ from typing import Any
 from launcher.generation_config import GenerationDefaults
 from launcher.samples import rank_params, truncated, truncation, with_bad_words
 from launcher.server.tokenization import ModelTokenizer
-from scheduler import SamplingParams
+from launcher.server.tools import ToolError, Tools, parse_tools
+from scheduler import SamplingParams, StructuredOutputsParams
 
 # Completions' default `max_tokens` is OpenAI's; chat's default is the rest of the context.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -80,6 +81,9 @@ class ModelLimits:
     num_ranks: int
     tokenizer: ModelTokenizer | None
     strict_requests: bool = False  # unknown fields: 400 instead of a warning
+    # Tool calling: whether tool_choice "auto" may be asked, and the parser that reads it.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     # The model's tokenizer as llguidance reads it, to check grammars (None: no structured
     # output: the model has no tokenizer.json).
     grammar_tokenizer: Any = None
@@ -119,6 +123,7 @@ class GenerationRequest:
     ignored_fields: tuple[str, ...] = ()  # unknown fields, for the server's one warning each
     model: str = ""  # the served name the request gave; its reply carries the same
     include_reasoning: bool = True  # chat, with a reasoning parser: send the reasoning too
+    tools: Tools | None = None  # chat: the request's tools and tool_choice (server/tools.py)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -181,6 +186,9 @@ _CHAT_FIELDS = _HONOURED | {
     "add_generation_prompt",
     "chat_template_kwargs",
     "include_reasoning",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 # Fields that do not change what is generated: accepted whatever their value.
 _HARMLESS = {
@@ -202,9 +210,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, False, True),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logits_processors": (None, []),
@@ -255,10 +260,35 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
             param="chat_template_kwargs",
         )
     try:
+        tools = parse_tools(
+            body, auto_enabled=limits.enable_auto_tool_choice, parser=limits.tool_call_parser
+        )
+    except ToolError as error:
+        raise RequestError(str(error), param=error.param) from None
+    if tools is not None and tools.grammar is not None:
+        if _grammar_asked(body):
+            raise RequestError(
+                f"tool_choice {tools.mode} constrains the reply itself; give no structured "
+                "output with it",
+                param="tool_choice",
+            )
+        if limits.grammar_tokenizer is None:
+            raise RequestError(
+                f"tool_choice {tools.mode} needs the model's tokenizer.json", param="tool_choice"
+            )
+        from dist_engine.engine import structured
+
+        problem = structured.check_grammar(tools.grammar, limits.grammar_tokenizer)
+        if problem:
+            raise RequestError(
+                f"the tools' parameters do not compile: {shorten(problem, 300)}", param="tools"
+            )
+    extra = {"tools": tools.template_tools()} if tools is not None else {}
+    try:
         text = limits.tokenizer.render_chat(
             messages,
             add_generation_prompt=_optional_bool(body, "add_generation_prompt", True),
-            **(kwargs or {}),
+            **{**(kwargs or {}), **extra},
         )
     except ValueError as error:
         raise RequestError(str(error), param="messages") from None
@@ -271,7 +301,7 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
         raise RequestError(
             "give max_completion_tokens or max_tokens, not both", param="max_completion_tokens"
         )
-    return _generation(body, limits, "chat", [prompt], key or "max_tokens", ignored)
+    return _generation(body, limits, "chat", [prompt], key or "max_tokens", ignored, tools=tools)
 
 
 # -- the shared part ----------------------------------------------------------------------------
@@ -282,6 +312,8 @@ def _generation(
     prompts: list[list[int]],
     max_tokens_key: str,
     ignored: tuple[str, ...],
+    *,
+    tools: Tools | None = None,
 ) -> GenerationRequest:
     model = body.get("model")
     if not isinstance(model, str):
@@ -344,8 +376,9 @@ def _generation(
     # best_of ranks the samples by cumulative logprob: they need the sampled token's.
     sample_logprobs = logprobs if logprobs is not None else (0 if best_of > n else None)
     params = _sampling_params(
-        body, max_tokens, stop_ids, ignore_eos, sample_logprobs, prompt_logprobs, limits
-    )
+        body, max_tokens, stop_ids, ignore_eos, sample_logprobs, prompt_logprobs, limits,
+        grammar=tools.grammar if tools is not None else None,
+    )  # fmt: skip
     include_usage, continuous = _stream_options(body, stream)
     dp_rank = body.get("dp_rank")
     if dp_rank is not None and (not _is_int(dp_rank) or not 0 <= dp_rank < limits.num_ranks):
@@ -373,6 +406,7 @@ def _generation(
         ignored_fields=ignored,
         model=model,
         include_reasoning=_optional_bool(body, "include_reasoning", True),
+        tools=tools,
     )
 
 
@@ -425,6 +459,7 @@ def _sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     limits: ModelLimits,
+    grammar: str | None = None,
 ) -> SamplingParams:
     # A field the request leaves out takes the model's default (generation_config.json, else
     # vLLM's: temperature 1.0, no filters), each on its own, as vLLM's server does.
@@ -457,7 +492,8 @@ def _sampling_params(
         "frequency_penalty": _number(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
         "repetition_penalty": _number(body, "repetition_penalty", 1.0, low=0.01, high=100.0),
     }
-    grammar = _grammar(body, limits)
+    if grammar is None:
+        grammar = _grammar(body, limits)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -503,6 +539,15 @@ def _allowed_token_ids(body: dict[str, Any], limits: ModelLimits) -> list[int] |
     return allowed
 
 
+def _grammar_asked(body: dict[str, Any]) -> bool:
+    """Whether the body asks for structured output in any of its spellings."""
+    names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    asked = any(body.get(name) is not None for name in names)
+    response_format = body.get("response_format")
+    fmt = response_format is not None and response_format != {"type": "text"}
+    return asked or fmt or body.get("structured_outputs") is not None
+
+
 def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
     """Structured output, in OpenAI's and vLLM's spellings, as one llguidance grammar:
     `response_format` (json_object, json_schema), vLLM's `guided_json` / `guided_regex` /
@@ -536,15 +581,22 @@ def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
         if body.get(name) is not None:
             asked.append((name, (kind, body[name])))
     outputs = body.get("structured_outputs")
+    json_options: dict[str, Any] = {}
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise RequestError("structured_outputs must be an object", param="structured_outputs")
-        for key, kind in (("json", "json"), ("regex", "regex"), ("choice", "choice"),
-                          ("grammar", "lark")):  # fmt: skip
-            if outputs.get(key) is not None:
-                asked.append((f"structured_outputs.{key}", (kind, outputs[key])))
-        if outputs.get("json_object"):
-            asked.append(("structured_outputs.json_object", ("json", {"type": "object"})))
+        try:  # vLLM's StructuredOutputsParams, its checks and its whitespace options
+            params = StructuredOutputsParams(**outputs)
+        except (TypeError, ValueError) as error:
+            message = str(error).replace("__init__() ", "")
+            raise RequestError(
+                f"structured_outputs: {shorten(message, 300)}", param="structured_outputs"
+            ) from None
+        kind, spec = params.constraint()
+        key = next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                   if getattr(params, k) is not None)  # fmt: skip
+        asked.append((f"structured_outputs.{key}", (kind, spec)))
+        json_options = params.json_options()
     if not asked:
         return None
     if len(asked) > 1:
@@ -555,7 +607,7 @@ def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
     if limits.grammar_tokenizer is None:
         raise RequestError("structured output needs the model's tokenizer.json", param=name)
     try:
-        grammar = structured.grammar_from(kind, spec)
+        grammar = structured.grammar_from(kind, spec, **json_options)
     except (ValueError, TypeError) as error:  # llguidance's and json's messages name the spot
         raise RequestError(f"{name}: {shorten(str(error), 300)}", param=name) from None
     problem = structured.check_grammar(grammar, limits.grammar_tokenizer)

@@ -81,7 +81,7 @@ class ReasoningSplitter:
                 self._pending = self._pending[end + len(CLOSE) :]
                 self._phase = "content"
                 continue
-            keep = 0 if final else _partial_suffix(self._pending, CLOSE)
+            keep = 0 if final else partial_suffix(self._pending, CLOSE)
             reasoning.append(self._pending[: len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep :]
             break
@@ -94,7 +94,7 @@ def split_whole(parser: str, prompt_text: str, text: str) -> tuple[str | None, s
     return split.reasoning or None, split.content or None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (shorter than it)."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-length:]):

@@ -60,15 +60,18 @@ class ResponseShape:
         logprobs: dict[str, Any] | None = None,
         *,
         reasoning: str | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """One choice of a whole (not streamed) reply; ``reasoning``: a chat reply's reasoning
-        (a reasoning parser split it from ``text``)."""
+        (a reasoning parser split it from ``text``); ``tool_calls``: its calls."""
         if self.endpoint == "completion":
             body: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
         else:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if reasoning is not None:
                 message.update(_reasoning(reasoning))
+            if tool_calls:
+                message["tool_calls"] = tool_calls
             body = {"index": index, "message": message, "logprobs": logprobs}
         body["finish_reason"] = finish_reason
         if self.return_token_ids:
@@ -91,9 +94,11 @@ class ResponseShape:
         first: bool = False,
         logprobs: dict[str, Any] | None = None,
         reasoning: str = "",
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """One streamed piece of choice ``index``; ``first`` opens a chat choice with the
-        assistant's role; ``reasoning``: what the piece adds to a chat reply's reasoning."""
+        assistant's role; ``reasoning``: what the piece adds to a chat reply's reasoning;
+        ``tool_calls``: the reply's calls (each with its index), whole."""
         if self.endpoint == "completion":
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
             obj = "text_completion"
@@ -103,6 +108,8 @@ class ResponseShape:
                 delta.update(_reasoning(reasoning))
             if text or first:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs}
             obj = "chat.completion.chunk"
         choice["finish_reason"] = finish_reason

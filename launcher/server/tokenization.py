@@ -26,6 +26,7 @@ import importlib.util
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -428,8 +429,25 @@ def _compile_template(source: str) -> Any:
 
         raise TemplateError(message)
 
+    def tojson(value: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # As transformers renders it (what vLLM's prompts are made with): JSON as json.dumps
+        # writes it, where Jinja's own filter escapes <, >, & and ' for HTML. Tool
+        # definitions in Qwen's and Hermes' templates go through it.
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    def strftime_now(format: str) -> str:  # Llama 3's templates date their system prompt
+        return datetime.now().strftime(format)
+
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    environment.filters["tojson"] = tojson
     return environment.from_string(source)
 
 

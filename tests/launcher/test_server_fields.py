@@ -457,6 +457,7 @@ def test_offline_structured_outputs_draw_what_the_server_draws(client, model_dir
         ("give json", 60, 5, {"json": schema}),
         ("pick", 10, 1, {"choice": options}),
         ("number", 10, 2, {"regex": "[0-9]{3}-[a-c]"}),
+        ("compact json", 60, 6, {"json": schema, "disable_any_whitespace": True}),
     ]
     served = [
         client.completions.create(
@@ -484,12 +485,16 @@ def test_offline_structured_outputs_draw_what_the_server_draws(client, model_dir
     value = json.loads(offline[0].text)
     assert set(value) == {"name", "n"} and isinstance(value["n"], int)
     assert offline[1].text in options and len(offline[2].text) == 5
+    outside_strings = re.sub(r'"(?:[^"\\]|\\.)*"', '""', offline[3].text)
+    assert not re.search(r"\s", outside_strings), offline[3].text  # disable_any_whitespace
     with pytest.raises(ValueError, match="give structured_outputs or grammar, not both"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"), grammar="g")
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(json=schema, choice=options)
-    with pytest.raises(ValueError, match="disable_any_whitespace=True is not supported"):
-        StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    with pytest.raises(ValueError, match="disable_additional_properties=True is not supported"):
+        StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    with pytest.raises(ValueError, match="apply to json and json_object constraints only"):
+        StructuredOutputsParams(regex="a", disable_any_whitespace=True)
 
 
 def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(client):

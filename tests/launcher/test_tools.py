@@ -1,0 +1,231 @@
+"""Tool calling on /v1/chat/completions (launcher/server/tools.py): the hermes reader on its
+own, and a server driven by the official `openai` client, its replies forced (a regex, or the
+tool_choice grammar itself) so that what the reply must be is known."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+from server_harness import ServerThread
+
+from dist_engine.engine.config import EngineConfig
+from launcher.server.config import ServerConfig
+from launcher.server.tools import ToolCallReader, ToolError, Tools, finish_reason, parse_tools
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+AUTO = Tools((WEATHER,), "auto", parser="hermes")
+
+
+def _read(tools: Tools, pieces: list[str]) -> tuple[str, list]:
+    reader = ToolCallReader(tools)
+    shown = "".join(reader.feed(piece) for piece in pieces)
+    rest, calls = reader.finish()
+    return shown + rest, calls
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_hermes_blocks_become_calls_and_the_text_before_them_content(size):
+    text = (
+        'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+        '</tool_call>\n<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
+    )
+    content, calls = _read(AUTO, [text[i : i + size] for i in range(0, len(text), size)])
+    assert content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    assert all(re.fullmatch(r"chatcmpl-tool-[0-9a-f]{32}", c.id) for c in calls)
+    assert len({c.id for c in calls}) == 2
+
+
+def test_text_without_calls_or_with_calls_that_do_not_parse_is_content():
+    assert _read(AUTO, ["just ", "an answer <tool", "s>"]) == ("just an answer <tools>", [])
+    broken = 'x<tool_call>{"name": "get_weather", "arguments": {"city": '
+    assert _read(AUTO, [broken]) == (broken, [])  # cut off by max_tokens: no call
+    unclosed = 'y<tool_call>{"name": "get_time", "arguments": {}}'
+    content, calls = _read(AUTO, [unclosed])
+    assert content == "y" and [c.name for c in calls] == ["get_time"]
+
+
+def test_named_and_required_replies_are_the_calls_themselves():
+    named = Tools((WEATHER,), "named", name="get_weather", grammar="g")
+    content, calls = _read(named, ['{"city": ', '"Rome"}'])
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Rome"}')
+    ]
+    required = Tools((WEATHER, TIME), "required", grammar="g")
+    text = (
+        '[{"name": "get_time", "parameters": {}}, '
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    )
+    content, calls = _read(required, [text])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_time", {}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
+    assert _read(required, ['[{"name": "get_t']) == ('[{"name": "get_t', [])
+    assert finish_reason(required, "stop", calls) == "tool_calls"
+    assert finish_reason(named, "stop", calls) == "stop"  # OpenAI's, for a forced function
+    assert finish_reason(AUTO, "length", calls) == "length"
+    assert finish_reason(AUTO, "stop", []) == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"tool_choice": "auto"}, "tool_choice needs tools"),
+        ({"tools": {"a": 1}}, "tools must be a list"),
+        ({"tools": [{"type": "function"}]}, r"tools\[0\] must be"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice must be"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "names 'x', which is not in tools",
+        ),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_field(body, message):
+    with pytest.raises(ToolError, match=message):
+        parse_tools(body, auto_enabled=True, parser="hermes")
+
+
+def test_auto_needs_the_server_to_allow_it_as_vllm_does():
+    with pytest.raises(ToolError, match="--enable-auto-tool-choice"):
+        parse_tools({"tools": [WEATHER]}, auto_enabled=False, parser=None)
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "none"}, auto_enabled=False,
+                       parser=None).mode == "none"  # fmt: skip
+    with pytest.raises(ValueError, match=r"enable_auto_tool_choice needs server\.tool_call_parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+
+
+# -- the server --------------------------------------------------------------------------------
+ENGINE = {
+    "dtype": "float32",
+    "parallel": {"dp_size": 1, "launcher": "local", "threads_per_rank": 1},
+    "scheduler": {"max_num_seqs": 8, "max_model_len": 512, "num_blocks": 512, "block_size": 8},
+}
+# A template that shows the tools as Qwen's does (through tojson), and the messages.
+TEMPLATE = (
+    "{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n"
+    "{% endif %}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+FORCED_CALL = (
+    r'Let me check\.<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "[a-z]{4}"\}\}\n</tool_call>'
+)
+ASK = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir):
+    engine = EngineConfig.from_dict({"model": model_dir, **ENGINE})
+    config = ServerConfig(port=0, served_model_name="tiny", chat_template=TEMPLATE)
+    tooled = ServerThread(
+        engine, config.with_overrides(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    )
+    plain = ServerThread(engine, config)
+    yield (
+        openai.OpenAI(base_url=f"{tooled.url}/v1", api_key="none", max_retries=0),
+        openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
+    )
+    tooled.stop()
+    plain.stop()
+
+
+def _chat(client, max_tokens=80, **extra):
+    return client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=max_tokens, temperature=1.0, seed=4, **extra
+    )
+
+
+def test_auto_replies_carry_the_models_calls_whole_and_streamed(servers):
+    tooled, plain = servers
+    forced = {"extra_body": {"structured_outputs": {"regex": FORCED_CALL}}}
+    # The same request to a server without a parser: the same prompt, so the same reply, unread.
+    raw = _chat(plain, tools=[WEATHER], tool_choice="none", **forced).choices[0].message.content
+    city = re.search(r'"city": "([a-z]{4})"', raw).group(1)
+    reply = _chat(tooled, tools=[WEATHER], **forced).choices[0]
+    assert reply.finish_reason == "tool_calls"
+    assert reply.message.content == "Let me check."
+    (call,) = reply.message.tool_calls
+    assert (call.type, call.function.name) == ("function", "get_weather")
+    assert json.loads(call.function.arguments) == {"city": city}
+    stream = _chat(tooled, tools=[WEATHER], stream=True, **forced)
+    content, calls, reasons = "", [], []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert content == "Let me check." and reasons[-1] == "tool_calls"
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "get_weather", {"city": city})
+    ]
+    # The prompt shows the tools (JSON as transformers' tojson writes it, '<' unescaped).
+    assert (
+        _chat(tooled, tools=[WEATHER], **forced).usage.prompt_tokens
+        > _chat(tooled, **forced).usage.prompt_tokens
+    )
+    # "none": the tools are shown, the reply is not read.
+    untouched = _chat(tooled, tools=[WEATHER], tool_choice="none", **forced).choices[0]
+    assert untouched.message.content == raw and not untouched.message.tool_calls
+
+
+def test_named_and_required_tool_choice_constrain_the_reply_to_calls(servers):
+    tooled, plain = servers
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for client in (tooled, plain):  # no parser needed: the grammar makes the reply a call
+        reply = _chat(client, tools=[WEATHER, TIME], tool_choice=named).choices[0]
+        (call,) = reply.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and set(arguments) == {"city"}
+        assert isinstance(arguments["city"], str) and len(arguments["city"]) <= 6
+        assert reply.finish_reason == "stop" and reply.message.content is None
+    reply = _chat(plain, tools=[WEATHER, TIME], tool_choice="required", max_tokens=120)
+    choice = reply.choices[0]
+    if choice.message.tool_calls:  # the list closed within the budget
+        assert choice.finish_reason in ("tool_calls", "length") and not choice.message.content
+        for call in choice.message.tool_calls:
+            arguments = json.loads(call.function.arguments)
+            assert call.function.name in ("get_weather", "get_time")
+            assert (
+                arguments == {} if call.function.name == "get_time" else set(arguments) == {"city"}
+            )
+    else:  # a list the budget cut: returned as text, as vLLM returns it
+        assert choice.finish_reason == "length" and choice.message.content.startswith("[")
+    streamed = _chat(plain, tools=[WEATHER], tool_choice=named, stream=True)
+    calls = [c for chunk in streamed for c in (chunk.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]
+
+
+def test_tool_requests_a_server_cannot_serve_are_400s_naming_the_field(servers):
+    tooled, plain = servers
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice") as info:
+        _chat(plain, tools=[WEATHER])
+    assert info.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match="give no structured output with it"):
+        _chat(tooled, tools=[WEATHER], tool_choice="required",
+              extra_body={"guided_regex": "a+"})  # fmt: skip
