@@ -164,7 +164,8 @@ DESCRIPTIONS = {
     "as `reasoning` (deepseek_r1, qwen3)",
     "server.enable_auto_tool_choice": "let chat requests use tool_choice auto (needs "
     "--tool-call-parser)",
-    "server.tool_call_parser": "how the model writes tool calls, for tool_choice auto (hermes)",
+    "server.tool_call_parser": "how the model writes tool calls, for tool_choice auto "
+    "(hermes, deepseek_v3, deepseek_v31)",
 }
 
 

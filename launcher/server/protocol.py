@@ -394,7 +394,9 @@ def _generation(
         params=params,
         stop=stop,
         include_stop_str_in_output=_optional_bool(body, "include_stop_str_in_output", False),
-        skip_special_tokens=_optional_bool(body, "skip_special_tokens", True),
+        # A tool-call parser reads markers that may be special tokens: kept (vLLM's rule).
+        skip_special_tokens=_optional_bool(body, "skip_special_tokens", True)
+        and (tools is None or tools.mode != "auto"),
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous,

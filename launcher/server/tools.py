@@ -7,9 +7,11 @@ variable, and `tool_choice` says what the reply may do with them:
 - "auto" (the default when tools are given): the model decides. Its reply is read by the
   server's tool-call parser (`server.tool_call_parser`, which, as in vLLM, needs
   `server.enable_auto_tool_choice` too): `hermes`, the format of Qwen2.5 / Qwen3 / Hermes
-  models, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after any text.
-  The text before the first block is the message's `content`; a reply whose blocks do not
-  parse is all content, with no calls.
+  models, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after any text;
+  `deepseek_v3` and `deepseek_v31`, DeepSeek-V3's and V3.1's (below). The text before the
+  first call is the message's `content`; a reply whose calls do not parse is all content,
+  with no calls. Their markers can be special tokens, so such replies are decoded with
+  special tokens kept (as vLLM's parsers ask).
 - "required": the reply is constrained (the structured-output grammar) to a JSON list of
   `{"name", "parameters"}` objects, one of the tools each; every item is a call.
 - a named function (`{"type": "function", "function": {"name": ...}}`): the reply is
@@ -32,9 +34,23 @@ from typing import Any
 
 from launcher.server.reasoning import partial_suffix
 
-TOOL_CALL_PARSERS = ("hermes",)
-_HERMES_OPEN = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# DeepSeek-V3's calls: <｜tool▁calls▁begin｜>, then per call <｜tool▁call▁begin｜>function
+# <｜tool▁sep｜>NAME, a ```json fenced block of arguments, <｜tool▁call▁end｜>; V3.1 (and R1-0528
+# in its V3.1 form) drops the type and the fence: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS.
+_DEEPSEEK_OPEN = "<｜tool▁calls▁begin｜>"
+_DEEPSEEK_V3_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?:.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<arguments>.*?)\n```"
+    r"<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+_DEEPSEEK_V31_CALL = re.compile(
+    r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<arguments>.*?)<｜tool▁call▁end｜>",
+    re.DOTALL,
+)
+# Where a parser's calls start in a reply.
+_OPENING = {"hermes": "<tool_call>", "deepseek_v3": _DEEPSEEK_OPEN, "deepseek_v31": _DEEPSEEK_OPEN}
+TOOL_CALL_PARSERS = tuple(_OPENING)
 
 
 class ToolError(ValueError):
@@ -176,12 +192,13 @@ class ToolCallReader:
             self._pending += text
             return ""
         self._pending += text
-        start = self._pending.find(_HERMES_OPEN)
+        opening = _OPENING[self.tools.parser or "hermes"]
+        start = self._pending.find(opening)
         if start >= 0:
             shown, self._pending = self._pending[:start], self._pending[start:]
             self._in_calls = True
             return shown
-        keep = partial_suffix(self._pending, _HERMES_OPEN)
+        keep = partial_suffix(self._pending, opening)
         shown = self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(self._pending) - keep :]
         return shown
@@ -206,6 +223,16 @@ class ToolCallReader:
             return [_call(item["name"], json.dumps(item["parameters"])) for item in items]
         if not self._in_calls:
             return []
+        if self.tools.parser in ("deepseek_v3", "deepseek_v31"):
+            pattern = (
+                _DEEPSEEK_V3_CALL if self.tools.parser == "deepseek_v3" else _DEEPSEEK_V31_CALL
+            )
+            calls = []
+            for found in pattern.finditer(text):
+                arguments = found.group("arguments").strip()
+                json.loads(arguments)  # arguments that are not JSON are not a call
+                calls.append(_call(found.group("name").strip(), arguments))
+            return calls
         calls = []
         for block in _HERMES_BLOCK.findall(text):
             value = json.loads(block)

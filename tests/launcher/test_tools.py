@@ -229,3 +229,60 @@ def test_tool_requests_a_server_cannot_serve_are_400s_naming_the_field(servers):
     with pytest.raises(openai.BadRequestError, match="give no structured output with it"):
         _chat(tooled, tools=[WEATHER], tool_choice="required",
               extra_body={"guided_regex": "a+"})  # fmt: skip
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_deepseek_v3_and_v31_calls_are_read_from_their_markers(size):
+    v3 = (
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
+        "<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    )
+    v31 = (
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Oslo"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    )
+    for parser, text in (("deepseek_v3", v3), ("deepseek_v31", v31)):
+        tools = Tools((WEATHER, TIME), "auto", parser=parser)
+        content, calls = _read(tools, [text[i : i + size] for i in range(0, len(text), size)])
+        assert content == "Sure."
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Oslo"}),
+            ("get_time", {}),
+        ]
+    # One parser's format is not the other's: no calls, the text is content.
+    tools = Tools((WEATHER,), "auto", parser="deepseek_v31")
+    assert _read(tools, [v3.replace("```json\n{}", "```json\n{")]) == (
+        v3.replace("```json\n{}", "```json\n{"),
+        [],
+    )
+
+
+def test_an_auto_tool_request_keeps_special_tokens_in_its_text():
+    from launcher.server.protocol import ModelLimits, parse_chat
+
+    class Tokenizer:  # renders and encodes; enough for parse_chat
+        chat_template = "t"
+
+        def render_chat(self, messages, add_generation_prompt=True, **kwargs):
+            return "prompt" + ("+tools" if kwargs.get("tools") else "")
+
+        def encode(self, text, add_special_tokens=True):
+            return [1] * len(text)
+
+        def min_num_tokens(self, text):
+            return 0
+
+        eos_token_ids = frozenset()
+
+    limits = ModelLimits("tiny", 256, 100, 1, Tokenizer(), enable_auto_tool_choice=True,
+                         tool_call_parser="hermes")  # fmt: skip
+    base = {"model": "tiny", "messages": ASK, "max_tokens": 4, "temperature": 0}
+    assert parse_chat(base, limits).skip_special_tokens
+    auto = parse_chat({**base, "tools": [WEATHER]}, limits)
+    assert not auto.skip_special_tokens and auto.tools.mode == "auto"
+    assert len(auto.prompts[0]) == len("prompt+tools")  # the template saw the tools
+    assert parse_chat(
+        {**base, "tools": [WEATHER], "tool_choice": "none"}, limits
+    ).skip_special_tokens
