@@ -302,14 +302,11 @@ class LLM:
         template and generated as `generate` does; the prompt is what the server's
         /v1/chat/completions makes of the same messages, so the tokens are the same.
         ``chat_template_kwargs`` reach the template (e.g. ``enable_thinking``);
-        ``tokenization_kwargs`` truncate the rendered prompt as `generate`'s do. ValueError
-        without a tokenizer or a chat template, for a message that is not one, and for vLLM's
-        ``continue_final_message`` and ``tools``, which this front end does not implement."""
-        if continue_final_message or tools:
-            raise ValueError(
-                "chat: continue_final_message and tools are not supported here (the server "
-                "refuses them too); leave them unset"
-            )
+        ``tokenization_kwargs`` truncate the rendered prompt as `generate`'s do; ``tools``
+        reach the template (vLLM's offline chat does not read calls from the reply: the text is
+        returned); ``continue_final_message`` continues the last (assistant) message instead
+        of opening a new one. ValueError without a tokenizer or a chat template, or for a
+        message that is not one."""
         if self.tokenizer is None:
             raise ValueError("chat needs the model's tokenizer; this model has none")
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
@@ -320,8 +317,10 @@ class LLM:
         for conversation in conversations:
             text = self.tokenizer.render_chat(
                 chat_messages(conversation),
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}),
+                **({"tools": tools} if tools else {}),
             )
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(

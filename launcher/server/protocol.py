@@ -186,6 +186,7 @@ _CHAT_FIELDS = _HONOURED | {
     "add_generation_prompt",
     "chat_template_kwargs",
     "include_reasoning",
+    "continue_final_message",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -215,7 +216,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
     "prompt_embeds": (None,),
-    "continue_final_message": (None, False),
     "chat_template": (None,),
     "guided_decoding_backend": (None,),
     "modalities": (None, ["text"]),
@@ -285,9 +285,11 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
             )
     extra = {"tools": tools.template_tools()} if tools is not None else {}
     try:
+        continuing = _optional_bool(body, "continue_final_message", False)
         text = limits.tokenizer.render_chat(
             messages,
-            add_generation_prompt=_optional_bool(body, "add_generation_prompt", True),
+            add_generation_prompt=_optional_bool(body, "add_generation_prompt", not continuing),
+            continue_final_message=continuing,
             **{**(kwargs or {}), **extra},
         )
     except ValueError as error:

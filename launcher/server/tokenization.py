@@ -118,13 +118,34 @@ class ModelTokenizer:
         return DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
         """The prompt text for ``messages`` (role and string content each), ending with the
         assistant's opening unless ``add_generation_prompt`` is false; ``kwargs`` reach the
-        template as variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`). Raises
-        ValueError if the checkpoint has no chat template or the template rejects the
-        conversation."""
+        template as variables (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`, and the
+        request's `tools`). ``continue_final_message``: the text ends inside the last message,
+        right after its content (whatever the template closes it with is cut, as transformers
+        cuts it), so the reply continues it. Raises ValueError if the checkpoint has no chat
+        template or the template rejects the conversation."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message continues the last message; it cannot also "
+                    "open a new one (set add_generation_prompt false)"
+                )
+            final = (messages[-1].get("content") or "").strip() if messages else ""
+            text = self.render_chat(messages, False, **kwargs)
+            if not final or final not in text:
+                raise ValueError(
+                    "continue_final_message: the last message's content does not appear in "
+                    "the rendered prompt (or is empty), so there is nothing to continue"
+                )
+            return text[: text.rindex(final) + len(final)]
         if self.chat_template is None:
             raise ValueError(
                 f"this model has no chat template (no {CHAT_TEMPLATE_FILE}, and none in "

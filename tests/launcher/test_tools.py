@@ -286,3 +286,25 @@ def test_an_auto_tool_request_keeps_special_tokens_in_its_text():
     assert parse_chat(
         {**base, "tools": [WEATHER], "tool_choice": "none"}, limits
     ).skip_special_tokens
+
+
+def test_continue_final_message_continues_the_assistants_turn(servers):
+    _, plain = servers
+    turn = [*ASK, {"role": "assistant", "content": "It is"}]
+    reply = plain.chat.completions.create(
+        model="tiny", messages=turn, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "return_token_ids": True},
+    )  # fmt: skip
+    cut = "[user] Weather in Oslo?\n[assistant] It is"  # the template's text, cut after "It is"
+    same = plain.completions.create(
+        model="tiny", prompt=cut, max_tokens=6, temperature=0,
+        extra_body={"add_special_tokens": False, "return_token_ids": True},
+    )  # fmt: skip
+    assert reply.usage.prompt_tokens == same.usage.prompt_tokens
+    assert reply.choices[0].token_ids == same.choices[0].token_ids
+    with pytest.raises(openai.BadRequestError, match="cannot also open a new one"):
+        plain.chat.completions.create(
+            model="tiny", messages=turn, max_tokens=2,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True},
+        )  # fmt: skip

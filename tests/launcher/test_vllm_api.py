@@ -257,8 +257,29 @@ def test_vllms_generate_keywords_truncate_or_are_refused_at_non_neutral_values(m
         ):
             with pytest.raises(ValueError, match=message):
                 llm.generate([prompt], greedy, use_tqdm=False, **keywords)
-        with pytest.raises(ValueError, match="continue_final_message and tools"):
-            llm.chat([{"role": "user", "content": "hi"}], greedy, tools=[{"type": "function"}])
+        # chat: tools reach the template; continue_final_message ends the prompt inside the
+        # last message, right after its content (transformers' cut), with no new turn opened.
+        template = (
+            "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}"
+        )
+        llm.tokenizer.chat_template, llm.tokenizer._template = template, None
+        turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"a": "<b>"}}}
+        (called,) = llm.chat(turn[:1], greedy, tools=[tool], use_tqdm=False)
+        rendered = (
+            'TOOLS [{"type": "function", "function": {"name": "f", "parameters": {"a": "<b>"}}}]\n'
+        )
+        expected = llm.tokenizer.encode(
+            rendered + "<user>hi</user>\n<assistant>", add_special_tokens=False
+        )
+        assert called.prompt_token_ids == expected  # JSON as json.dumps writes it, '<' as is
+        (continued,) = llm.chat(turn, greedy, continue_final_message=True, use_tqdm=False)
+        cut = "<user>hi</user>\n<assistant>Hel"
+        assert continued.prompt_token_ids == llm.tokenizer.encode(cut, add_special_tokens=False)
+        with pytest.raises(ValueError, match="cannot also open a new one"):
+            llm.tokenizer.render_chat(turn, True, continue_final_message=True)
 
 
 def test_llm_keywords_in_vllms_spelling_are_checked_before_starting(chat_model):
