@@ -124,6 +124,11 @@ class LockstepServer:
         self.app.router.add_post("/detokenize", self._detokenize, expect_handler=expect)
         self.app.router.add_get("/version", self._version)
         self.app.router.add_get("/health", self._health)
+        # SageMaker's contract, as vLLM serves it: /ping is /health; /invocations takes a
+        # chat body (it has "messages") or a completions body, and wants the API key.
+        self.app.router.add_get("/ping", self._health)
+        self.app.router.add_post("/ping", self._health)
+        self.app.router.add_post("/invocations", self._invocations, expect_handler=expect)
         self.app.router.add_get("/metrics", self._metrics)
         self.app.on_response_prepare.append(set_server_header)
 
@@ -167,7 +172,7 @@ class LockstepServer:
         try:
             check_origin(request, self.config.host)
             # As in vLLM, the key guards the API only: probes and scrapers need no secret.
-            if self.config.api_key is not None and request.path.startswith("/v1/"):
+            if self.config.api_key is not None and _guarded(request.path):
                 self._authorize(request)
             response = await handler(request)
             status = response.status
@@ -261,6 +266,9 @@ class LockstepServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat, "chatcmpl-")
 
+    async def _invocations(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_invocation, "")
+
     async def _models(self, request: web.Request) -> web.Response:
         models = [
             {
@@ -300,6 +308,7 @@ class LockstepServer:
                 self._prepare_pool, _prepare, raw, parse, self.limits
             )
             self._warn_ignored(generation.ignored_fields)
+            prefix = prefix or ("chatcmpl-" if generation.endpoint == "chat" else "cmpl-")
             request_id = f"{prefix}{uuid.uuid4().hex}"
             streams = self._open_samples(request_id, generation)
         shape = ResponseShape(
@@ -388,6 +397,19 @@ class LockstepServer:
 
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": _VERSION})
+
+
+def _guarded(path: str) -> bool:
+    """The paths the API key guards: the API, and SageMaker's way into it. Probes, scrapers
+    and /tokenize need no secret, as in vLLM."""
+    return path.startswith("/v1/") or path == "/invocations"
+
+
+def parse_invocation(body: Any, limits: ModelLimits) -> GenerationRequest:
+    """SageMaker's /invocations: a chat body if it has "messages", else a completions body."""
+    if isinstance(body, dict) and "messages" in body:
+        return parse_chat(body, limits)
+    return parse_completion(body, limits)
 
 
 def _prepare(raw: bytes, parse: Any, limits: ModelLimits) -> GenerationRequest:

@@ -325,6 +325,42 @@ def test_the_api_key_guards_the_api_but_not_health_or_metrics(server):
         assert status == 200 and "lockstep:num_requests_running" in text
 
 
+def test_sagemakers_ping_and_invocations_as_vllm_serves_them(server, client):
+    """/ping is /health; /invocations answers a chat body as /v1/chat/completions and any
+    other as /v1/completions, and wants the API key as the API does."""
+    assert get(server, "/ping", None) == (200, '{"status": "ok", "reason": "ok"}')
+
+    def invoke(body: dict, key: str | None = API_KEY) -> tuple[int, dict]:
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(
+            f"{server.url}/invocations", data=json.dumps(body).encode(), headers=headers
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    common = {"model": server.model, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, chat = invoke({**common, "messages": [{"role": "user", "content": "hi"}]})
+    direct = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert status == 200 and chat["object"] == "chat.completion"
+    assert chat["id"].startswith("chatcmpl-")
+    assert chat["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    status, completion = invoke({**common, "prompt": [5, 6, 7]})
+    same = client.completions.create(model=server.model, prompt=[5, 6, 7], max_tokens=4,
+                                     temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert status == 200 and completion["object"] == "text_completion"
+    assert completion["choices"][0]["text"] == same.choices[0].text
+    status, refused = invoke({**common, "prompt": [5]}, key=None)
+    assert status == 401 and refused["error"]["code"] == "invalid_api_key"
+
+
 def test_models_lists_the_served_model(server, client):
     (model,) = client.models.list().data
     assert model.id == server.model and model.owned_by == "lockstep"
