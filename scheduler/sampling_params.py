@@ -304,6 +304,18 @@ class SamplingParams:
                 f"{max(map(len, sequences))}"
             )
         object.__setattr__(self, "bad_words_token_ids", sequences)
+        # Read for every row of every step (the sampler's `_adjust`): computed once here, not
+        # a field (equality, hashing and `replace` see only the fields, and recompute it).
+        object.__setattr__(
+            self,
+            "adjusts_logits",
+            bool(
+                self.logit_bias
+                or self.allowed_token_ids is not None
+                or self.bad_words_token_ids
+                or self.uses_penalties
+            ),
+        )
 
     @property
     def greedy(self) -> bool:
