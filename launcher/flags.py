@@ -11,9 +11,14 @@ field's annotation:
     tuple[str, ...]          one or more values (--served-model-name a b)
 
 vLLM's spellings are aliases of the same flag where its name differs (`VLLM_NAMES`:
-`--data-parallel-size`/`-dp`, `--kv-cache-memory-bytes`); `--enable-expert-parallel` is
-accepted and changes nothing (expert parallelism is always on); `--enforce-eager` is
-`--cuda-graphs off`. A flag overrides `--set`, which overrides the YAML: config < set < flags.
+`--data-parallel-size`/`-dp`, `--kv-cache-memory-bytes`, `--enable-chunked-prefill`);
+`--enable-expert-parallel` is accepted and changes nothing (expert parallelism is always
+on); `--enforce-eager` is `--cuda-graphs off`. Other flags `vllm serve` users pass by habit
+(`VLLM_FLAGS`: `--trust-remote-code`, `-tp 1`, `--kv-cache-dtype auto`, ...) are accepted
+where they change nothing here (with a note) or mean a Lockstep setting
+(`--disable-log-stats`, `--distributed-executor-backend ray`), and refused naming the flag
+and why where their value cannot be honoured. A flag overrides `--set`, which overrides the
+YAML: config < set < flags.
 An unknown flag is argparse's error plus the closest known one.
 
 Nothing here imports torch: `lockstep serve --help` builds the whole parser.
@@ -60,7 +65,135 @@ SECTION_TITLES = {
 VLLM_NAMES = {
     "parallel.dp_size": ("-dp", "--data-parallel-size"),
     "kv_cache_bytes": ("--kv-cache-memory-bytes",),
+    "scheduler.chunked_prefill": ("--enable-chunked-prefill",),
 }
+
+
+@dataclass(frozen=True)
+class VllmFlag:
+    """A `vllm serve` flag with no Lockstep setting of its own. ``neutral``: the values that
+    change nothing here (None: any value); given one, the flag is accepted with a note saying
+    why it changes nothing; given another, the command fails naming the flag and ``why``.
+    ``sets``: (config key, value) for a flag that means one of Lockstep's settings."""
+
+    option: str
+    why: str
+    takes_value: bool = True
+    neutral: tuple[str, ...] | None = ()
+    sets: tuple[str, Any] | None = None
+    short: str | None = None
+    server_only: bool = False  # a flag of `lockstep serve` only
+
+
+_ONE = ("1",)
+# Flags vLLM users pass by habit. Those that change nothing here are accepted with a note;
+# those whose other values this engine cannot honour fail naming the flag (never ignored).
+VLLM_FLAGS = (
+    VllmFlag(
+        "--trust-remote-code",
+        "no code from a checkpoint ever runs here: the architectures are Lockstep's own",
+        takes_value=False,
+    ),
+    VllmFlag(
+        "--disable-log-requests",
+        "requests are not logged (server.access_log logs one line per HTTP request)",
+        takes_value=False,
+        server_only=True,
+    ),
+    VllmFlag(
+        "--enable-log-requests",
+        "one line per request",
+        takes_value=False,
+        sets=("server.access_log", True),
+        server_only=True,
+    ),
+    VllmFlag(
+        "--disable-log-stats",
+        "no periodic stats line",
+        takes_value=False,
+        sets=("server.stats_log_interval_s", 0),
+        server_only=True,
+    ),
+    VllmFlag(
+        "--tensor-parallel-size",
+        "there is no tensor parallelism: the ranks run data-"
+        "parallel attention with the experts spread over them (--data-parallel-size)",
+        neutral=_ONE,
+        short="-tp",
+    ),
+    VllmFlag(
+        "--pipeline-parallel-size",
+        "there is no pipeline parallelism (use --data-parallel-size)",
+        neutral=_ONE,
+        short="-pp",
+    ),
+    VllmFlag("--kv-cache-dtype", "the KV cache takes the model's dtype (auto)", neutral=("auto",)),
+    VllmFlag(
+        "--quantization",
+        "the checkpoint's own quantization is read from its config (block FP8); a value "
+        "that names it is accepted, quantizing a model while loading it is not built",
+        neutral=("none", "None"),
+    ),
+    VllmFlag("--load-format", "safetensors checkpoints are read", neutral=("auto", "safetensors")),
+    VllmFlag(
+        "--tokenizer-mode",
+        "the `tokenizers` library (transformers' for SentencePiece models) reads the tokenizer",
+        neutral=("auto", "hf"),
+    ),
+    VllmFlag(
+        "--swap-space",
+        "a preempted request is recomputed, never swapped to host memory",
+        neutral=None,
+    ),
+    VllmFlag(
+        "--max-logprobs",
+        "requests may ask for up to 20 top logprobs (OpenAI's limit)",
+        neutral=("20",),
+        server_only=True,
+    ),
+    VllmFlag(
+        "--response-role",
+        "chat replies come from the assistant",
+        neutral=("assistant",),
+        server_only=True,
+    ),
+    VllmFlag(
+        "--distributed-executor-backend",
+        "ray starts the ranks as Ray actors and "
+        "external_launcher is torchrun (--launcher); other executors are not built",
+        neutral=(),
+    ),
+    VllmFlag(
+        "--uvicorn-log-level",
+        "the server is aiohttp's; its log follows Lockstep's",
+        neutral=None,
+        server_only=True,
+    ),
+    VllmFlag(
+        "--disable-frontend-multiprocessing",
+        "the server and the group already run "
+        "apart (a local DP=1 group runs in the server's process)",
+        takes_value=False,
+        server_only=True,
+    ),
+    VllmFlag(
+        "--api-server-count", "one server process fronts the group", neutral=_ONE, server_only=True
+    ),
+    VllmFlag(
+        "--async-scheduling",
+        "the next step is scheduled while the outputs of the last go out already",
+        takes_value=False,
+    ),
+    VllmFlag(
+        "--compilation-config",
+        "no torch.compile here (--cuda-graphs is the graph setting)",
+        neutral=("{}",),
+    ),
+    VllmFlag("--hf-overrides", "a checkpoint's config is read as published", neutral=("{}",)),
+)
+_VLLM_DEST = "vllm-flag:"
+# --distributed-executor-backend values that name one of Lockstep's launchers.
+_EXECUTORS = {"ray": "ray", "external_launcher": "torchrun"}
 # The same settings as keywords of `LLM(...)`, spelled vLLM's way.
 VLLM_KEYWORDS = {"data_parallel_size": "dp_size", "kv_cache_memory_bytes": "kv_cache_bytes"}
 # Settings validated against a registry or a tuple of the scheduler's (which has no Literal
@@ -222,6 +355,16 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *, server: bool) -> 
         default=argparse.SUPPRESS,
         help="accepted; Lockstep always spreads the experts over the DP ranks",
     )
+    for flag in VLLM_FLAGS:
+        if flag.server_only and not server:
+            continue
+        names = (flag.short, flag.option) if flag.short else (flag.option,)
+        if flag.takes_value:
+            compat.add_argument(*names, dest=_VLLM_DEST + flag.option, default=argparse.SUPPRESS,
+                                metavar="VALUE", help=f"vLLM's; {flag.why}")  # fmt: skip
+        else:
+            compat.add_argument(*names, dest=_VLLM_DEST + flag.option, action="store_true",
+                                default=argparse.SUPPRESS, help=f"vLLM's; {flag.why}")  # fmt: skip
     compat.add_argument(
         "--enforce-eager",
         dest=_DEST + "cuda_graphs",
@@ -236,6 +379,13 @@ def overrides(args: argparse.Namespace) -> Overrides:
     """The settings the command line's flags give (absent flags give nothing)."""
     engine: dict[str, Any] = {}
     server: dict[str, Any] = {}
+    for flag in VLLM_FLAGS:  # first: Lockstep's own flags, below, win over their meaning
+        given = getattr(args, _VLLM_DEST + flag.option, None)
+        if given is None or given is False:
+            continue
+        key, value = _vllm_flag(flag, given)
+        if key is not None:
+            (server if key.startswith("server.") else engine)[key.removeprefix("server.")] = value
     for dest, value in vars(args).items():
         if not dest.startswith(_DEST):
             continue
@@ -245,6 +395,27 @@ def overrides(args: argparse.Namespace) -> Overrides:
         else:
             engine[key] = value
     return Overrides(engine, server, bool(getattr(args, EXPERT_PARALLEL_DEST, False)))
+
+
+def _vllm_flag(flag: VllmFlag, given: Any) -> tuple[str | None, Any]:
+    """(config key, value) a vLLM flag sets, or (None, None) for one that changes nothing
+    here (noted in the log); ValueError for a value this engine cannot honour."""
+    if flag.option == "--distributed-executor-backend":
+        if given in _EXECUTORS:
+            return "parallel.launcher", _EXECUTORS[given]
+        raise ValueError(f"{flag.option} {given}: not supported here; {flag.why}")
+    if flag.sets is not None:
+        return flag.sets
+    if flag.option == "--quantization" and str(given) not in ("none", "None"):
+        return "vllm:quantization", str(given)  # checked against the checkpoint (below)
+    if not flag.takes_value or flag.neutral is None or str(given) in flag.neutral:
+        shown = flag.option if not flag.takes_value else f"{flag.option} {given}"
+        log.info("%s: changes nothing in Lockstep (%s)", shown, flag.why)
+        return None, None
+    allowed = " or ".join(flag.neutral)
+    raise ValueError(
+        f"{flag.option} {given}: not supported here ({flag.why}); leave it out or give {allowed}"
+    )
 
 
 def unknown_arguments_error(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
@@ -314,6 +485,7 @@ def load_settings(
             server_values[name] = _yaml_value(text)
         else:
             set_values[key] = _yaml_value(text)
+    quantization = given.engine.pop("vllm:quantization", None)
     engine_overrides = {**set_values, **given.engine}
     if model is not None:  # a flag: over --set, and a YAML without a model is complete with it
         engine_overrides["model"] = values["model"] = model
@@ -321,6 +493,8 @@ def load_settings(
     if engine_overrides:
         engine = engine.with_overrides(**engine_overrides)
     server_values.update(given.server)
+    if quantization is not None:
+        _check_quantization(quantization, engine.model)
     if given.enable_expert_parallel:
         log.info(
             "--enable-expert-parallel: expert parallelism is always on in Lockstep (the experts "
@@ -328,6 +502,28 @@ def load_settings(
             engine.parallel.dp_size,
         )
     return engine, server_values
+
+
+def _check_quantization(method: str, model: str) -> None:
+    """vLLM's `--quantization METHOD`: accepted where it names the checkpoint's own
+    quantization (a block-FP8 release and `fp8`); quantizing while loading is not built."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        raise ValueError(
+            f"--quantization {method}: the checkpoint's config.json is read for its own "
+            f"quantization, and {model} is not a local checkpoint directory yet; leave the flag "
+            "out (a quantized release is recognised from its config)"
+        )
+    import json
+
+    found = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
+    if found != method:
+        what = f"quantized with {found!r}" if found else "not quantized"
+        raise ValueError(
+            f"--quantization {method}: the checkpoint is {what}, and quantizing a model while "
+            "loading it is not built; leave the flag out"
+        )
+    log.info("--quantization %s: the checkpoint is %s already; changes nothing", method, method)
 
 
 def _model_argument(args: argparse.Namespace, given: Overrides) -> str | None:

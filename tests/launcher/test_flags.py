@@ -4,6 +4,7 @@ that lists them all without importing torch. Nothing here starts a rank."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -130,6 +131,73 @@ def test_vllm_spellings_reach_the_configs(model_dir, tmp_path):
     assert load_configs(parse("serve", model_dir, "-dp", "3"), no_builtin)[0].parallel.dp_size == 3
     off = parse("serve", model_dir, "--no-enable-prefix-caching")
     assert load_configs(off, no_builtin)[0].scheduler.enable_prefix_caching is False
+
+
+def test_a_habitual_vllm_serve_command_line_is_taken(model_dir, caplog):
+    """Flags `vllm serve` users pass by habit: the neutral ones are taken with a note, the
+    ones that mean a Lockstep setting set it, and none is silently dropped."""
+    args = parse(
+        "serve", model_dir,
+        "--trust-remote-code", "--tensor-parallel-size", "1", "-pp", "1",
+        "--kv-cache-dtype", "auto", "--load-format", "safetensors", "--tokenizer-mode", "auto",
+        "--swap-space", "4", "--max-logprobs", "20", "--disable-log-requests",
+        "--disable-log-stats", "--enable-chunked-prefill", "--uvicorn-log-level", "warning",
+        "--distributed-executor-backend", "ray", "--response-role", "assistant",
+        "--api-server-count", "1", "--disable-frontend-multiprocessing", "--async-scheduling",
+        "--compilation-config", "{}", "--hf-overrides", "{}",
+    )  # fmt: skip
+    with caplog.at_level("INFO"):
+        engine, server = load_configs(args, no_builtin)
+    assert engine.parallel.launcher == "ray" and engine.scheduler.chunked_prefill is True
+    assert server.stats_log_interval_s == 0
+    for note in ("--trust-remote-code: changes nothing", "--swap-space 4: changes nothing",
+                 "--tensor-parallel-size 1: changes nothing"):  # fmt: skip
+        assert note in caplog.text
+    off = parse("serve", model_dir, "--no-enable-chunked-prefill", "--enable-log-requests",
+                "--distributed-executor-backend", "external_launcher")  # fmt: skip
+    engine, server = load_configs(off, no_builtin)
+    assert engine.scheduler.chunked_prefill is False and engine.parallel.launcher == "torchrun"
+    assert server.access_log is True
+    # Lockstep's own flag wins over a vLLM flag's meaning.
+    both = parse("serve", model_dir, "--disable-log-stats", "--stats-log-interval-s", "5")
+    assert load_configs(both, no_builtin)[1].stats_log_interval_s == 5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-tp", "2"], "--tensor-parallel-size 2: not supported here (there is no tensor"),
+        (["--kv-cache-dtype", "fp8"], "the KV cache takes the model's dtype"),
+        (["--quantization", "fp8"], "the checkpoint is not quantized, and quantizing a model"),
+        (["--distributed-executor-backend", "mp"], "--distributed-executor-backend mp: not"),
+        (["--response-role", "bot"], "leave it out or give assistant"),
+    ],
+)
+def test_vllm_flags_this_engine_cannot_honour_fail_naming_them(model_dir, argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_configs(parse("serve", model_dir, *argv), no_builtin)
+
+
+def test_quantization_is_taken_where_it_names_the_checkpoints_own(model_dir, tmp_path):
+    import json
+    import shutil
+
+    release = tmp_path / "fp8"
+    shutil.copytree(model_dir, release)
+    config = json.loads((release / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (release / "config.json").write_text(json.dumps(config))
+    load_configs(parse("serve", str(release), "--quantization", "fp8"), no_builtin)
+    with pytest.raises(ValueError, match="quantized with 'fp8', and quantizing"):
+        load_configs(parse("serve", str(release), "--quantization", "awq"), no_builtin)
+    with pytest.raises(ValueError, match="is not a local checkpoint directory yet"):
+        load_configs(parse("serve", "org/name", "--quantization", "fp8"), no_builtin)
+
+
+def test_server_only_vllm_flags_are_not_flags_of_run():
+    with pytest.raises(SystemExit):
+        parse("run", "--disable-log-stats")
+    parse("run", "--trust-remote-code", "-tp", "1")  # engine-side: run takes them too
 
 
 def test_model_without_a_config_takes_every_default(model_dir):
