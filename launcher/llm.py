@@ -488,6 +488,11 @@ class LLM:
                 or not 0 <= pin < self.client.num_ranks
             ):
                 raise ValueError(f"dp_rank must be in [0, {self.client.num_ranks}), got {pin!r}")
+        # vLLM's prompt dicts may carry a cache_salt; the rank reads it from the params.
+        params = [
+            replace(p, cache_salt=salt) if (salt := _cache_salt(prompt)) is not None else p
+            for p, prompt in zip(params, prompts, strict=True)
+        ]
         params = [with_bad_words(p, self.tokenizer) for p in params]
         if any(p.structured_outputs is not None for p in params):
             params = [with_grammar(p, self._grammar_checker) for p in params]
@@ -1050,18 +1055,23 @@ def _prompt_list(prompts: Any) -> list[Any]:
     return list(prompts)
 
 
+def _cache_salt(prompt: Any) -> str | None:
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
+
+
 def _unwrapped(prompt: Any) -> str | Sequence[int]:
-    """A prompt's text or token ids (vLLM's TextPrompt / TokensPrompt dicts unwrapped)."""
+    """A prompt's text or token ids (vLLM's TextPrompt / TokensPrompt dicts unwrapped; their
+    `cache_salt` is read apart, `_cache_salt`)."""
     if not isinstance(prompt, dict):
         return prompt
-    keys = set(prompt)
+    keys = set(prompt) - {"cache_salt"}
     if keys == {"prompt"} and isinstance(prompt["prompt"], str):
         return prompt["prompt"]
     if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], Sequence):
         return prompt["prompt_token_ids"]
     raise ValueError(
-        f'a dict prompt takes "prompt" (text) or "prompt_token_ids" alone; got keys '
-        f"{sorted(keys)} (no multi-modal data or embeddings here)"
+        f'a dict prompt takes "prompt" (text) or "prompt_token_ids", and "cache_salt"; got '
+        f"keys {sorted(prompt)} (no multi-modal data or embeddings here)"
     )
 
 

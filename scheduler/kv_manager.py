@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from scheduler.block_pool import AllocStatus, BlockPool
 from scheduler.config import SchedulerConfig
-from scheduler.prefix_cache import ROOT_HASH, PrefixCache
+from scheduler.prefix_cache import ROOT_HASH, PrefixCache, salted_root
 from scheduler.samples import blocks_after_step, group_root
 from scheduler.sequence import Sequence
 
@@ -124,7 +124,8 @@ class KvManager:
     def _root(self, seq: Sequence) -> int | None:
         """Where ``seq``'s chains start in ``sample_cache``; None: it caches nothing."""
         if self.prefix_cache is not None:
-            return ROOT_HASH
+            salt = seq.sampling_params.cache_salt
+            return ROOT_HASH if salt is None else salted_root(salt)
         return group_root(seq.sample_group) if seq.sample_group is not None else None
 
     def check_integrity(self) -> None:

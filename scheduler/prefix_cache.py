@@ -11,10 +11,19 @@ pool's evictable LRU; the pool calls ``on_evict`` when it reuses the block for s
 
 from __future__ import annotations
 
+import hashlib
+
 from scheduler.block_pool import BlockPool
 from scheduler.sequence import Sequence
 
 ROOT_HASH = 0
+
+
+def salted_root(salt: str) -> int:
+    """Where the chains of requests with this `cache_salt` start: their blocks match only
+    each other's (a 63-bit digest of the salt; never ROOT_HASH)."""
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8, person=b"salt")
+    return int.from_bytes(digest.digest(), "little") >> 1 | 1
 
 
 class PrefixCache:

@@ -195,6 +195,10 @@ class SamplingParams:
     # masked while the output ends with the rest of it (all of a one-token sequence always).
     # The front end fills this from `bad_words` with the model's tokenizer (`resolve_bad_words`).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's `cache_salt` (a prompt's, there): the rank's prefix cache shares blocks only
+    # between requests with the same salt (or none), so one tenant cannot learn from cache
+    # hits which prompts another sent. Carried here so every path (heals included) keeps it.
+    cache_salt: str | None = None
     # Front-end fields: the `LLM` (launcher/llm.py) and the server apply them, never a rank
     # (which refuses a request that still carries n or stop strings, engine/request.py).
     n: int = 1
@@ -273,6 +277,12 @@ class SamplingParams:
             raise ValueError(
                 f"stop={list(self.stop)!r} needs detokenize=True: stop strings are matched on "
                 "the text (stop_token_ids end a sample on token ids)"
+            )
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
+            raise ValueError(
+                "cache_salt must be a non-empty string (at most 1024 characters) or None, got "
+                f"{str(salt)[:80]!r}"
             )
         outputs = self.structured_outputs
         if isinstance(outputs, dict):  # vLLM's dict form, as the server receives it

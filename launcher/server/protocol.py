@@ -173,6 +173,7 @@ _HONOURED = {
     "guided_choice",
     "guided_grammar",
     "structured_outputs",
+    "cache_salt",
     "allowed_token_ids",
     "bad_words",
     "truncate_prompt_tokens",
@@ -187,6 +188,7 @@ _CHAT_FIELDS = _HONOURED | {
     "chat_template_kwargs",
     "include_reasoning",
     "continue_final_message",
+    "documents",
     "tools",
     "tool_choice",
     "parallel_tool_calls",
@@ -198,16 +200,15 @@ _HARMLESS = {
     "store",
     "service_tier",
     "request_id",
-    "cache_salt",
-    "priority",
     "spaces_between_special_tokens",
-    "documents",
     "mm_processor_kwargs",
     "kv_transfer_params",
     "vllm_xargs",
 }
 # field -> the values that mean "not used"; anything else is refused as unsupported here.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
+    # vLLM refuses a priority without its priority policy, which this scheduler does not have.
+    "priority": (None, 0),
     "suffix": (None, ""),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
@@ -284,6 +285,11 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
                 f"the tools' parameters do not compile: {shorten(problem, 300)}", param="tools"
             )
     extra = {"tools": tools.template_tools()} if tools is not None else {}
+    documents = body.get("documents")
+    if documents is not None:  # retrieval documents, for the templates that show them
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise RequestError("documents must be a list of objects", param="documents")
+        extra["documents"] = documents
     try:
         continuing = _optional_bool(body, "continue_final_message", False)
         text = limits.tokenizer.render_chat(
@@ -510,6 +516,7 @@ def _sampling_params(
             min_tokens=min_tokens,
             logit_bias=_logit_bias(body, limits),
             allowed_token_ids=_allowed_token_ids(body, limits),
+            cache_salt=body.get("cache_salt"),
             bad_words=body.get("bad_words") or (),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

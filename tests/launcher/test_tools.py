@@ -128,6 +128,7 @@ ENGINE = {
 }
 # A template that shows the tools as Qwen's does (through tojson), and the messages.
 TEMPLATE = (
+    "{% if documents %}<docs>{{ documents | tojson }}</docs>\n{% endif %}"
     "{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n"
     "{% endif %}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}[assistant]{% endif %}"
@@ -155,9 +156,9 @@ def servers(model_dir):
     plain.stop()
 
 
-def _chat(client, max_tokens=80, **extra):
+def _chat(client, max_tokens=80, temperature=1.0, **extra):
     return client.chat.completions.create(
-        model="tiny", messages=ASK, max_tokens=max_tokens, temperature=1.0, seed=4, **extra
+        model="tiny", messages=ASK, max_tokens=max_tokens, temperature=temperature, seed=4, **extra
     )
 
 
@@ -308,3 +309,22 @@ def test_continue_final_message_continues_the_assistants_turn(servers):
             model="tiny", messages=turn, max_tokens=2,
             extra_body={"continue_final_message": True, "add_generation_prompt": True},
         )  # fmt: skip
+
+
+def test_documents_reach_the_template_and_priority_and_cache_salt_are_vllms(servers):
+    _, plain = servers
+    docs = [{"title": "Oslo", "text": "Cold."}]
+    bare = _chat(plain, max_tokens=2).usage.prompt_tokens
+    assert _chat(plain, max_tokens=2, extra_body={"documents": docs}).usage.prompt_tokens > bare
+    with pytest.raises(openai.BadRequestError, match="documents must be a list of objects"):
+        _chat(plain, max_tokens=2, extra_body={"documents": "Oslo"})
+    # priority: 0 (or none) only, as vLLM without a priority policy answers.
+    assert _chat(plain, max_tokens=2, extra_body={"priority": 0}).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="priority=1 is not supported"):
+        _chat(plain, max_tokens=2, extra_body={"priority": 1})
+    # cache_salt changes which cached blocks a request may reuse, never its tokens.
+    salted = _chat(plain, temperature=0, extra_body={"cache_salt": "tenant-1"})
+    unsalted = _chat(plain, temperature=0)
+    assert salted.choices[0].message.content == unsalted.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="cache_salt must be a non-empty string"):
+        _chat(plain, max_tokens=2, extra_body={"cache_salt": ""})

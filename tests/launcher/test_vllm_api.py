@@ -247,6 +247,11 @@ def test_vllms_generate_keywords_truncate_or_are_refused_at_non_neutral_values(m
         (ids, _), *_ = tokens(text, tokenization_kwargs={"add_special_tokens": False})
         assert ids == bare
         assert tokens([prompt], priority=[0], lora_request=None) == tokens([prompt])
+        # vLLM's prompt dicts may carry a cache_salt: the same tokens, the salt sent along.
+        salted = {"prompt_token_ids": prompt, "cache_salt": "tenant-1"}
+        assert tokens([salted]) == tokens([prompt])
+        (prepared,) = llm._prepare([salted], greedy, None)
+        assert prepared.samples[0].params.cache_salt == "tenant-1"
         for keywords, message in (
             ({"tokenization_kwargs": {"padding": True}}, r"tokenization_kwargs \['padding'\]"),
             ({"tokenization_kwargs": {"truncate_prompt_tokens": 0}}, "must be an int >= 1"),

@@ -76,3 +76,28 @@ def test_preempted_sequence_releases_its_references():
     assert all(len(seq.output_token_ids) == 20 for seq in results.values())
     assert sched.kv.blocks.num_used == 0
     sched.check_integrity()
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    """vLLM's cache_salt: a request reuses the cached prefix of earlier requests with its
+    own salt only, so hits cannot tell one tenant which prompts another sent."""
+    shared = list(range(1, 13))  # three full blocks
+
+    def cached_tokens(salt_a, salt_b):
+        sched = make_scheduler(enable_prefix_caching=True, block_size=4)
+        params = SamplingParams(max_tokens=4, ignore_eos=True, cache_salt=salt_a)
+        sched.add_sequence(Sequence("a", [*shared, 50, 51], params))
+        run_step(sched)
+        params = SamplingParams(max_tokens=2, ignore_eos=True, cache_salt=salt_b)
+        sched.add_sequence(Sequence("b", [*shared, 60], params))
+        outputs, _ = run_step(sched)
+        (b,) = [s for s in outputs.scheduled_seqs if s.request_id == "b"]
+        run_to_completion(sched)
+        sched.check_integrity()
+        return b.num_cached_prefix_tokens
+
+    assert cached_tokens(None, None) == 12
+    assert cached_tokens("tenant-1", "tenant-1") == 12
+    assert cached_tokens("tenant-1", "tenant-2") == 0
+    assert cached_tokens(None, "tenant-2") == 0
+    assert cached_tokens("tenant-1", None) == 0
