@@ -48,6 +48,7 @@ from launcher.server.protocol import (
     GenerationRequest,
     ModelLimits,
     RequestError,
+    client_request_id,
     detokenize_body,
     error_body,
     parse_chat,
@@ -310,9 +311,12 @@ class LockstepServer:
             self._warn_ignored(generation.ignored_fields)
             prefix = prefix or ("chatcmpl-" if generation.endpoint == "chat" else "cmpl-")
             request_id = f"{prefix}{uuid.uuid4().hex}"
+            # The reply is named as vLLM names it: by the client's id where it gave one.
+            given = client_request_id(request.headers.get("X-Request-Id"))
+            given = given or generation.client_request_id
             streams = self._open_samples(request_id, generation)
         shape = ResponseShape(
-            request_id, generation.model, generation.endpoint,
+            f"{prefix}{given}" if given else request_id, generation.model, generation.endpoint,
             generation.return_token_ids, self.limits.tokenizer,
         )  # fmt: skip
         choices = [

@@ -124,6 +124,7 @@ class GenerationRequest:
     model: str = ""  # the served name the request gave; its reply carries the same
     include_reasoning: bool = True  # chat, with a reasoning parser: send the reasoning too
     tools: Tools | None = None  # chat: the request's tools and tool_choice (server/tools.py)
+    client_request_id: str | None = None  # vLLM's request_id: the reply's id (after its prefix)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -174,6 +175,7 @@ _HONOURED = {
     "guided_grammar",
     "structured_outputs",
     "cache_salt",
+    "request_id",
     "allowed_token_ids",
     "bad_words",
     "truncate_prompt_tokens",
@@ -199,7 +201,6 @@ _HARMLESS = {
     "metadata",
     "store",
     "service_tier",
-    "request_id",
     "spaces_between_special_tokens",
     "mm_processor_kwargs",
     "kv_transfer_params",
@@ -417,7 +418,32 @@ def _generation(
         model=model,
         include_reasoning=_optional_bool(body, "include_reasoning", True),
         tools=tools,
+        client_request_id=_client_request_id(body.get("request_id"), "request_id"),
     )
+
+
+def _client_request_id(value: Any, param: str) -> str | None:
+    """A client's id for its request (vLLM's `request_id` field or `X-Request-Id` header):
+    printable ASCII, at most 128 characters. It names the reply, never a rank's request (two
+    clients may send the same one)."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= 128
+        or not all(" " < c <= "~" for c in value)
+    ):
+        raise RequestError(
+            f"{param} must be 1-128 printable ASCII characters without spaces, got "
+            f"{shorten(value)}",
+            param=param,
+        )
+    return value
+
+
+def client_request_id(header: str | None) -> str | None:
+    """The `X-Request-Id` header's id (checked as the field's)."""
+    return _client_request_id(header, "X-Request-Id")
 
 
 def _choices(body: dict[str, Any], num_prompts: int) -> tuple[int, int]:

@@ -328,3 +328,19 @@ def test_documents_reach_the_template_and_priority_and_cache_salt_are_vllms(serv
     assert salted.choices[0].message.content == unsalted.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="cache_salt must be a non-empty string"):
         _chat(plain, max_tokens=2, extra_body={"cache_salt": ""})
+
+
+def test_a_clients_request_id_names_the_reply_as_vllm_names_it(servers):
+    _, plain = servers
+    reply = _chat(plain, max_tokens=2, extra_body={"request_id": "my-req-1"})
+    assert reply.id == "chatcmpl-my-req-1"
+    again = _chat(plain, max_tokens=2, extra_body={"request_id": "my-req-1"})  # reused: fine
+    assert again.id == "chatcmpl-my-req-1"
+    headed = plain.with_options(default_headers={"X-Request-Id": "trace-7"})
+    assert _chat(headed, max_tokens=2).id == "chatcmpl-trace-7"
+    completion = plain.completions.create(
+        model="tiny", prompt=[1, 2], max_tokens=2, extra_body={"request_id": "c-1"}
+    )
+    assert completion.id == "cmpl-c-1"
+    with pytest.raises(openai.BadRequestError, match="request_id must be 1-128 printable"):
+        _chat(plain, max_tokens=2, extra_body={"request_id": "a b\n"})
