@@ -56,6 +56,7 @@ from launcher.server.protocol import (
     tokenize_body,
 )
 from launcher.server.responses import ResponseShape
+from launcher.server.responses_api import answer_responses, parse_responses
 from launcher.server.tokenization import ModelTokenizer
 
 log = get_logger()
@@ -120,6 +121,7 @@ class LockstepServer:
         expect = self._expect_continue
         self.app.router.add_post("/v1/completions", self._completions, expect_handler=expect)
         self.app.router.add_post("/v1/chat/completions", self._chat, expect_handler=expect)
+        self.app.router.add_post("/v1/responses", self._responses, expect_handler=expect)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_post("/tokenize", self._tokenize, expect_handler=expect)
         self.app.router.add_post("/detokenize", self._detokenize, expect_handler=expect)
@@ -267,6 +269,9 @@ class LockstepServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat, "chatcmpl-")
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_responses, "resp_")
+
     async def _invocations(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_invocation, "")
 
@@ -328,6 +333,8 @@ class LockstepServer:
             for sample, stream in enumerate(streams)
         ]  # fmt: skip
         try:
+            if generation.endpoint == "responses":
+                return await answer_responses(request, generation, choices[0], shape.request_id)
             if generation.stream:
                 return await answer_stream(request, generation, choices, shape)
             return await answer_whole(generation, choices, shape)

@@ -49,7 +49,8 @@ class Choice:
         self.prompt_token_ids = generation.prompts[sample // generation.best_of]
         # A chat reply's <think> block, split out as it streams (server.reasoning_parser).
         self.reasoning: ReasoningSplitter | None = None
-        if reasoning_parser is not None and generation.endpoint == "chat" and tokenizer is not None:
+        chat = generation.endpoint in ("chat", "responses")
+        if reasoning_parser is not None and chat and tokenizer is not None:
             tail = tokenizer.decode(
                 self.prompt_token_ids[-_PROMPT_TAIL:], skip_special_tokens=False
             )
@@ -267,7 +268,7 @@ async def answer_stream(
                     await response.write(sse(choice.error.body()))
                     break
                 # What the readers held back (a possible tag's start; tool calls, whole).
-                text, thought = _split(generation, choice, "", final=True)
+                text, thought = split_piece(generation, choice, "", final=True)
                 calls: list[ToolCall] = []
                 if choice.tool_calls is not None:
                     rest, calls = choice.tool_calls.finish()
@@ -288,7 +289,7 @@ async def answer_stream(
             if piece.text or piece.token_ids:
                 offset = echoed.get(choice.sample, 0) + _offset(choice, piece)
                 logprobs = shape.logprobs(piece.token_ids, piece.logprobs, offset)
-                text, thought = _split(generation, choice, piece.text)
+                text, thought = split_piece(generation, choice, piece.text)
                 await send(
                     shape.chunk(
                         choice.sample, text, piece.token_ids, logprobs=logprobs, reasoning=thought
@@ -305,7 +306,7 @@ async def answer_stream(
     return response
 
 
-def _split(
+def split_piece(
     generation: GenerationRequest, choice: Choice, text: str, *, final: bool = False
 ) -> tuple[str, str]:
     """(content, reasoning) of a piece of a choice's text: all content without a reasoning

@@ -125,6 +125,7 @@ class GenerationRequest:
     include_reasoning: bool = True  # chat, with a reasoning parser: send the reasoning too
     tools: Tools | None = None  # chat: the request's tools and tool_choice (server/tools.py)
     client_request_id: str | None = None  # vLLM's request_id: the reply's id (after its prefix)
+    echo_fields: dict[str, Any] | None = None  # /v1/responses: instructions, metadata to echo
 
     @property
     def prompt_token_ids(self) -> list[int]:

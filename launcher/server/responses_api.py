@@ -1,0 +1,386 @@
+"""OpenAI's Responses API (`POST /v1/responses`), as vLLM's server offers it, over the chat
+path: a request becomes a chat request (its `instructions` a system message, its `input` the
+messages), runs as one, and its reply is written as a `response` object, or, streamed, as the
+Responses event sequence (`response.created` ... `response.output_text.delta` ...
+`response.completed`), each event with its `sequence_number`.
+
+Taken: `input` (a string, or messages whose content is a string or text parts), `instructions`,
+`max_output_tokens`, `temperature`, `top_p`, `stream`, `text.format` (text, json_schema,
+json_object: structured output), `store` (nothing is kept here, so a stored response cannot be
+fetched later), `metadata` (echoed), and the chat path's sampling extensions (`seed`, `top_k`,
+...). With a reasoning parser the model's <think> block is a `reasoning` output item before the
+message. Refused with a 400 naming the field, never ignored: `tools`, `previous_response_id`,
+`background`, `reasoning` settings, `include`, `truncation: auto`, `top_logprobs`, `prompt`,
+input items other than messages.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from launcher.server.generation import Choice, split_piece
+from launcher.server.protocol import GenerationRequest, ModelLimits, RequestError, parse_chat
+from launcher.server.responses import sse
+
+# Fields of a Responses request that are its own (the rest go to the chat path as they are).
+_OWN = {
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "text",
+    "store",
+    "metadata",
+    "tools",
+    "tool_choice",
+    "previous_response_id",
+    "background",
+    "reasoning",
+    "include",
+    "truncation",
+    "top_logprobs",
+    "prompt",
+    "parallel_tool_calls",
+    "max_tool_calls",
+}
+# field -> the values that mean "not used"; anything else is refused.
+_REFUSED = {
+    "tools": (None, []),
+    "tool_choice": (None, "auto", "none"),
+    "previous_response_id": (None,),
+    "background": (None, False),
+    "reasoning": (None, {}),
+    "include": (None, []),
+    "truncation": (None, "disabled"),
+    "top_logprobs": (None, 0),
+    "prompt": (None,),
+    "n": (None, 1),
+}
+
+
+def parse_responses(body: Any, limits: ModelLimits) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    for name, neutral in _REFUSED.items():
+        if name in body and not any(
+            type(body[name]) is type(v) and body[name] == v for v in neutral
+        ):
+            raise RequestError(
+                f"{name}={str(body[name])[:80]!r} is not supported on /v1/responses here"
+                + (" (use /v1/chat/completions for tools)" if name == "tools" else ""),
+                param=name,
+            )
+    chat = {key: value for key, value in body.items() if key not in _OWN}
+    chat["messages"] = _messages(body)
+    chat["stream"] = bool(body.get("stream", False))
+    if body.get("max_output_tokens") is not None:
+        value = body["max_output_tokens"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise RequestError(
+                f"max_output_tokens must be an int >= 1, got {str(value)[:80]!r}",
+                param="max_output_tokens",
+            )
+        chat["max_tokens"] = value
+    response_format = _format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    generation = parse_chat(chat, limits)
+    echo = {"instructions": body.get("instructions"), "metadata": body.get("metadata") or {}}
+    return replace(generation, endpoint="responses", echo_fields=echo)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise RequestError("instructions must be a string", param="instructions")
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise RequestError("input must be a string or a non-empty list of messages", param="input")
+    for index, item in enumerate(given):
+        where = f"input[{index}]"
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise RequestError(
+                f"{where}: only messages are taken here, got {str(kind)[:40]!r}", param=where
+            )
+        content = item.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part_index, part in enumerate(content):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") not in ("input_text", "output_text", "text")
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise RequestError(
+                        f"{where}.content[{part_index}] must be a text part", param=where
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        role = item.get("role")
+        if role == "developer":
+            role = "system"  # OpenAI's name for the system role in this API
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _format(text: Any) -> dict[str, Any] | None:
+    """`text.format` as the chat path's `response_format`."""
+    if text is None:
+        return None
+    spec = text.get("format") if isinstance(text, dict) else None
+    if spec is None:
+        return None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema" and isinstance(spec.get("schema"), dict):
+        name = spec.get("name", "response")
+        return {"type": "json_schema", "json_schema": {"name": name, "schema": spec["schema"]}}
+    raise RequestError(
+        "text.format must be {type: text}, {type: json_object} or {type: json_schema, "
+        "schema: {...}}",
+        param="text",
+    )
+
+
+class ResponseWriter:
+    """One request's `response` object and its stream of events."""
+
+    def __init__(self, generation: GenerationRequest, model: str, response_id: str) -> None:
+        self.id = response_id
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.generation = generation
+        echo = generation.echo_fields or {}
+        self.metadata = echo.get("metadata") or {}
+        self.instructions = echo.get("instructions")
+        self.sequence = 0
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        params = self.generation.params
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if finish_reason == "length" else None
+            ),
+            "error": None,
+            "model": self.model,
+            "instructions": self.instructions,
+            "output": output,
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_output_tokens": params.max_tokens,
+            "metadata": self.metadata,
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "store": False,
+            "usage": usage,
+        }
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": parts if status == "completed" or text else [],
+        }
+
+    def reasoning(self, text: str) -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\n".encode() + sse(body)
+
+
+def _usage(choice: Choice) -> dict[str, Any]:
+    prompt, output = len(choice.prompt_token_ids), len(choice.token_ids)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+async def answer_responses(
+    request: web.Request, generation: GenerationRequest, choice: Choice, response_id: str
+) -> web.StreamResponse:
+    """The reply to a /v1/responses request: its `response` object, or its event stream."""
+    writer = ResponseWriter(generation, generation.model, response_id)
+    if not generation.stream:
+        while not choice.done:
+            choice.take(await choice.stream.next())
+        if choice.error is not None:
+            raise choice.error
+        content, thought = split_piece(generation, choice, choice.text, final=True)
+        output = [writer.reasoning(thought)] if thought else []
+        output.append(writer.message(content, "completed"))
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        return web.json_response(
+            writer.response(status, output, _usage(choice), choice.finish_reason)
+        )
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    started = writer.response("in_progress", [], None)
+    await response.write(writer.event("response.created", response=started))
+    await response.write(writer.event("response.in_progress", response=started))
+    thought_text, content_text = "", ""
+    reasoning_open = message_open = False
+    message_index = 0
+
+    async def open_message() -> None:
+        nonlocal message_open, message_index
+        message_open = True
+        message_index = 1 if reasoning_open else 0
+        item = writer.message("", "in_progress")
+        await response.write(
+            writer.event("response.output_item.added", output_index=message_index, item=item)
+        )
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        await response.write(
+            writer.event(
+                "response.content_part.added",
+                item_id=writer.message_id,
+                output_index=message_index,
+                content_index=0,
+                part=part,
+            )
+        )
+
+    async def send(thought: str, content: str) -> None:
+        nonlocal thought_text, content_text, reasoning_open
+        if thought:
+            if not reasoning_open:
+                reasoning_open = True
+                await response.write(
+                    writer.event(
+                        "response.output_item.added",
+                        output_index=0,
+                        item={**writer.reasoning(""), "content": []},
+                    )
+                )
+            thought_text += thought
+            await response.write(
+                writer.event(
+                    "response.reasoning_text.delta",
+                    item_id=writer.reasoning_id,
+                    output_index=0,
+                    content_index=0,
+                    delta=thought,
+                )
+            )
+        if content:
+            if not message_open:
+                await open_message()
+            content_text += content
+            await response.write(
+                writer.event(
+                    "response.output_text.delta",
+                    item_id=writer.message_id,
+                    output_index=message_index,
+                    content_index=0,
+                    delta=content,
+                    logprobs=[],
+                )
+            )
+
+    while not choice.done:
+        piece = choice.take(await choice.stream.next())
+        content, thought = split_piece(generation, choice, piece.text)
+        await send(thought, content)
+    if choice.error is not None:
+        error = choice.error.body()["error"]
+        await response.write(
+            writer.event(
+                "error", code=error["code"], message=error["message"], param=error["param"]
+            )
+        )
+        await response.write_eof()
+        return response
+    content, thought = split_piece(generation, choice, "", final=True)
+    await send(thought, content)
+    output = []
+    if reasoning_open:
+        done = writer.reasoning(thought_text)
+        await response.write(
+            writer.event(
+                "response.reasoning_text.done",
+                item_id=writer.reasoning_id,
+                output_index=0,
+                content_index=0,
+                text=thought_text,
+            )
+        )
+        await response.write(writer.event("response.output_item.done", output_index=0, item=done))
+        output.append(done)
+    if not message_open:
+        await open_message()
+    part = {"type": "output_text", "text": content_text, "annotations": [], "logprobs": []}
+    await response.write(
+        writer.event(
+            "response.output_text.done",
+            item_id=writer.message_id,
+            output_index=message_index,
+            content_index=0,
+            text=content_text,
+            logprobs=[],
+        )
+    )
+    await response.write(
+        writer.event(
+            "response.content_part.done",
+            item_id=writer.message_id,
+            output_index=message_index,
+            content_index=0,
+            part=part,
+        )
+    )
+    item = writer.message(content_text, "completed")
+    await response.write(
+        writer.event("response.output_item.done", output_index=message_index, item=item)
+    )
+    output.append(item)
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    final = writer.response(status, output, _usage(choice), choice.finish_reason)
+    kind = "response.incomplete" if status == "incomplete" else "response.completed"
+    await response.write(writer.event(kind, response=final))
+    await response.write_eof()
+    return response
