@@ -9,9 +9,13 @@ Taken: `input` (a string, or messages whose content is a string or text parts), 
 json_object: structured output), `store` (nothing is kept here, so a stored response cannot be
 fetched later), `metadata` (echoed), and the chat path's sampling extensions (`seed`, `top_k`,
 ...). With a reasoning parser the model's <think> block is a `reasoning` output item before the
-message. Refused with a 400 naming the field, never ignored: `tools`, `previous_response_id`,
-`background`, `reasoning` settings, `include`, `truncation: auto`, `top_logprobs`, `prompt`,
-input items other than messages.
+message. Function `tools` and `tool_choice` are the chat path's (so "auto" needs the server's
+tool-call parser, "required" and a named function do not): calls come back as
+`function_call` items (streamed whole: added, one arguments delta, done), and a conversation
+goes on with `function_call` and `function_call_output` input items (the assistant's tool
+calls and the tool's message). Refused with a 400 naming the field, never ignored: built-in
+tools, `previous_response_id`, `background`, `reasoning` settings, `include`,
+`truncation: auto`, `top_logprobs`, `prompt`, other input items.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from aiohttp import web
 from launcher.server.generation import Choice, split_piece
 from launcher.server.protocol import GenerationRequest, ModelLimits, RequestError, parse_chat
 from launcher.server.responses import sse
+from launcher.server.tools import ToolCall
 
 # Fields of a Responses request that are its own (the rest go to the chat path as they are).
 _OWN = {
@@ -49,8 +54,6 @@ _OWN = {
 }
 # field -> the values that mean "not used"; anything else is refused.
 _REFUSED = {
-    "tools": (None, []),
-    "tool_choice": (None, "auto", "none"),
     "previous_response_id": (None,),
     "background": (None, False),
     "reasoning": (None, {}),
@@ -88,6 +91,14 @@ def parse_responses(body: Any, limits: ModelLimits) -> GenerationRequest:
     response_format = _format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
+    tools = body.get("tools")
+    if tools:
+        chat["tools"] = [_chat_tool(index, tool) for index, tool in enumerate(_list(tools))]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    elif choice is not None and (tools or choice not in ("auto", "none")):
+        chat["tool_choice"] = choice
     generation = parse_chat(chat, limits)
     echo = {"instructions": body.get("instructions"), "metadata": body.get("metadata") or {}}
     return replace(generation, endpoint="responses", echo_fields=echo)
@@ -107,10 +118,34 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise RequestError("input must be a string or a non-empty list of messages", param="input")
     for index, item in enumerate(given):
         where = f"input[{index}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind == "function_call":  # an earlier reply's call: the assistant's turn
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            }
+            if (
+                messages
+                and messages[-1].get("role") == "assistant"
+                and "tool_calls" in messages[-1]
+            ):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":  # what the call gave back: the tool's turn
+            output = item.get("output")
+            if not isinstance(output, str):
+                raise RequestError(f"{where}.output must be a string", param=where)
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output})  # fmt: skip
+            continue
+        if kind != "message":
             raise RequestError(
-                f"{where}: only messages are taken here, got {str(kind)[:40]!r}", param=where
+                f"{where}: messages, function_call and function_call_output items are taken "
+                f"here, got {str(kind)[:40]!r}",
+                param=where,
             )
         content = item.get("content")
         if isinstance(content, list):
@@ -131,6 +166,26 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             role = "system"  # OpenAI's name for the system role in this API
         messages.append({"role": role, "content": content})
     return messages
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise RequestError("tools must be a list", param="tools")
+    return value
+
+
+def _chat_tool(index: int, tool: Any) -> dict[str, Any]:
+    """A Responses function tool (flat: type, name, parameters) as chat's (nested)."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        raise RequestError(
+            f"tools[{index}]: function tools only here (no built-in tools), got {str(kind)[:40]!r}",
+            param=f"tools[{index}]",
+        )
+    function = {"name": tool.get("name"), "parameters": tool.get("parameters")}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
 
 
 def _format(text: Any) -> dict[str, Any] | None:
@@ -213,6 +268,16 @@ class ResponseWriter:
             "content": parts if status == "completed" or text else [],
         }
 
+    def function_call(self, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+        return {
+            "type": "function_call",
+            "id": f"fc_{call.id.rsplit('-', 1)[-1]}",
+            "call_id": f"call_{call.id.rsplit('-', 1)[-1]}",
+            "name": call.name,
+            "arguments": call.arguments if status == "completed" else "",
+            "status": status,
+        }
+
     def reasoning(self, text: str) -> dict[str, Any]:
         return {
             "type": "reasoning",
@@ -249,8 +314,12 @@ async def answer_responses(
         if choice.error is not None:
             raise choice.error
         content, thought = split_piece(generation, choice, choice.text, final=True)
+        calls = _calls(choice)
+        content += calls[0]
         output = [writer.reasoning(thought)] if thought else []
-        output.append(writer.message(content, "completed"))
+        if content or not calls[1]:
+            output.append(writer.message(content, "completed"))
+        output += [writer.function_call(call) for call in calls[1]]
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         return web.json_response(
             writer.response(status, output, _usage(choice), choice.finish_reason)
@@ -336,7 +405,8 @@ async def answer_responses(
         await response.write_eof()
         return response
     content, thought = split_piece(generation, choice, "", final=True)
-    await send(thought, content)
+    rest, calls = _calls(choice)
+    await send(thought, content + rest)
     output = []
     if reasoning_open:
         done = writer.reasoning(thought_text)
@@ -351,6 +421,10 @@ async def answer_responses(
         )
         await response.write(writer.event("response.output_item.done", output_index=0, item=done))
         output.append(done)
+    if not message_open and calls:  # calls only: no message item
+        await _send_calls(response, writer, calls, len(output))
+        output += [writer.function_call(call) for call in calls]
+        return await _complete(response, writer, choice, output)
     if not message_open:
         await open_message()
     part = {"type": "output_text", "text": content_text, "annotations": [], "logprobs": []}
@@ -378,6 +452,52 @@ async def answer_responses(
         writer.event("response.output_item.done", output_index=message_index, item=item)
     )
     output.append(item)
+    await _send_calls(response, writer, calls, len(output))
+    output += [writer.function_call(call) for call in calls]
+    return await _complete(response, writer, choice, output)
+
+
+def _calls(choice: Choice) -> tuple[str, list[ToolCall]]:
+    """(content the tool-call reader still held, the calls), once the choice ended."""
+    if choice.tool_calls is None:
+        return "", []
+    return choice.tool_calls.finish()
+
+
+async def _send_calls(
+    response: web.StreamResponse, writer: ResponseWriter, calls: list[ToolCall], first: int
+) -> None:
+    """Each call as its item: added, its arguments (whole, as one delta), done."""
+    for offset, call in enumerate(calls):
+        index = first + offset
+        added = writer.function_call(call, "in_progress")
+        await response.write(
+            writer.event("response.output_item.added", output_index=index, item=added)
+        )
+        fields = {"item_id": added["id"], "output_index": index}
+        await response.write(
+            writer.event("response.function_call_arguments.delta", delta=call.arguments, **fields)
+        )
+        await response.write(
+            writer.event(
+                "response.function_call_arguments.done",
+                arguments=call.arguments,
+                name=call.name,
+                **fields,
+            )
+        )
+        done = writer.function_call(call)
+        await response.write(
+            writer.event("response.output_item.done", output_index=index, item=done)
+        )
+
+
+async def _complete(
+    response: web.StreamResponse,
+    writer: ResponseWriter,
+    choice: Choice,
+    output: list[dict[str, Any]],
+) -> web.StreamResponse:
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     final = writer.response(status, output, _usage(choice), choice.finish_reason)
     kind = "response.incomplete" if status == "incomplete" else "response.completed"

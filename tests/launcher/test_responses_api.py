@@ -127,13 +127,13 @@ def test_structured_output_and_reasoning_items(servers):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"truncation": "auto"}, "truncation"),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
+        ({"input": [{"type": "computer_call_output", "output": {}}]}, "input[0]"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input[0]"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ],
 )
@@ -143,3 +143,72 @@ def test_what_this_server_does_not_do_is_a_400_naming_the_field(servers, extra, 
     with pytest.raises(openai.BadRequestError) as info:
         client.post("/responses", body=body, cast_to=object)
     assert info.value.body["param"] == param
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 6}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_function_tools_give_function_call_items_whole_and_streamed(servers):
+    client, _ = servers
+    named = {"type": "function", "name": "get_weather"}
+    reply = client.responses.create(
+        model="tiny", input="Weather?", tools=[WEATHER], tool_choice=named, temperature=0,
+        max_output_tokens=40,
+    )  # fmt: skip
+    (call,) = reply.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert set(json.loads(call.arguments)) == {"city"} and call.call_id.startswith("call_")
+    # The same call, through chat: the arguments are the chat tool call's.
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], temperature=0,
+        max_tokens=40, tools=[{"type": "function", "function": {
+            "name": "get_weather", "parameters": WEATHER["parameters"]}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
+    events = list(client.responses.create(model="tiny", input="Weather?", tools=[WEATHER],
+                                          tool_choice=named, temperature=0,
+                                          max_output_tokens=40, stream=True))  # fmt: skip
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert (done.name, done.arguments) == ("get_weather", call.arguments)
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["function_call"] and events[-1].type == "response.completed"
+    assert events[-1].response.output[0].arguments == call.arguments
+
+
+def test_a_calls_output_continues_the_conversation_as_chat_does(servers):
+    client, _ = servers
+    call_id = "call_1"
+    items = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": call_id, "name": "get_weather",
+         "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call_output", "call_id": call_id, "output": "cold"},
+    ]  # fmt: skip
+    reply = client.responses.create(model="tiny", input=items, tools=[WEATHER], tool_choice="none",
+                                    temperature=0, max_output_tokens=8)  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "cold"},
+    ]  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=8, tool_choice="none",
+        tools=[{"type": "function", "function": {"name": "get_weather",
+                                                 "parameters": WEATHER["parameters"]}}],
+    )  # fmt: skip
+    assert reply.output_text == chat.choices[0].message.content
+    assert reply.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+    assert info.value.body["param"] == "tools[0]"
