@@ -286,6 +286,10 @@ class ResponseWriter:
             "content": [{"type": "reasoning_text", "text": text}],
         }
 
+    def part_event(self, kind: str, item_id: str, index: int, **fields: Any) -> bytes:
+        """An event about the first content part of output item ``index``."""
+        return self.event(kind, item_id=item_id, output_index=index, content_index=0, **fields)
+
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
@@ -345,11 +349,10 @@ async def answer_responses(
         )
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         await response.write(
-            writer.event(
+            writer.part_event(
                 "response.content_part.added",
-                item_id=writer.message_id,
-                output_index=message_index,
-                content_index=0,
+                writer.message_id,
+                message_index,
                 part=part,
             )
         )
@@ -368,11 +371,10 @@ async def answer_responses(
                 )
             thought_text += thought
             await response.write(
-                writer.event(
+                writer.part_event(
                     "response.reasoning_text.delta",
-                    item_id=writer.reasoning_id,
-                    output_index=0,
-                    content_index=0,
+                    writer.reasoning_id,
+                    0,
                     delta=thought,
                 )
             )
@@ -381,11 +383,10 @@ async def answer_responses(
                 await open_message()
             content_text += content
             await response.write(
-                writer.event(
+                writer.part_event(
                     "response.output_text.delta",
-                    item_id=writer.message_id,
-                    output_index=message_index,
-                    content_index=0,
+                    writer.message_id,
+                    message_index,
                     delta=content,
                     logprobs=[],
                 )
@@ -411,11 +412,10 @@ async def answer_responses(
     if reasoning_open:
         done = writer.reasoning(thought_text)
         await response.write(
-            writer.event(
+            writer.part_event(
                 "response.reasoning_text.done",
-                item_id=writer.reasoning_id,
-                output_index=0,
-                content_index=0,
+                writer.reasoning_id,
+                0,
                 text=thought_text,
             )
         )
@@ -429,21 +429,19 @@ async def answer_responses(
         await open_message()
     part = {"type": "output_text", "text": content_text, "annotations": [], "logprobs": []}
     await response.write(
-        writer.event(
+        writer.part_event(
             "response.output_text.done",
-            item_id=writer.message_id,
-            output_index=message_index,
-            content_index=0,
+            writer.message_id,
+            message_index,
             text=content_text,
             logprobs=[],
         )
     )
     await response.write(
-        writer.event(
+        writer.part_event(
             "response.content_part.done",
-            item_id=writer.message_id,
-            output_index=message_index,
-            content_index=0,
+            writer.message_id,
+            message_index,
             part=part,
         )
     )
