@@ -17,11 +17,12 @@ variable, and `tool_choice` says what the reply may do with them:
 - a named function (`{"type": "function", "function": {"name": ...}}`): the reply is
   constrained to that function's parameters, and is its one call's arguments.
 
-Calls come back as OpenAI's `tool_calls` (`id`, `type` "function", `function.name`,
-`function.arguments` as JSON text), with finish reason "tool_calls" where the model chose
-them ("auto", "required"); a named function keeps "stop", as OpenAI's API does. Streamed,
-text before a call streams as it comes (a possible `<tool_call>` start held back); the calls,
-whole, ride the choice's last content chunk.
+With `parallel_tool_calls: false` a reply keeps its first call only ("required" is
+constrained to one). Calls come back as OpenAI's `tool_calls` (`id`, `type` "function",
+`function.name`, `function.arguments` as JSON text), with finish reason "tool_calls" where
+the model chose them ("auto", "required"); a named function keeps "stop", as OpenAI's API
+does. Streamed, text before a call streams as it comes (a possible `<tool_call>` start held
+back); the calls, whole, ride the choice's last content chunk.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Tools:
     name: str | None = None
     parser: str | None = None
     grammar: str | None = None
+    parallel: bool = True  # parallel_tool_calls: false keeps the reply to one call
 
     def template_tools(self) -> list[dict[str, Any]]:
         return [dict(tool) for tool in self.definitions]
@@ -122,6 +124,10 @@ def parse_tools(body: dict[str, Any], *, auto_enabled: bool, parser: str | None)
             raise ToolError(f"tools[{index}].function.parameters must be an object", "tools")
         functions[function["name"]] = function
     definitions = tuple(given)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ToolError("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    parallel = parallel is not False
     if choice is None or choice == "auto":
         if not (auto_enabled and parser):
             raise ToolError(
@@ -129,7 +135,7 @@ def parse_tools(body: dict[str, Any], *, auto_enabled: bool, parser: str | None)
                 "and --tool-call-parser (as vLLM's does)",
                 "tool_choice",
             )
-        return Tools(definitions, "auto", parser=parser)
+        return Tools(definitions, "auto", parser=parser, parallel=parallel)
     if choice == "none":
         return Tools(definitions, "none")
     if choice == "required":
@@ -143,7 +149,9 @@ def parse_tools(body: dict[str, Any], *, auto_enabled: bool, parser: str | None)
             for name, function in functions.items()
         ]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-        return Tools(definitions, "required", grammar=_grammar(schema))
+        if not parallel:
+            schema["maxItems"] = 1
+        return Tools(definitions, "required", grammar=_grammar(schema), parallel=parallel)
     named = choice.get("function") if isinstance(choice, dict) else None
     if (
         isinstance(choice, dict)
@@ -211,6 +219,8 @@ class ToolCallReader:
             calls = self._calls(text)
         except (ValueError, KeyError, TypeError, AttributeError):
             return text, []
+        if not self.tools.parallel:
+            calls = calls[:1]  # parallel_tool_calls false: the first call only
         return ("", calls) if calls else (text, [])
 
     def _calls(self, text: str) -> list[ToolCall]:

@@ -59,6 +59,8 @@ def test_hermes_blocks_become_calls_and_the_text_before_them_content(size):
     ]
     assert all(re.fullmatch(r"chatcmpl-tool-[0-9a-f]{32}", c.id) for c in calls)
     assert len({c.id for c in calls}) == 2
+    one = Tools((WEATHER,), "auto", parser="hermes", parallel=False)  # parallel_tool_calls false
+    assert [c.name for c in _read(one, [text])[1]] == ["get_weather"]
 
 
 def test_text_without_calls_or_with_calls_that_do_not_parse_is_content():
