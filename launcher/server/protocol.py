@@ -7,10 +7,11 @@ The policy on fields is vLLM's, so the clients written for it work unchanged:
 - the fields vLLM and OpenAI define are honoured (`_HONOURED`): sampling settings and
   penalties, `n` / `best_of`, `logprobs` / `top_logprobs` / `echo` / `prompt_logprobs`, stop
   strings and ids, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens` /
-  `truncation_side`, batched prompts on `/v1/completions`, structured output, streaming
-  options;
+  `truncation_side`, `cache_salt`, `request_id`, batched prompts on `/v1/completions`,
+  structured output, chat's tools (server/tools.py), `documents` and
+  `continue_final_message`, streaming options;
 - a field this server cannot honour is accepted at its neutral value and refused with a 400
-  naming it otherwise (`_NEUTRAL`: beam search, tools, suffix, logits processors, ...);
+  naming it otherwise (`_NEUTRAL`: beam search, suffix, logits processors, priority, ...);
 - fields that do not change the output (`user`, `metadata`, ...) are accepted;
 - an unknown field is ignored, and the server logs one warning per field name
   (`GenerationRequest.ignored_fields`); with `server.strict_requests` it is a 400, as
