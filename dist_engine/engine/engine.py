@@ -734,6 +734,12 @@ class DPEngine:
             request = Request.admit(seq, stream, seed)
             if seq.sampling_params.grammar is not None:
                 request.matcher = self._grammars.matcher(seq.sampling_params.grammar)
+                # A resumed request's committed tokens came out of this grammar already: the
+                # matcher takes them first, so its next mask is the one after them.
+                resumed = seq.output_token_ids
+                if resumed:
+                    request.matcher.consume_tokens(resumed)
+                    request.num_matched = len(resumed)
                 request.next_mask = self._grammars.next_mask(request.matcher)
         except ValueError as error:
             self._reject(seq, f"sampling settings rejected: {error}")

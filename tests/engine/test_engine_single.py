@@ -207,6 +207,22 @@ def test_a_resumed_request_draws_on_as_the_uninterrupted_one(running):
         running.engine.submit("done", [4, 8], PARAMS, resumed_token_ids=[1] * 6)
 
 
+def test_a_resumed_grammar_bound_request_draws_on_as_the_uninterrupted_one(running):
+    """Structured output across a heal: the resumed request's grammar has taken its committed
+    tokens before its first new one is drawn (it once restarted from the grammar's start)."""
+    from dist_engine.engine import structured
+
+    params = SamplingParams(
+        max_tokens=24, temperature=1.0, seed=7, grammar=structured.regex("[a-z]{6}-[0-9]{6}")
+    )
+    running.engine.submit("whole", [4, 8, 15, 16], params)
+    tokens = running.final("whole").output_token_ids
+    assert len(tokens) >= 4
+    for k in (1, 3):
+        running.engine.submit(f"resumed{k}", [4, 8, 15, 16], params, resumed_token_ids=tokens[:k])
+        assert running.final(f"resumed{k}").output_token_ids == tokens
+
+
 def test_a_reused_model_takes_the_new_engines_decode_capacity(model_dir):
     """An engine handed a model loaded for fewer sequences (tests and benchmarks reuse one)
     sizes its low-latency capacity to its own max_num_seqs: a decode step of all of them runs."""
