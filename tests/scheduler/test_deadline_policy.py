@@ -392,6 +392,8 @@ def test_no_ready_head_waits_past_the_deadline(plan, pool, rank_pool):
 # tokens of a mixed step take first: readiness must set them aside.
 @example(28, 3, [41, 53, 60], 8, True, None, 1.0)
 @example(22, 2, [19, 56, 58, 20, 40, 8], 6, True, None, 1.0)
+# A sequence that ended at max_model_len in the last step, not yet swept from running.
+@example(20, 3, [1, 48, 57], 12, True, None, 0.5)
 def test_a_ready_head_is_the_first_sequence_its_assembly_takes(
     num_blocks, max_num_seqs, prompts, num_running_steps, mixed, sum_k, watermark
 ):
@@ -418,6 +420,10 @@ def test_a_ready_head_is_the_first_sequence_its_assembly_takes(
     for _ in range(num_running_steps):  # some prompts start and decode, holding blocks
         outputs = sched.schedule()
         sched.process_outputs(outputs, [fake_token(seq) for seq in outputs.scheduled_seqs])
+    # As `schedule` runs it: after the sweep that drops the sequences the last step ended
+    # (without it, a decode below would still count one that ended at max_model_len).
+    if sched._needs_sweep:
+        sched._sweep()
     ready = sched._ready_head()
     if ready is None:
         return
