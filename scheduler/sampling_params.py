@@ -188,6 +188,10 @@ class SamplingParams:
     # structured` builds from a JSON schema, a regex, a choice list or a Lark grammar); every
     # token is drawn from what the grammar allows next.
     grammar: str | None = None
+    # The grammar applies only after the output first holds this token-id sequence (a
+    # reasoning model's end of thinking, `</think>`: vLLM constrains the answer, not the
+    # reasoning). Empty: from the first token.
+    grammar_after: tuple[int, ...] = ()
     # Token ids the sample may draw from (vLLM's `allowed_token_ids`): every other logit is
     # masked. None: the whole vocabulary.
     allowed_token_ids: tuple[int, ...] | None = None
@@ -294,6 +298,13 @@ class SamplingParams:
             )
         if outputs is not None and self.grammar is not None:
             raise ValueError("give structured_outputs or grammar, not both")
+        if self.grammar_after:
+            marker = _id_sequence(self.grammar_after, "grammar_after")
+            if self.grammar is None:
+                raise ValueError("grammar_after needs a grammar (or structured output)")
+            object.__setattr__(self, "grammar_after", marker)
+        else:
+            object.__setattr__(self, "grammar_after", ())
         if self.allowed_token_ids is not None:
             ids = _id_sequence(self.allowed_token_ids, "allowed_token_ids")
             object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(ids)))

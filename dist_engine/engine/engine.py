@@ -736,11 +736,7 @@ class DPEngine:
                 request.matcher = self._grammars.matcher(seq.sampling_params.grammar)
                 # A resumed request's committed tokens came out of this grammar already: the
                 # matcher takes them first, so its next mask is the one after them.
-                resumed = seq.output_token_ids
-                if resumed:
-                    request.matcher.consume_tokens(resumed)
-                    request.num_matched = len(resumed)
-                request.next_mask = self._grammars.next_mask(request.matcher)
+                self._start_grammar(request, seq.output_token_ids)
         except ValueError as error:
             self._reject(seq, f"sampling settings rejected: {error}")
             return
@@ -751,6 +747,21 @@ class DPEngine:
             del self._requests[seq.request_id]
             self._reject(seq, str(error))
 
+    def _start_grammar(self, request: Request, committed: list[int]) -> None:
+        """Start (or resume) a request's grammar over its committed output tokens: from the
+        first, or, with `grammar_after`, from just after the marker's first occurrence; until
+        the marker comes, no mask (`next_mask` None) and nothing consumed."""
+        marker = request.seq.sampling_params.grammar_after
+        # While waiting, num_matched counts the tokens already searched for the marker.
+        start = _grammar_start(committed, marker, request.num_matched)
+        if start is None:
+            request.num_matched = len(committed)
+            return
+        if len(committed) > start:
+            request.matcher.consume_tokens(committed[start:])
+        request.num_matched = len(committed)
+        request.next_mask = self._grammars.next_mask(request.matcher)
+
     def _advance_grammars(self, seqs: list[Sequence]) -> None:
         """Each grammar-bound request consumes the tokens this step committed, and its mask
         for the next one starts on a worker thread while the next step is scheduled and run."""
@@ -759,6 +770,9 @@ class DPEngine:
             if request is None or request.matcher is None or seq.is_finished:
                 continue
             committed = seq.output_token_ids
+            if request.next_mask is None:  # waiting for grammar_after's marker
+                self._start_grammar(request, committed)
+                continue
             if len(committed) > request.num_matched:
                 request.matcher.consume_tokens(committed[request.num_matched :])
                 request.num_matched = len(committed)
@@ -908,3 +922,16 @@ class DPEngine:
             f"{self.rank}: {names} ({type(error).__name__}: {first_line})",
             failed,
         )
+
+
+def _grammar_start(committed: list[int], marker: tuple[int, ...], searched: int) -> int | None:
+    """Where a grammar starts in the committed output: 0 without a marker, just after the
+    marker's first occurrence with one, None while it has not come. Occurrences ending within
+    the first ``searched`` tokens were looked for before."""
+    if not marker:
+        return 0
+    width = len(marker)
+    for end in range(max(width, searched + 1), len(committed) + 1):
+        if tuple(committed[end - width : end]) == marker:
+            return end
+    return None

@@ -90,6 +90,7 @@ class LockstepServer:
             strict_requests=config.strict_requests,
             enable_auto_tool_choice=config.enable_auto_tool_choice,
             tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
             other_model_names=names[1:],
             defaults=load_generation_defaults(engine_config.generation_config, model_dir),
             grammar_tokenizer=grammar_tokenizer(tokenizer_dir, model_config),

@@ -26,11 +26,12 @@ the served names.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from launcher.generation_config import GenerationDefaults
 from launcher.samples import rank_params, truncated, truncation, with_bad_words
+from launcher.server.reasoning import CLOSE, OPEN
 from launcher.server.tokenization import ModelTokenizer
 from launcher.server.tools import ToolError, Tools, parse_tools
 from scheduler import SamplingParams, StructuredOutputsParams
@@ -85,6 +86,8 @@ class ModelLimits:
     # Tool calling: whether tool_choice "auto" may be asked, and the parser that reads it.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # With a reasoning parser, structured output constrains the answer after `</think>`.
+    reasoning_parser: str | None = None
     # The model's tokenizer as llguidance reads it, to check grammars (None: no structured
     # output: the model has no tokenizer.json).
     grammar_tokenizer: Any = None
@@ -312,7 +315,29 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
         raise RequestError(
             "give max_completion_tokens or max_tokens, not both", param="max_completion_tokens"
         )
-    return _generation(body, limits, "chat", [prompt], key or "max_tokens", ignored, tools=tools)
+    generation = _generation(
+        body, limits, "chat", [prompt], key or "max_tokens", ignored, tools=tools
+    )
+    return _grammar_after_thinking(generation, limits, prompt)
+
+
+def _grammar_after_thinking(
+    generation: GenerationRequest, limits: ModelLimits, prompt: list[int]
+) -> GenerationRequest:
+    """With a reasoning parser, a reply that thinks first is constrained only after its
+    `</think>` (vLLM's rule: the grammar is for the answer). A reply thinks first under
+    deepseek_r1 always, under qwen3 unless the prompt closed the block already (thinking
+    switched off)."""
+    params = generation.params
+    parser = limits.reasoning_parser
+    if parser is None or params.grammar is None or limits.tokenizer is None:
+        return generation
+    if parser == "qwen3":
+        tail = limits.tokenizer.decode(prompt[-32:], skip_special_tokens=False)
+        if CLOSE in tail[tail.rfind(OPEN) :] and OPEN in tail:
+            return generation  # an empty think block, closed by the template
+    marker = tuple(limits.tokenizer.encode(CLOSE, add_special_tokens=False))
+    return replace(generation, params=replace(params, grammar_after=marker))
 
 
 # -- the shared part ----------------------------------------------------------------------------

@@ -223,6 +223,32 @@ def test_a_resumed_grammar_bound_request_draws_on_as_the_uninterrupted_one(runni
         assert running.final(f"resumed{k}").output_token_ids == tokens
 
 
+def test_a_grammar_after_a_marker_leaves_the_tokens_before_it_free(running, model_dir):
+    """`grammar_after` (a reasoning model's `</think>`): the output is unconstrained until the
+    marker, then follows the grammar; resumed before or after the marker, the same tokens."""
+    from dist_engine.engine import structured
+    from launcher.server.tokenization import ModelTokenizer
+
+    running.engine.submit("free", [4, 8, 15, 16], SamplingParams(max_tokens=8, ignore_eos=True))
+    free = running.final("free").output_token_ids
+    marker = (free[2],)
+    start = free.index(free[2]) + 1  # just after the marker's first occurrence
+    params = SamplingParams(
+        max_tokens=start + 6, ignore_eos=True, grammar=structured.regex("[0-9]{4}"),
+        grammar_after=marker,
+    )  # fmt: skip
+    running.engine.submit("after", [4, 8, 15, 16], params)
+    tokens = running.final("after").output_token_ids
+    assert tokens[:start] == free[:start]  # before the marker: what the model says freely
+    answer = ModelTokenizer(model_dir).decode(tokens[start:])
+    assert answer.isdigit() and len(answer) == 4, answer  # after it: the grammar's
+    for k in (1, start + 1):
+        running.engine.submit(f"resumed{k}", [4, 8, 15, 16], params, resumed_token_ids=tokens[:k])
+        assert running.final(f"resumed{k}").output_token_ids == tokens
+    with pytest.raises(ValueError, match="grammar_after needs a grammar"):
+        SamplingParams(grammar_after=(1,))
+
+
 def test_a_reused_model_takes_the_new_engines_decode_capacity(model_dir):
     """An engine handed a model loaded for fewer sequences (tests and benchmarks reuse one)
     sizes its low-latency capacity to its own max_num_seqs: a decode step of all of them runs."""

@@ -92,6 +92,13 @@ ENGINE = {
 }
 # The reply the regex forces: a think block, then an answer.
 FORCED = "<think>[a-z]{6}</think>[a-z]{4}"
+# A template that, as Qwen3's with enable_thinking false, closes an empty think block in the
+# prompt: the reply's grammar then applies from its first token (with the block open, it would
+# apply only after the reply's own </think>), so the regex above can force a think block.
+NO_THINKING = (
+    "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] <think>\n\n</think>\n\n{% endif %}"
+)
 
 
 def _post(url: str, body: dict) -> bytes:
@@ -132,9 +139,14 @@ def _ask(url: str, **extra) -> dict:
 @pytest.fixture(scope="module")
 def servers(model_dir):
     engine = EngineConfig.from_dict({"model": model_dir, **ENGINE})
-    plain = ServerThread(engine, ServerConfig(port=0, served_model_name="tiny"))
+    plain = ServerThread(
+        engine, ServerConfig(port=0, served_model_name="tiny", chat_template=NO_THINKING)
+    )
     parsing = ServerThread(
-        engine, ServerConfig(port=0, served_model_name="tiny", reasoning_parser="deepseek_r1")
+        engine,
+        ServerConfig(
+            port=0, served_model_name="tiny", reasoning_parser="qwen3", chat_template=NO_THINKING
+        ),
     )
     yield plain, parsing
     plain.stop()
@@ -168,3 +180,39 @@ def test_chat_replies_carry_the_think_block_as_reasoning_whole_and_streamed(serv
     with urllib.request.urlopen(request, timeout=60) as reply:
         completion = json.loads(reply.read())["choices"][0]
     assert completion["text"].startswith("<think>") and "reasoning" not in completion
+
+
+def test_structured_output_constrains_the_answer_after_the_thinking(servers, model_dir):
+    """vLLM's rule: with a reasoning parser, the grammar applies after the reply's </think>
+    (deepseek_r1 always; qwen3 unless the prompt closed the block), not to the reasoning."""
+    from dataclasses import replace
+
+    from launcher.server.protocol import parse_chat
+
+    _, parsing = servers
+    limits = parsing.server.limits
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    marker = tuple(limits.tokenizer.encode("</think>", add_special_tokens=False))
+    r1 = replace(limits, reasoning_parser="deepseek_r1")
+    assert parse_chat(body, r1).params.grammar_after == marker
+    assert parse_chat(body, limits).params.grammar_after == ()  # qwen3, the block closed
+    thinking = replace(limits, tokenizer=_OpenTemplate(limits.tokenizer))
+    assert parse_chat(body, thinking).params.grammar_after == marker  # qwen3, block open
+    assert parse_chat(body, replace(limits, reasoning_parser=None)).params.grammar_after == ()
+    plain = {key: value for key, value in body.items() if key != "response_format"}
+    assert parse_chat(plain, r1).params.grammar is None  # no grammar, no marker
+
+
+class _OpenTemplate:
+    """The server's tokenizer with a template that leaves the think block open (Qwen3 with
+    thinking on, R1)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def render_chat(self, messages, add_generation_prompt=True, **kwargs):
+        return "[user] x\n[assistant] <think>\n"
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)

@@ -24,8 +24,17 @@ ENGINE = {
 def servers(model_dir):
     engine = EngineConfig.from_dict({"model": model_dir, **ENGINE})
     plain = ServerThread(engine, ServerConfig(port=0, served_model_name="tiny"))
+    # qwen3 under a template that closes an empty think block in the prompt: the regex the
+    # tests force a think block with applies from the first token (test_reasoning.py).
+    no_thinking = (
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] <think>\n\n</think>\n\n{% endif %}"
+    )
     thinking = ServerThread(
-        engine, ServerConfig(port=0, served_model_name="tiny", reasoning_parser="deepseek_r1")
+        engine,
+        ServerConfig(
+            port=0, served_model_name="tiny", reasoning_parser="qwen3", chat_template=no_thinking
+        ),
     )
     yield (
         openai.OpenAI(base_url=f"{plain.url}/v1", api_key="none", max_retries=0),
