@@ -22,13 +22,10 @@ from launcher.samples import Piece, SampleText
 from launcher.server.frontend import RequestStream
 from launcher.server.metrics import RequestTimer
 from launcher.server.protocol import GenerationRequest, RequestError
-from launcher.server.reasoning import ReasoningSplitter
+from launcher.server.reasoning import ReasoningSplitter, prompt_end
 from launcher.server.responses import ResponseShape, Usage, sse
 from launcher.server.tokenization import ModelTokenizer
 from launcher.server.tools import ToolCall, ToolCallReader, finish_reason
-
-# How many of a chat prompt's last tokens tell whether its template left a <think> open.
-_PROMPT_TAIL = 32
 
 
 class Choice:
@@ -51,9 +48,7 @@ class Choice:
         self.reasoning: ReasoningSplitter | None = None
         chat = generation.endpoint in ("chat", "responses")
         if reasoning_parser is not None and chat and tokenizer is not None:
-            tail = tokenizer.decode(
-                self.prompt_token_ids[-_PROMPT_TAIL:], skip_special_tokens=False
-            )
+            tail = prompt_end(tokenizer, self.prompt_token_ids)
             self.reasoning = ReasoningSplitter(reasoning_parser, tail)
         tools = generation.tools
         self.tool_calls: ToolCallReader | None = None

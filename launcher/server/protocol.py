@@ -31,7 +31,7 @@ from typing import Any
 
 from launcher.generation_config import GenerationDefaults
 from launcher.samples import rank_params, truncated, truncation, with_bad_words
-from launcher.server.reasoning import CLOSE, OPEN
+from launcher.server.reasoning import CLOSE, prompt_end, thinks_first
 from launcher.server.tokenization import ModelTokenizer
 from launcher.server.tools import ToolError, Tools, parse_tools
 from scheduler import SamplingParams, StructuredOutputsParams
@@ -332,10 +332,8 @@ def _grammar_after_thinking(
     parser = limits.reasoning_parser
     if parser is None or params.grammar is None or limits.tokenizer is None:
         return generation
-    if parser == "qwen3":
-        tail = limits.tokenizer.decode(prompt[-32:], skip_special_tokens=False)
-        if CLOSE in tail[tail.rfind(OPEN) :] and OPEN in tail:
-            return generation  # an empty think block, closed by the template
+    if not thinks_first(parser, prompt_end(limits.tokenizer, prompt)):
+        return generation
     marker = tuple(limits.tokenizer.encode(CLOSE, add_special_tokens=False))
     return replace(generation, params=replace(params, grammar_after=marker))
 
@@ -362,14 +360,7 @@ def _generation(
             status=404,
             code="model_not_found",
         )
-    for name, neutral in _NEUTRAL.items():
-        if name in body and not any(_same(body[name], value) for value in neutral):
-            allowed = " or ".join(repr(v) for v in neutral if v is not None) or "null"
-            raise RequestError(
-                f"{name}={shorten(body[name])} is not supported by this server "
-                f"(allowed: {allowed})",
-                param=name,
-            )
+    refuse_unsupported(body, _NEUTRAL)
     param = "messages" if endpoint == "chat" else "prompt"
     longest = max(len(prompt) for prompt in prompts)
     room = limits.max_model_len - longest
@@ -471,6 +462,19 @@ def _client_request_id(value: Any, param: str) -> str | None:
 def client_request_id(header: str | None) -> str | None:
     """The `X-Request-Id` header's id (checked as the field's)."""
     return _client_request_id(header, "X-Request-Id")
+
+
+def refuse_unsupported(body: dict[str, Any], neutral: dict[str, tuple[Any, ...]]) -> None:
+    """A 400 naming the first field of ``neutral`` the body gives at another value than the
+    ones listed for it (those that mean "not used")."""
+    for name, values in neutral.items():
+        if name in body and not any(_same(body[name], value) for value in values):
+            allowed = " or ".join(repr(v) for v in values if v is not None) or "null"
+            raise RequestError(
+                f"{name}={shorten(body[name])} is not supported by this server "
+                f"(allowed: {allowed})",
+                param=name,
+            )
 
 
 def _choices(body: dict[str, Any], num_prompts: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -34,6 +35,22 @@ class Split:
 
     reasoning: str = ""
     content: str = ""
+
+
+# How many of a chat prompt's last tokens show whether its template left a <think> open.
+PROMPT_TAIL = 32
+
+
+def prompt_end(tokenizer: Any, prompt_ids: list[int]) -> str:
+    """The text of a chat prompt's last `PROMPT_TAIL` tokens, special tokens kept."""
+    return tokenizer.decode(prompt_ids[-PROMPT_TAIL:], skip_special_tokens=False)
+
+
+def thinks_first(parser: str, prompt_text: str) -> bool:
+    """Whether a reply may start inside a think block: under deepseek_r1 always (its template
+    opens the block), under qwen3 unless the prompt closed one already (thinking off)."""
+    closed = OPEN in prompt_text and not prompt_opens_thinking(prompt_text)
+    return parser == "deepseek_r1" or not closed
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:

@@ -28,7 +28,13 @@ from typing import Any
 from aiohttp import web
 
 from launcher.server.generation import Choice, split_piece
-from launcher.server.protocol import GenerationRequest, ModelLimits, RequestError, parse_chat
+from launcher.server.protocol import (
+    GenerationRequest,
+    ModelLimits,
+    RequestError,
+    parse_chat,
+    refuse_unsupported,
+)
 from launcher.server.responses import sse
 from launcher.server.tools import ToolCall
 
@@ -68,15 +74,7 @@ _REFUSED = {
 def parse_responses(body: Any, limits: ModelLimits) -> GenerationRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    for name, neutral in _REFUSED.items():
-        if name in body and not any(
-            type(body[name]) is type(v) and body[name] == v for v in neutral
-        ):
-            raise RequestError(
-                f"{name}={str(body[name])[:80]!r} is not supported on /v1/responses here"
-                + (" (use /v1/chat/completions for tools)" if name == "tools" else ""),
-                param=name,
-            )
+    refuse_unsupported(body, _REFUSED)
     chat = {key: value for key, value in body.items() if key not in _OWN}
     chat["messages"] = _messages(body)
     chat["stream"] = bool(body.get("stream", False))
