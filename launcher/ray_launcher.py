@@ -52,7 +52,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from dist_engine.engine.config import EngineConfig
+from dist_engine.engine.config import EngineConfig, code_identity, code_root
 from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
@@ -139,6 +139,11 @@ class RankActor:
     def ping(self) -> int:
         """This actor's process id, once it has been placed and started."""
         return os.getpid()
+
+    def code(self) -> tuple[str, str, str]:
+        """(`code_identity()`, where this process imports Lockstep from, its host's name):
+        what the front end compares with its own before the rank loads anything."""
+        return code_identity(), str(code_root("launcher").parent), socket.gethostname()
 
     def _pin(self, cpu_slot: tuple[int, int]) -> None:
         from dist_engine.backends import may_use_native
@@ -282,6 +287,27 @@ _IN_PLACE_TRIES = 2
 
 class _ReplacementFailed(LockstepError):
     """A replacement rank did not start; the survivors still wait, untouched."""
+
+
+def _check_code(actors: dict[int, Any]) -> None:
+    """Refuse ranks whose Lockstep code is not the front end's (`code_identity`), naming
+    each with where it imports the code from: a node left on another version otherwise
+    fails every request with an error about some attribute, or runs another protocol."""
+    ranks = list(actors)
+    answers = ray.get([actors[rank].code.remote() for rank in ranks], timeout=_STARTUP_TIMEOUT_S)
+    ours = code_identity()
+    differing = [
+        f"DP rank {rank} runs {identity} from {where} on {host}"
+        for rank, (identity, where, host) in zip(ranks, answers, strict=True)
+        if identity != ours
+    ]
+    if differing:
+        raise LockstepError(
+            f"ranks run other Lockstep code than this front end ({ours} from "
+            f"{code_root('launcher').parent} on {socket.gethostname()}): "
+            + "; ".join(differing)
+            + ". Install the same version (the same files) on every node."
+        )
 
 
 def _heals_in_place(config: EngineConfig) -> bool:
@@ -493,6 +519,7 @@ class RayClient:
                     f"the cluster has {_describe_nodes()}"
                 ) from None
             group.actors = [self._new_actor(group, rank) for rank in range(world)]
+            _check_code(dict(enumerate(group.actors)))
             hosts = _rank_hosts(group.pg, range(world))
             loopback = len(set(hosts.values())) == 1
             host, port = ray.get(
@@ -654,6 +681,7 @@ class RayClient:
                     f"parallel.replacement_wait_s={wait_s:g} s; the cluster has "
                     f"{_describe_nodes()}"
                 )
+            _check_code(actors)
             hosts = _rank_hosts(group.pg, group.live)
             pin = config.parallel.cpu_binding and not self._use_gpu
             slots = _cpu_slots(hosts) if pin else {}

@@ -18,8 +18,11 @@ type; its tuple of values (`LAUNCHERS`, `BACKEND_CHOICES`, ...) is read from tha
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib.util
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -393,7 +396,48 @@ class EngineConfig:
             "dtype": self.dtype,
             "check_lockstep": self.check_lockstep,
             "model": model_identity,
+            "code": code_identity(),
         }
+
+
+# Lockstep's packages, and the files of theirs that are code (Python, and the C++ the kernels
+# are built from).
+CODE_PACKAGES = ("dist_engine", "scheduler", "moe", "launcher")
+_CODE_SUFFIXES = frozenset({".py", ".cpp", ".h", ".cu", ".cuh"})
+
+
+@functools.cache
+def code_identity() -> str:
+    """A short hash of this process's Lockstep code (`code_digest` of `CODE_PACKAGES` where
+    they are imported from). The front end and every rank must run the same code: requests
+    and outputs cross between them as the front end's objects, and the ranks' votes and
+    exchanges assume one protocol. A node left on another version otherwise fails each
+    request with an error about some attribute, or worse. ~4 ms, once per process."""
+    return code_digest({package: code_root(package) for package in CODE_PACKAGES})
+
+
+def code_digest(roots: Mapping[str, Path]) -> str:
+    """Every code file under each package's root, by its path inside the package and its
+    bytes: where the packages are installed does not matter, nor do caches of compiled
+    bytecode or other files beside them."""
+    digest = hashlib.blake2b(digest_size=8)
+    for package, root in sorted(roots.items()):
+        for path in sorted(root.rglob("*")):
+            if path.suffix not in _CODE_SUFFIXES or "__pycache__" in path.parts:
+                continue
+            data = path.read_bytes()
+            name = f"{package}/{path.relative_to(root).as_posix()}"
+            digest.update(f"{name}\0{len(data)}\0".encode())
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def code_root(package: str) -> Path:
+    """Where ``package`` (one of CODE_PACKAGES) is imported from, without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"Lockstep's package {package!r} cannot be found")
+    return Path(spec.origin).parent
 
 
 def model_identity(model_dir: str | Path) -> str:

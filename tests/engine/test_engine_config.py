@@ -1,7 +1,15 @@
 import pytest
 import torch
 
-from dist_engine.engine.config import EngineConfig, MoEConfig, model_identity
+from dist_engine.engine.config import (
+    CODE_PACKAGES,
+    EngineConfig,
+    MoEConfig,
+    code_digest,
+    code_identity,
+    code_root,
+    model_identity,
+)
 from dist_engine.engine.eplb import check_slots, initial_placement
 
 
@@ -106,6 +114,7 @@ def test_group_agreed_settings_and_model_identity(tmp_path):
     assert model_identity(tmp_path) == identity  # formatting does not matter
     agreed = EngineConfig(model=str(tmp_path)).group_agreed(identity)
     assert agreed["model"] == identity
+    assert agreed["code"] == code_identity()  # ranks on other code refuse to start together
     assert {
         "scheduler.block_size",
         "scheduler.prefill_attempt_interval",
@@ -118,6 +127,37 @@ def test_group_agreed_settings_and_model_identity(tmp_path):
         "moe.eplb_interval_steps",
         "moe.eplb_expert_source",
     } <= set(agreed)
+
+
+def _package(root, files):
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_code_digest_reads_code_files_by_their_place_in_the_package(tmp_path):
+    files = {"__init__.py": "", "sub/mod.py": "x = 1\n", "csrc/k.cpp": "int f();\n"}
+    one = {"pkg": _package(tmp_path / "a" / "pkg", files)}
+    other = {"pkg": _package(tmp_path / "b" / "site" / "pkg", files)}
+    digest = code_digest(one)
+    assert code_digest(other) == digest  # installed elsewhere: the same code
+    (one["pkg"] / "sub" / "__pycache__").mkdir()
+    (one["pkg"] / "sub" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"\0" * 9)
+    (one["pkg"] / "notes.txt").write_text("not code")
+    assert code_digest(one) == digest  # bytecode caches and other files do not count
+    (one["pkg"] / "sub" / "mod.py").write_text("x = 1\n# a changed line\n")
+    assert code_digest(one) != digest
+    (one["pkg"] / "sub" / "mod.py").write_text("x = 1\n")
+    (one["pkg"] / "sub" / "mod.py").rename(one["pkg"] / "sub" / "moved.py")
+    assert code_digest(one) != digest  # the same bytes in another module
+    assert code_digest({"other": one["pkg"]}) != code_digest(one)
+
+
+def test_code_identity_is_the_digest_of_the_imported_packages():
+    roots = {package: code_root(package) for package in CODE_PACKAGES}
+    assert roots["launcher"].name == "launcher" and (roots["scheduler"] / "__init__.py").is_file()
+    assert code_identity() == code_digest(roots)
 
 
 def test_eplb_slots_must_split_evenly_over_the_ranks():
