@@ -387,7 +387,10 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
     def group_agreed(self, model_identity: str) -> dict[str, object]:
-        """Settings every rank must share, compared at start-up."""
+        """Settings every rank must share, compared at start-up: with them the code each rank
+        runs, Lockstep's and torch's (whose collectives the ranks speak to each other)."""
+        import torch
+
         return {
             **{f"scheduler.{k}": v for k, v in self.scheduler.group_agreed().items()},
             "parallel.dp_size": self.parallel.dp_size,
@@ -397,6 +400,7 @@ class EngineConfig:
             "check_lockstep": self.check_lockstep,
             "model": model_identity,
             "code": code_identity(),
+            "torch": torch.__version__,
         }
 
 

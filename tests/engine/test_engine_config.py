@@ -115,6 +115,7 @@ def test_group_agreed_settings_and_model_identity(tmp_path):
     agreed = EngineConfig(model=str(tmp_path)).group_agreed(identity)
     assert agreed["model"] == identity
     assert agreed["code"] == code_identity()  # ranks on other code refuse to start together
+    assert agreed["torch"] == torch.__version__
     assert {
         "scheduler.block_size",
         "scheduler.prefill_attempt_interval",
