@@ -31,6 +31,7 @@ from dist_engine.attention.metadata import (
     AttentionMetadata,
     _check_sequences,
     bucketed_columns,
+    int64_tensor,
 )
 
 
@@ -112,7 +113,7 @@ class DecodeInputs:
             values += table[:width]
             values += [0] * (width - min(len(table), width))
         values += [0] * (pad * width)
-        self._copy(torch.tensor(values, dtype=torch.int64))
+        self._copy(int64_tensor(values))
         fields = self.buffer[: 4 * rows].view(4, rows)
         ids, positions, slot_mapping, context_lens = fields.unbind(0)
         tables = self.buffer[4 * rows : rows * (4 + width)].view(rows, width)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -148,7 +149,10 @@ class AttentionMetadata:
                 f"num_columns={num_columns} block-table columns cannot hold the longest "
                 f"context, {max(context_lens)} tokens in blocks of {block_size} ({needed} columns)"
             )
-        padded_tables = [list(t[:num_columns]) + [0] * (num_columns - len(t)) for t in block_tables]
+        padded_tables: list[int] = []  # [num_seqs * num_columns], row by row
+        for table in block_tables:
+            padded_tables += table[:num_columns]
+            padded_tables += [0] * (num_columns - len(table))
 
         positions: list[int] = []
         slots: list[int] = []
@@ -165,8 +169,8 @@ class AttentionMetadata:
                 query_idx.append(i)
         max_query_len = max(num_new_tokens, default=0)
 
-        def as_tensor(values: Sequence[int] | Sequence[Sequence[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
+        def as_tensor(values: Sequence[int]) -> torch.Tensor:
+            return int64_tensor(values, device)
 
         cached_t = as_tensor(list(num_cached_tokens))
         starts = [0]
@@ -195,6 +199,17 @@ class AttentionMetadata:
             max_query_len=max_query_len,
             block_size=block_size,
         )
+
+
+def int64_tensor(values: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """`torch.tensor(values, dtype=torch.int64, device=device)` for a flat sequence of ints,
+    built through an `array`: torch.tensor on a list makes a Python object of every value,
+    ~4x the time (100 against 26 us for a decode step's 2,560 values of metadata). On the CPU
+    the tensor shares the array's memory (and keeps the array alive)."""
+    if len(values) == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    tensor = torch.frombuffer(array("q", values), dtype=torch.int64)
+    return tensor if device is None or torch.device(device).type == "cpu" else tensor.to(device)
 
 
 def bucketed_columns(num_columns: int, max_columns: int | None = None) -> int:
@@ -344,15 +359,15 @@ def _group(
     query_len = max(num_new_tokens[b] for b in seqs)
     context = max(num_cached_tokens[b] + num_new_tokens[b] for b in seqs)
     num_columns = -(-context // block_size)
-    seq_idx = torch.tensor(seqs, dtype=torch.int64, device=device)
+    seq_idx = int64_tensor(seqs, device)
     mask = None
     if attn_mask is not None:
         mask = attn_mask[seq_idx, :query_len, : num_columns * block_size].unsqueeze(1)
     return PrefillGroup(
         seq_idx=seq_idx,
-        token_rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        token_seq=torch.tensor(token_seq, dtype=torch.int64, device=device),
-        token_query=torch.tensor(token_query, dtype=torch.int64, device=device),
+        token_rows=int64_tensor(rows, device),
+        token_seq=int64_tensor(token_seq, device),
+        token_query=int64_tensor(token_query, device),
         query_len=query_len,
         num_columns=num_columns,
         attn_mask=mask,

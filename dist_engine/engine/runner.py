@@ -22,6 +22,7 @@ from dist_engine.attention.metadata import (
     MixedMetadata,
     StepMetadata,
     bucketed_columns,
+    int64_tensor,
 )
 from dist_engine.engine.outputs import TokenLogprob
 from dist_engine.engine.sampler import Logprobs, Sampler, SamplingRow, check_row, prompt_logprobs
@@ -117,7 +118,7 @@ class ModelRunner:
             logits = self.decode_step(ids, decode_attn)[: len(seqs)]
             return self._sample_all(logits, seqs, requests)
         attn = self._metadata(seqs, cached, new, outputs)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        ids = int64_tensor(input_ids, self.device)
         hidden = self.model(ids, attn.positions, attn, mode)
         # Only a sequence whose step reaches the end of its tokens needs logits.
         rows = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import warnings
@@ -17,7 +18,7 @@ from dist_engine.attention.kv_cache import (
     num_blocks_for_budget,
     slot_mapping_for,
 )
-from dist_engine.attention.metadata import AttentionMetadata
+from dist_engine.attention.metadata import AttentionMetadata, int64_tensor
 from dist_engine.attention.torch_backend import paged_attention, write_kv
 from dist_engine.backends import Backends, LayerOps, RegimeChoice, resolve_backends
 from dist_engine.kernels import build, compute
@@ -40,6 +41,23 @@ def test_slot_mapping_math() -> None:
     # Only the columns the longest context needs; the short table is padded with block 0.
     assert attn.block_tables.tolist() == [[7, 3], [5, 0]]
     assert attn.max_query_len == 5 and attn.is_prefill
+
+
+@pytest.mark.parametrize(
+    "values", [[], [0], [3, -1, 2**62, -(2**63)], list(range(2560)), (5, 4), range(7)]
+)
+def test_int64_tensor_equals_torch_tensor(values) -> None:
+    made = int64_tensor(values)
+    assert made.dtype == torch.int64 and made.shape == (len(values),)
+    assert torch.equal(made, torch.tensor(list(values), dtype=torch.int64))
+    assert torch.equal(int64_tensor(values, "cpu"), made)
+
+
+def test_int64_tensor_keeps_its_values_alive() -> None:
+    made = [int64_tensor(list(range(i, i + 100))) for i in range(20)]
+    gc.collect()
+    _ = [torch.full((100,), 7) for _ in range(50)]  # reuse freed memory, if any was freed
+    assert all(int(t[0]) == i and int(t[-1]) == i + 99 for i, t in enumerate(made))
 
 
 def test_metadata_rejects_short_block_table_and_empty_queries() -> None:
