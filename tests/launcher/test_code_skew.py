@@ -12,10 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
-from dist_engine.engine.config import CODE_PACKAGES, code_identity, code_root
+from dist_engine.engine.config import CODE_PACKAGES, code_digest, code_identity, code_root
 
 pytestmark = pytest.mark.multirank
 
@@ -61,3 +62,30 @@ def test_ranks_on_other_code_are_refused_naming_where_they_import_it(model_dir, 
     assert f"({code_identity()} from {checkout} on" in message
     assert "DP rank 0 runs " in message and f"from {copy} on" in message
     assert "Install the same version" in message
+
+
+def test_a_wheel_of_this_checkout_has_its_code_identity(tmp_path):
+    """Nodes that installed the project's wheel and a front end on its checkout agree: the
+    wheel carries every file the hash reads (kernel sources included)."""
+    checkout = code_root("launcher").parent
+    source = tmp_path / "source"
+    for package in CODE_PACKAGES:
+        shutil.copytree(
+            code_root(package), source / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(checkout / name, source / name)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path / "wheel")],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheel").glob("lockstep-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path / "installed")
+    installed = {package: tmp_path / "installed" / package for package in CODE_PACKAGES}
+    assert code_digest(installed) == code_identity()
