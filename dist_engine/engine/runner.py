@@ -212,7 +212,7 @@ class ModelRunner:
         logits = _apply_grammars(logits, seqs, requests)
         try:
             picked = logits if len(usable) == len(seqs) else logits[usable]
-            output = self.sampler(picked, [rows[row] for row in usable])
+            output = self.sampler(picked, [rows[row] for row in usable], checked=True)
             sampled = list(zip(usable, output.token_ids.tolist(), strict=True))
             if output.logprobs is not None:
                 for position, (row, token) in enumerate(sampled):
@@ -223,7 +223,7 @@ class ModelRunner:
             sampled = []
             for row in usable:
                 try:
-                    output = self.sampler(logits[row : row + 1], [rows[row]])
+                    output = self.sampler(logits[row : row + 1], [rows[row]], checked=True)
                     token = output.token_ids.tolist()[0]
                 except Exception as error:
                     failures.append((seqs[row], f"sampling failed: {error}"))

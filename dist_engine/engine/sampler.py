@@ -140,21 +140,27 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self.native = native
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
-        return self.sample(logits, rows)
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], *, checked: bool = False
+    ) -> SampleOutput:
+        return self.sample(logits, rows, checked=checked)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], *, checked: bool = False
+    ) -> SampleOutput:
         """logits: [B, V] float, rows: B rows → tokens [B] int64 (+ logprobs where asked).
 
         Raises ValueError naming the row for a row the vocabulary refuses (a logit_bias id beyond
         it, min_tokens masking all of it); the caller retries row by row to end only that one.
+        ``checked``: the caller has passed every row through `check_row` against this vocabulary
+        already (the runner does, to end a refused request alone), so it is not done again.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [B, V] with B = {len(rows)} rows, got {tuple(logits.shape)}"
             )
         vocab = logits.shape[1]
-        for b, row in enumerate(rows):
+        for b, row in enumerate(() if checked else rows):
             try:
                 check_row(row, vocab)
             except ValueError as error:
@@ -166,8 +172,10 @@ class Sampler:
         raw_mode = self.logprobs_mode == "raw_logprobs"
         scored = logits[asking].log_softmax(-1) if asking and raw_mode else None
         logits = _adjust(logits, rows)
-        greedy = [b for b, row in enumerate(rows) if row.params.greedy]
-        random = [b for b, row in enumerate(rows) if not row.params.greedy]
+        greedy: list[int] = []
+        random: list[int] = []
+        for b, row in enumerate(rows):
+            (greedy if row.params.greedy else random).append(b)
         tokens = (
             argmax_rows(logits)
             if greedy
