@@ -283,13 +283,7 @@ def parse_chat(body: Any, limits: ModelLimits) -> GenerationRequest:
             raise RequestError(
                 f"tool_choice {tools.mode} needs the model's tokenizer.json", param="tool_choice"
             )
-        from dist_engine.engine import structured
-
-        problem = structured.check_grammar(tools.grammar, limits.grammar_tokenizer)
-        if problem:
-            raise RequestError(
-                f"the tools' parameters do not compile: {shorten(problem, 300)}", param="tools"
-            )
+        _check_compiles(tools.grammar, limits, "the tools' parameters do not compile", "tools")
     extra = {"tools": tools.template_tools()} if tools is not None else {}
     documents = body.get("documents")
     if documents is not None:  # retrieval documents, for the templates that show them
@@ -607,13 +601,35 @@ def _allowed_token_ids(body: dict[str, Any], limits: ModelLimits) -> list[int] |
     return allowed
 
 
+# vLLM's guided_* fields and the kind of constraint each gives (`structured.grammar_from`).
+_GUIDED = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "lark"),
+)
+
+
+def _format_asked(body: dict[str, Any]) -> bool:
+    """Whether `response_format` asks for something other than plain text."""
+    response_format = body.get("response_format")
+    return response_format is not None and response_format != {"type": "text"}
+
+
 def _grammar_asked(body: dict[str, Any]) -> bool:
     """Whether the body asks for structured output in any of its spellings."""
-    names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-    asked = any(body.get(name) is not None for name in names)
-    response_format = body.get("response_format")
-    fmt = response_format is not None and response_format != {"type": "text"}
-    return asked or fmt or body.get("structured_outputs") is not None
+    asked = any(body.get(name) is not None for name, _ in _GUIDED)
+    return asked or _format_asked(body) or body.get("structured_outputs") is not None
+
+
+def _check_compiles(grammar: str, limits: ModelLimits, what: str, param: str) -> None:
+    """A 400 (``what``: llguidance's reason) where ``grammar`` does not compile against the
+    model's tokenizer."""
+    from dist_engine.engine import structured
+
+    problem = structured.check_grammar(grammar, limits.grammar_tokenizer)
+    if problem:
+        raise RequestError(f"{what}: {shorten(problem, 300)}", param=param)
 
 
 def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
@@ -625,7 +641,7 @@ def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
 
     asked: list[tuple[str, Any]] = []
     response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
+    if _format_asked(body):
         kind = response_format.get("type") if isinstance(response_format, dict) else None
         if kind == "json_object":
             asked.append(("response_format", ("json", {"type": "object"})))
@@ -644,8 +660,7 @@ def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
                 f"{shorten(kind)}",
                 param="response_format",
             )
-    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
-                       ("guided_choice", "choice"), ("guided_grammar", "lark")):  # fmt: skip
+    for name, kind in _GUIDED:
         if body.get(name) is not None:
             asked.append((name, (kind, body[name])))
     outputs = body.get("structured_outputs")
@@ -678,9 +693,7 @@ def _grammar(body: dict[str, Any], limits: ModelLimits) -> str | None:
         grammar = structured.grammar_from(kind, spec, **json_options)
     except (ValueError, TypeError) as error:  # llguidance's and json's messages name the spot
         raise RequestError(f"{name}: {shorten(str(error), 300)}", param=name) from None
-    problem = structured.check_grammar(grammar, limits.grammar_tokenizer)
-    if problem:
-        raise RequestError(f"{name} does not compile: {shorten(problem, 300)}", param=name)
+    _check_compiles(grammar, limits, f"{name} does not compile", name)
     return grammar
 
 
