@@ -264,10 +264,8 @@ async def answer_stream(
                     break
                 # What the readers held back (a possible tag's start; tool calls, whole).
                 text, thought = split_piece(generation, choice, "", final=True)
-                calls: list[ToolCall] = []
-                if choice.tool_calls is not None:
-                    rest, calls = choice.tool_calls.finish()
-                    text += rest
+                rest, calls = held_calls(choice)
+                text += rest
                 if text or thought or calls:
                     bodies = [call.body(index) for index, call in enumerate(calls)]
                     await send(
@@ -315,6 +313,13 @@ def split_piece(
     if choice.tool_calls is not None and content:
         content = choice.tool_calls.feed(content)
     return content, reasoning
+
+
+def held_calls(choice: Choice) -> tuple[str, list[ToolCall]]:
+    """(content the tool-call reader still held, the calls), once the choice ended."""
+    if choice.tool_calls is None:
+        return "", []
+    return choice.tool_calls.finish()
 
 
 def _with_usage(

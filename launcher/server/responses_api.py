@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
-from launcher.server.generation import Choice, split_piece
+from launcher.server.generation import Choice, held_calls, split_piece
 from launcher.server.protocol import (
     GenerationRequest,
     ModelLimits,
@@ -316,7 +316,7 @@ async def answer_responses(
         if choice.error is not None:
             raise choice.error
         content, thought = split_piece(generation, choice, choice.text, final=True)
-        calls = _calls(choice)
+        calls = held_calls(choice)
         content += calls[0]
         output = [writer.reasoning(thought)] if thought else []
         if content or not calls[1]:
@@ -404,7 +404,7 @@ async def answer_responses(
         await response.write_eof()
         return response
     content, thought = split_piece(generation, choice, "", final=True)
-    rest, calls = _calls(choice)
+    rest, calls = held_calls(choice)
     await send(thought, content + rest)
     output = []
     if reasoning_open:
@@ -451,13 +451,6 @@ async def answer_responses(
     await _send_calls(response, writer, calls, len(output))
     output += [writer.function_call(call) for call in calls]
     return await _complete(response, writer, choice, output)
-
-
-def _calls(choice: Choice) -> tuple[str, list[ToolCall]]:
-    """(content the tool-call reader still held, the calls), once the choice ended."""
-    if choice.tool_calls is None:
-        return "", []
-    return choice.tool_calls.finish()
 
 
 async def _send_calls(
