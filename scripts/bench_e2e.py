@@ -10,7 +10,12 @@ fixed by a seed: N requests with prompt lengths and requested output lengths dra
 from ranges (default 128 requests, prompts 16–256, outputs 16–128 tokens), random token ids,
 greedy, EOS ignored, so every contender produces exactly the requested tokens.
 
-Contenders, all alive at once and run interleaved (one full workload each per round):
+Contenders, run interleaved (one full workload each per round). Each of ours is a group of
+Ray actor processes, started for its turn, warmed on the workload's first 4 requests, and
+shut down after it, so one group is alive at a time, as in a job that runs one (with
+`--all-alive`, every group starts once and stays up for the whole run: the idle groups' Ray
+threads, actors and daemons then share the two cores with the one that runs, ~10% of its
+tok/s here, docs/benchmark_notes.md):
   ours dpN default — `LLM(launcher="ray", dp_size=N)`, `generate(all prompts)`, with
                      `sync_policy: vote` (the seed's policy) at its default prefill attempt
                      intervals (70 / 100); round-robin routing over the ranks. (The engine's
@@ -138,14 +143,38 @@ def engine_settings(
 
 
 # -- ours -------------------------------------------------------------------------------------
-class Ours:
-    def __init__(self, model_dir: Path, dp_size: int, settings: dict[str, Any]) -> None:
+class OursGroup:
+    def __init__(
+        self, model_dir: Path, dp_size: int, settings: dict[str, Any], kept_alive: bool = True
+    ) -> None:
+        """kept_alive: start the group now and keep it until `close`; else start it for each
+        `run` (warmed on the workload's first requests, untimed) and shut it down after."""
+        self.model_dir, self.dp_size, self.settings = model_dir, dp_size, settings
+        self.kept_alive = kept_alive
+        self.llm: LLM | None = None
+        self.startup_s = float("nan")  # the first start's, actors and model load
+        if kept_alive:
+            self._start()
+
+    def _start(self) -> None:
         start = time.perf_counter()
-        self.llm = LLM(model=model_dir, dp_size=dp_size, launcher="ray", **settings)
-        self.startup_s = time.perf_counter() - start
+        self.llm = LLM(model=self.model_dir, dp_size=self.dp_size, launcher="ray", **self.settings)
+        if self.startup_s != self.startup_s:  # nan: the first start
+            self.startup_s = time.perf_counter() - start
 
     def run(self, workload: list[Request], pins: list[int] | None = None) -> RunResult:
         """`pins`: the DP rank of each request (default: the LLM's round-robin routing)."""
+        if self.kept_alive:
+            return self._run(workload, pins)
+        self._start()
+        try:
+            self._run(workload[:4])  # the first requests pay for lazy set-up
+            return self._run(workload, pins)
+        finally:
+            self.close()
+
+    def _run(self, workload: list[Request], pins: list[int] | None = None) -> RunResult:
+        assert self.llm is not None
         prompts = [r.prompt for r in workload]
         params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in workload]
         start = time.perf_counter()
@@ -163,7 +192,9 @@ class Ours:
         )
 
     def close(self) -> None:
-        self.llm.shutdown()
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
 
 
 # -- transformers -----------------------------------------------------------------------------
@@ -244,7 +275,7 @@ class Transformers:
 
 
 # -- driver -----------------------------------------------------------------------------------
-Contender = Ours | Transformers
+Contender = OursGroup | Transformers
 
 
 def percentiles(values: list[float], points: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
@@ -317,6 +348,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128))
     parser.add_argument("--max-num-seqs", type=int, default=128, help="per rank")
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=(16, 64, 128))
+    parser.add_argument(
+        "--all-alive", action="store_true", help="keep every group of ours up for the whole run"
+    )
     parser.add_argument("--out", default="bench_results/e2e.json")
     args = parser.parse_args()
     args.hf_batch_sizes = tuple(args.hf_batch_sizes)
@@ -328,31 +362,34 @@ def parse_args() -> argparse.Namespace:
 def build_contenders(model_dir: Path, args: argparse.Namespace) -> dict[str, Contender]:
     max_len = args.prompt_len[1] + args.output_len[1]
     contenders: dict[str, Contender] = {}
+    alive = args.all_alive
     for label, intervals in (("default", DEFAULT_INTERVALS), ("tuned", TUNED_INTERVALS)):
         settings = engine_settings(args.max_num_seqs, max_len, intervals)
         for dp in (1, 2):
-            contenders[f"ours dp{dp} {label}"] = Ours(model_dir, dp, settings)
+            contenders[f"ours dp{dp} {label}"] = OursGroup(model_dir, dp, settings, alive)
         one_core = {**settings, "threads_per_rank": 1}
-        contenders[f"ours dp1 {label} 1 core"] = Ours(model_dir, 1, one_core)
+        contenders[f"ours dp1 {label} 1 core"] = OursGroup(model_dir, 1, one_core, alive)
     shipped = engine_settings(args.max_num_seqs, max_len, {})
     for dp in (1, 2):
-        contenders[f"ours dp{dp} deadline"] = Ours(model_dir, dp, shipped)
+        contenders[f"ours dp{dp} deadline"] = OursGroup(model_dir, dp, shipped, alive)
     # DP=2's all-to-alls on the gloo group instead of shared memory (what a multi-host group
     # gets), to show what the exchange is worth end to end.
     gloo = {
         **engine_settings(args.max_num_seqs, max_len, TUNED_INTERVALS),
         "moe_exchange": "process_group",
     }
-    contenders["ours dp2 tuned gloo"] = Ours(model_dir, 2, gloo)
+    contenders["ours dp2 tuned gloo"] = OursGroup(model_dir, 2, gloo, alive)
     for batch_size in args.hf_batch_sizes:
         contenders[f"hf bs{batch_size}"] = Transformers(model_dir, batch_size)
     return contenders
 
 
 def warm_up(contenders: dict[str, Contender], workload: list[Request]) -> None:
+    """The contenders that stay up pay their lazy set-up here (the others at each start)."""
     small = workload[:4]
     for contender in contenders.values():
-        contender.run(small)
+        if not isinstance(contender, OursGroup) or contender.kept_alive:
+            contender.run(small)
 
 
 def main() -> None:
