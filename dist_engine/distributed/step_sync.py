@@ -22,6 +22,12 @@ class TorchVote:
     result, without gloo's loopback TCP and the wake-up of a peer blocked in it, which cost
     more than the rest of a fast step.
 
+    In a group of one (a DP=1 group under the Ray or torchrun launcher, or a group shrunk
+    onto one survivor) the minimum is the rank's own vector and nothing is exchanged: gloo's
+    allreduce over one rank still hands the tensor to its worker thread and back, ~0.5 ms a
+    step on a busy 2-core host (docs/benchmark_notes.md, "A Ray rank against the same engine
+    in-process").
+
     It also runs the lock-step check, and times itself: `take_seconds()` is the time spent in
     its collectives (waiting for the slowest rank included) since the previous call.
     """
@@ -31,10 +37,14 @@ class TorchVote:
     ) -> None:
         self.group = group
         self.shared = shared
-        self.num_calls = 0  # vote collectives (allreduce_min) so far
+        self.alone = dist.get_world_size(group) == 1
+        self.num_calls = 0  # votes (allreduce_min) so far
         self._seconds = 0.0
 
     def allreduce_min(self, values: list[int]) -> list[int]:
+        self.num_calls += 1
+        if self.alone:
+            return list(values)
         start = time.perf_counter()
         tensor = torch.tensor(values, dtype=torch.int64)
         if self.shared is not None:
@@ -42,13 +52,14 @@ class TorchVote:
         else:
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         self._seconds += time.perf_counter() - start
-        self.num_calls += 1
         return tensor.tolist()
 
     def check_lockstep(self, step_index: int, kind: StepKind, mode: int) -> None:
         """All-gather ``(step index, step kind, dispatch mode)``; raise LockstepError on any
         disagreement, with every rank's view. A mismatch would otherwise surface as a hang
         (or garbage) inside the MoE all-to-alls."""
+        if self.alone:
+            return
         start = time.perf_counter()
         try:
             check_lockstep(self.group, step_index, kind, mode)

@@ -19,6 +19,7 @@ from dist_engine.distributed import shm_exchange
 from dist_engine.distributed.shm_exchange import SharedMemoryExchange, open_shared_memory_exchange
 from dist_engine.distributed.spawn import run_multirank
 from dist_engine.engine.config import ParallelConfig
+from scheduler import StepKind
 
 pytestmark = pytest.mark.multirank
 
@@ -105,6 +106,27 @@ def vote_worker(rank: int, world: int) -> list[str]:
 def test_vote_through_shared_memory_and_abort() -> None:
     for rank, messages in enumerate(run_multirank(3, vote_worker, timeout_s=60, num_threads=1)):
         assert len(messages) == 1 and "rank 0 gave up" in messages[0], (rank, messages)
+
+
+def alone_worker(rank: int, world: int) -> dict:
+    """A vote in a group of one: the rank's own vector, and no collective at all (gloo's would
+    hand the tensor to its worker thread and back every step)."""
+    from dist_engine.distributed.step_sync import TorchVote
+
+    vote = TorchVote(dist.group.WORLD)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective in a group of one")
+
+    dist.all_reduce = dist.all_gather_into_tensor = refuse
+    answers = [vote.allreduce_min([3, -1, 7]), vote.allreduce_min([0, 5, -2])]
+    vote.check_lockstep(4, StepKind.DECODE, 1)
+    return {"answers": answers, "calls": vote.num_calls, "seconds": vote.take_seconds()}
+
+
+def test_a_group_of_one_votes_without_a_collective() -> None:
+    (result,) = run_multirank(1, alone_worker, timeout_s=60, num_threads=1)
+    assert result == {"answers": [[3, -1, 7], [0, 5, -2]], "calls": 2, "seconds": 0.0}
 
 
 def _fresh(timeout_s: float) -> SharedMemoryExchange:
