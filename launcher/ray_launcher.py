@@ -337,6 +337,14 @@ def connect_ray(num_cpus: int | None = None) -> bool:
 
     A cluster we join keeps its own authentication (the user's `RAY_AUTH_*` settings); one we
     start takes only this job (`_job_token`).
+
+    The workers of a cluster we start (the ranks' actors) run at this process's priority:
+    Ray's default `worker_niceness` of 15 puts every worker 15 nice levels below the raylet
+    that forks it, so the driver, a server, a client and Ray's own daemons preempt a rank at
+    once, and on a small host each such wake-up stalls the rank's threads at their next
+    barrier (docs/benchmark_notes.md, "A Ray rank against the same engine in-process": a DP=1
+    rank on 2 cores 5-7% faster at 0). A cluster we join keeps its own setting (start it with
+    `RAY_worker_niceness=0` for the same).
     """
     if ray.is_initialized():
         return False
@@ -350,6 +358,7 @@ def connect_ray(num_cpus: int | None = None) -> bool:
             include_dashboard=False,
             object_store_memory=256 * 1024 * 1024,
             log_to_driver=False,
+            _system_config={"worker_niceness": 0},  # added to the raylet's, which is ours
         )
     return True
 

@@ -194,6 +194,21 @@ def _timed_get(url: str) -> tuple[float, int, dict]:
     return time.monotonic() - start, status, body
 
 
+def test_ranks_run_at_the_servers_priority(serve):
+    """The embedded Ray's workers are not put below the server (Ray's default worker
+    niceness, 15): every thread of a rank, engine and OpenMP workers included, at the
+    server's nice level."""
+    server = os.getpriority(os.PRIO_PROCESS, serve.process.pid)
+    for rank, pid in serve.rank_pids.items():
+        levels = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                levels.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+        assert levels == {server}, (rank, levels, server)
+
+
 def test_stopped_rank_ends_every_stream_within_the_silence_limit(serve):
     client = openai.OpenAI(base_url=f"{serve.url}/v1", api_key="none", max_retries=0)
     ends: queue.Queue[tuple[float, str]] = queue.Queue()
