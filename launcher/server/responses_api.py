@@ -223,6 +223,11 @@ class ResponseWriter:
         self.instructions = echo.get("instructions")
         self.sequence = 0
 
+    def finished(self, output: list[dict[str, Any]], choice: Choice) -> dict[str, Any]:
+        """The response of a finished choice: "incomplete" where it ran out of tokens."""
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        return self.response(status, output, _usage(choice), choice.finish_reason)
+
     def response(
         self,
         status: str,
@@ -322,10 +327,7 @@ async def answer_responses(
         if content or not calls[1]:
             output.append(writer.message(content, "completed"))
         output += [writer.function_call(call) for call in calls[1]]
-        status = "incomplete" if choice.finish_reason == "length" else "completed"
-        return web.json_response(
-            writer.response(status, output, _usage(choice), choice.finish_reason)
-        )
+        return web.json_response(writer.finished(output, choice))
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -487,9 +489,7 @@ async def _complete(
     choice: Choice,
     output: list[dict[str, Any]],
 ) -> web.StreamResponse:
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
-    final = writer.response(status, output, _usage(choice), choice.finish_reason)
-    kind = "response.incomplete" if status == "incomplete" else "response.completed"
-    await response.write(writer.event(kind, response=final))
+    final = writer.finished(output, choice)
+    await response.write(writer.event(f"response.{final['status']}", response=final))
     await response.write_eof()
     return response
