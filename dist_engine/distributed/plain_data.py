@@ -21,12 +21,12 @@ def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[
     world = dist.get_world_size(group)
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_gather_into_tensor(sizes, torch.tensor([payload.numel()]), group=group)
+    dist.all_gather_single(sizes, torch.tensor([payload.numel()]), group=group)
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
     gathered = torch.empty(world * longest, dtype=torch.uint8)
-    dist.all_gather_into_tensor(gathered, padded, group=group)
+    dist.all_gather_single(gathered, padded, group=group)
     rows = gathered.view(world, longest)
     return [
         json.loads(bytes(rows[rank, : int(sizes[rank])].tolist()).decode()) for rank in range(world)

@@ -76,7 +76,7 @@ def check_lockstep(group: dist.ProcessGroup, step_index: int, kind: StepKind, mo
     world = dist.get_world_size(group)
     local = torch.tensor([step_index, kind.code, mode], dtype=torch.int64)
     gathered = torch.empty(world * 3, dtype=torch.int64)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    dist.all_gather_single(gathered, local, group=group)
     views = gathered.view(world, 3).tolist()
     if any(view != views[0] for view in views):
         kinds = list(StepKind)

@@ -118,7 +118,7 @@ def alone_worker(rank: int, world: int) -> dict:
     def refuse(*args, **kwargs):
         raise AssertionError("a collective in a group of one")
 
-    dist.all_reduce = dist.all_gather_into_tensor = refuse
+    dist.all_reduce = dist.all_gather_single = refuse
     answers = [vote.allreduce_min([3, -1, 7]), vote.allreduce_min([0, 5, -2])]
     vote.check_lockstep(4, StepKind.DECODE, 1)
     return {"answers": answers, "calls": vote.num_calls, "seconds": vote.take_seconds()}
