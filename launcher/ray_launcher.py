@@ -339,12 +339,12 @@ def connect_ray(num_cpus: int | None = None) -> bool:
     start takes only this job (`_job_token`).
 
     The workers of a cluster we start (the ranks' actors) run at this process's priority:
-    Ray's default `worker_niceness` of 15 puts every worker 15 nice levels below the raylet
-    that forks it, so the driver, a server, a client and Ray's own daemons preempt a rank at
-    once, and on a small host each such wake-up stalls the rank's threads at their next
-    barrier (docs/benchmark_notes.md, "A Ray rank against the same engine in-process": a DP=1
-    rank on 2 cores 5-7% faster at 0). A cluster we join keeps its own setting (start it with
-    `RAY_worker_niceness=0` for the same).
+    Ray's default `worker_niceness` of 15 puts a worker 15 nice levels below the raylet that
+    forks it, so the driver, a server, its clients and Ray's own daemons would preempt a rank
+    at once. On the 2-core hosts measured this made no difference beyond their noise
+    (docs/benchmark_notes.md, "A Ray rank against the same engine in-process"); it keeps a
+    rank from ever being below its own front end. A cluster we join keeps its own setting
+    (start it with `RAY_worker_niceness=0` for the same).
     """
     if ray.is_initialized():
         return False
