@@ -158,6 +158,7 @@ def _run_one(ctx, model_dir: str, scenario: Scenario, model) -> tuple[dict, Any]
         "sync_s": sum(t.sync_s for t in engine.trace),
         "step_s": sum(t.step_s for t in engine.trace),
         "latencies": latencies,
+        "wake": type(engine.wake).__name__,
         "failure": failure,
         "num_preemptions": engine.scheduler.num_preemptions,
         "wall_s": time.monotonic() - started,

@@ -211,11 +211,7 @@ class DPEngine:
             self.runner.decode_step = ReplayedDecode(self.runner.decode_logits, graphs, self.log)
         self.runner.sampler.native = self.backends.sampler.decode == "native"
         self.scheduler = Scheduler(sched_config, vote=self.vote)
-        self.wake = (
-            StoreWake(dist_ctx.store, self._new_namespace(), dist_ctx.connect_store)
-            if dist_ctx
-            else LocalWake()
-        )
+        self.wake = self._wake_for(dist_ctx)
         self.on_output = on_output
         # Called around each step's outputs (begin, end), so a reader can take them as one
         # batch (launcher/clients.py, OutputBuffer); None: not told.
@@ -340,6 +336,14 @@ class DPEngine:
         generation = broadcast_json(generation, src=0, group=self.dist.vote_group)
         return f"lockstep/engine{generation}"
 
+    def _wake_for(self, ctx: DistContext | None) -> StoreWake | LocalWake:
+        """How a post wakes the group: through the group's store, so every rank's sleep sees
+        it; for a group of one, a condition variable in this process. The store's costs a
+        round trip or two per post (a DP=1 group under Ray or torchrun has a store too)."""
+        if ctx is None or ctx.world_size == 1:
+            return LocalWake()
+        return StoreWake(ctx.store, self._new_namespace(), ctx.connect_store)
+
     def _load_model(self, device: object, sched_config) -> MoECausalLM:
         num_experts = self.model_config.num_experts
         group = None
@@ -409,8 +413,11 @@ class DPEngine:
         seed: int | None = None,
         resumed_token_ids: list[int] | tuple[int, ...] = (),
         sample_group: str | None = None,
+        wake: bool = True,
     ) -> None:
-        """Queue a request. ``schedulable=False`` holds it (and, since nobody overtakes the
+        """Queue a request. ``wake=False`` leaves waking the group to the caller, who posts
+        several and then calls `wake_up` once (each wake is a store round trip or two in a
+        group). ``schedulable=False`` holds it (and, since nobody overtakes the
         head of the queue, those behind it) until ``set_schedulable``: a request whose inputs
         are still being prepared.
 
@@ -432,7 +439,7 @@ class DPEngine:
         )
         if resumed_token_ids:
             resume_sequence(seq, resumed_token_ids)
-        self._post(AddRequest(seq, stream, seed))
+        self._post(AddRequest(seq, stream, seed), wake)
 
     def set_schedulable(self, request_id: str, schedulable: bool = True) -> None:
         self._post(SetSchedulable(request_id, schedulable))
@@ -453,7 +460,12 @@ class DPEngine:
         """Queues, KV pool and step/vote counters, as of now (engine/stats.py)."""
         return rank_stats(self, error)
 
-    def _post(self, item: InboxMessage) -> None:
+    def wake_up(self) -> None:
+        """Wake the group for what was posted with ``wake=False``."""
+        if not self.stopped:
+            self._bump()
+
+    def _post(self, item: InboxMessage, wake: bool = True) -> None:
         if not isinstance(item, INBOX_MESSAGES):
             raise TypeError(f"not an inbox message: {item!r}; expected one of {INBOX_MESSAGES}")
         # Inbox first, epoch second: the order the wake protocol's argument relies on.
@@ -464,6 +476,10 @@ class DPEngine:
             # `stopped`, so an item posted just before is answered there.)
             self._reject_inbox()
             return
+        if wake:
+            self._bump()
+
+    def _bump(self) -> None:
         try:
             self.wake.bump()
         except Exception:
@@ -595,7 +611,7 @@ class DPEngine:
                 rank=ctx.rank,
                 num_ranks=ctx.world_size,
             )
-        self.wake = StoreWake(ctx.store, self._new_namespace(), ctx.connect_store)
+        self.wake = self._wake_for(ctx)
         self._sleep_epoch = 0
         self.log.info(
             "joined the re-formed group at step %d as rank %d of %d (DP ranks %s)",

@@ -447,6 +447,28 @@ def test_vote_deadlock_scenarios(group_runs, reference):
             assert len(reasons) == SOAK_REQUESTS and reasons.count("abort") > 0, name
 
 
+def test_a_group_of_one_sleeps_and_wakes_in_its_process(model_dir, reference):
+    """DP=1 with a process group, as under the Ray and torchrun launchers: the sleep/wake
+    round trips under both policies, each request waking the sleeping rank at once, through
+    a wake held in the process (no store round trips per request), and the two groups of
+    DP=2 keep the store's."""
+    (sleep_wake,) = [s for s in build_scenarios(1) if s.name == "sleep_wake"]
+    scenarios = [sleep_wake, deadline_twin(sleep_wake)]
+    (result,) = run_multirank(1, run_scenarios, (model_dir, scenarios), timeout_s=300)
+    for scenario in scenarios:
+        check_scenario(scenario, [result[scenario.name]], reference)
+        assert result[scenario.name]["wake"] == "LocalWake", scenario.name
+        latencies = sorted(result[scenario.name]["latencies"])
+        assert len(latencies) == SLEEP_WAKE_CYCLES and latencies[-1] < 5.0, latencies[-3:]
+        slept = sum(1 for _, kind, *_ in result[scenario.name]["trace"] if kind == "empty")
+        assert slept > 0, scenario.name
+
+
+def test_groups_of_more_wake_through_their_store(group_runs):
+    name = "sleep_wake@deadline"
+    assert {r[name]["wake"] for r in group_runs["results"]} == {"StoreWake"}
+
+
 def test_eplb_rebalances_mid_stream_with_unchanged_tokens(group_runs, hot_deepseek_dir):
     """A skewed router at DP = 2 and 4: EPLB moves experts while every request decodes, every
     rank adopts the same maps at the same step, balance improves, and the greedy tokens equal
