@@ -373,16 +373,21 @@ class EngineHost:
         self._groups.put(None)
 
     def submit(self, batch: list[Submission]) -> None:
-        for item in batch:
-            self.engine.submit(
-                item.request_id,
-                item.prompt_token_ids,
-                item.params,
-                stream=item.stream,
-                seed=item.seed,
-                resumed_token_ids=item.resumed_token_ids,
-                sample_group=item.sample_group,
-            )
+        """Post every request of the batch, then wake the group once."""
+        try:
+            for item in batch:
+                self.engine.submit(
+                    item.request_id,
+                    item.prompt_token_ids,
+                    item.params,
+                    stream=item.stream,
+                    seed=item.seed,
+                    resumed_token_ids=item.resumed_token_ids,
+                    sample_group=item.sample_group,
+                    wake=False,
+                )
+        finally:
+            self.engine.wake_up()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -58,6 +58,27 @@ def test_threads_per_rank_sets_the_engine_threads(model_dir):
         torch.set_num_threads(before)  # the setting is process-wide
 
 
+def test_a_submitted_batch_wakes_the_group_once(model_dir):
+    """Every request of a batch is posted first, then one wake: in a group each wake is a
+    store round trip or two, and a batch of 128 prompts made 128 of them."""
+    with LLM(model=model_dir, launcher="local", **SETTINGS) as llm:
+        engine = llm.client.host.engine
+        bumps = []
+        bump = engine.wake.bump
+
+        def counted() -> int:
+            with engine._inbox_lock:
+                bumps.append(len(engine._inbox))  # what the wake finds waiting
+            return bump()
+
+        engine.wake.bump = counted
+        prompts = [[4 + i, 5, 6] for i in range(6)]
+        out = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+        woken = list(bumps)
+    assert [len(o.output_token_ids) for o in out] == [3] * 6
+    assert woken == [6], woken
+
+
 def test_expert_stats_come_from_the_ranks_eplb(model_dir):
     """LLM.expert_stats() through the client's stats: one rank holds every slot, so its
     balance is perfect and every decision is skipped, with nothing moved."""
