@@ -11,7 +11,7 @@ from ranges (default 128 requests, prompts 16–256, outputs 16–128 tokens), r
 greedy, EOS ignored, so every contender produces exactly the requested tokens.
 
 Contenders, run interleaved (one full workload each per round). Each of ours is a group of
-Ray actor processes, started for its turn, warmed on the workload's first 4 requests, and
+Ray actor processes, started for its turn, warmed by one untimed pass of the workload, and
 shut down after it, so one group is alive at a time, as in a job that runs one (with
 `--all-alive`, every group starts once and stays up for the whole run: the idle groups' Ray
 threads, actors and daemons then share the two cores with the one that runs, ~10% of its
@@ -148,7 +148,7 @@ class OursGroup:
         self, model_dir: Path, dp_size: int, settings: dict[str, Any], kept_alive: bool = True
     ) -> None:
         """kept_alive: start the group now and keep it until `close`; else start it for each
-        `run` (warmed on the workload's first requests, untimed) and shut it down after."""
+        `run` (warmed by one untimed pass of the workload) and shut it down after."""
         self.model_dir, self.dp_size, self.settings = model_dir, dp_size, settings
         self.kept_alive = kept_alive
         self.llm: LLM | None = None
@@ -168,7 +168,9 @@ class OursGroup:
             return self._run(workload, pins)
         self._start()
         try:
-            self._run(workload[:4])  # the first requests pay for lazy set-up
+            # One untimed pass first: the first pass after a start pays for lazy set-up and
+            # for growing the rank's heap to its peak, which a long-running job pays once.
+            self._run(workload, pins)
             return self._run(workload, pins)
         finally:
             self.close()
