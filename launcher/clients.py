@@ -374,6 +374,8 @@ class EngineHost:
 
     def submit(self, batch: list[Submission]) -> None:
         """Post every request of the batch, then wake the group once."""
+        if not batch:
+            return
         try:
             for item in batch:
                 self.engine.submit(
