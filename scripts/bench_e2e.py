@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -159,7 +160,7 @@ class OursGroup:
     def _start(self) -> None:
         start = time.perf_counter()
         self.llm = LLM(model=self.model_dir, dp_size=self.dp_size, launcher="ray", **self.settings)
-        if self.startup_s != self.startup_s:  # nan: the first start
+        if math.isnan(self.startup_s):  # the first start
             self.startup_s = time.perf_counter() - start
 
     def run(self, workload: list[Request], pins: list[int] | None = None) -> RunResult:
@@ -168,8 +169,8 @@ class OursGroup:
             return self._run(workload, pins)
         self._start()
         try:
-            # One untimed pass first: the first pass after a start pays for lazy set-up and
-            # for growing the rank's heap to its peak, which a long-running job pays once.
+            # One untimed pass first, so the timed one is a warm group's, as in a long-running
+            # job (the first pass after a start also does lazy set-up and grows the heap).
             self._run(workload, pins)
             return self._run(workload, pins)
         finally:
