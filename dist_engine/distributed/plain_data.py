@@ -17,8 +17,16 @@ import torch.distributed as dist
 
 
 def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's `value` (JSON-serialisable), in rank order. Collective over `group`."""
+    """Every rank's `value` (JSON-serialisable), in rank order. Collective over `group`.
+
+    A group of one answers alone (the value through JSON, as a peer would get it): its
+    collective would only copy the bytes on gloo's worker thread, and a large copy there
+    starts an OpenMP pool beside the engine thread's, which slows every parallel op of the
+    rank (docs/benchmark_notes.md, "A Ray rank against the same engine in-process").
+    """
     world = dist.get_world_size(group)
+    if world == 1:
+        return [json.loads(json.dumps(value))]
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     sizes = torch.empty(world, dtype=torch.int64)
     dist.all_gather_single(sizes, torch.tensor([payload.numel()]), group=group)

@@ -129,6 +129,31 @@ def test_a_group_of_one_votes_without_a_collective() -> None:
     assert result == {"answers": [[3, -1, 7], [0, 5, -2]], "calls": 2, "seconds": 0.0}
 
 
+def plain_alone_worker(rank: int, world: int) -> dict:
+    """Plain data in a group of one: the value as a peer would get it (through JSON), and no
+    collective (gloo's would copy the bytes on its worker thread, which starts an OpenMP pool
+    there for a large payload)."""
+    from dist_engine.distributed.plain_data import all_gather_json, broadcast_json
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective in a group of one")
+
+    dist.all_reduce = dist.all_gather_single = dist.all_gather = refuse
+    value = {"results": (1, "a", None), "sizes": [2.5, 3]}
+    return {
+        "gathered": all_gather_json(value, dist.group.WORLD),
+        "broadcast": broadcast_json("only", src=0, group=dist.group.WORLD),
+    }
+
+
+def test_plain_data_in_a_group_of_one_needs_no_collective() -> None:
+    (result,) = run_multirank(1, plain_alone_worker, timeout_s=60, num_threads=1)
+    assert result == {
+        "gathered": [{"results": [1, "a", None], "sizes": [2.5, 3]}],
+        "broadcast": "only",
+    }
+
+
 def _fresh(timeout_s: float) -> SharedMemoryExchange:
     exchange = open_shared_memory_exchange(
         dist.group.WORLD, "shared_memory", timeout_s=timeout_s, slot_bytes=SMALL_SLOT
