@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,7 +37,9 @@ class Submission:
     output tokens a resubmitted request had already committed; it continues after them
     (`DPEngine.submit`). sample_group: the key the samples of one `n` request share (its
     request id), so the rank computes their prompt once (scheduler/samples.py); they are
-    routed to one rank."""
+    routed to one rank. deferred: the caller reads this request's terminal output only
+    with the rest of its batch (`LLM.generate`), so the rank may hold it back a while to
+    hand it over with others (`EngineHost.take`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -46,6 +48,7 @@ class Submission:
     seed: int | None = None
     resumed_token_ids: tuple[int, ...] = ()
     sample_group: str | None = None
+    deferred: bool = False
 
 
 class Client(Protocol):
@@ -183,6 +186,8 @@ def reading_outputs(client: Any, reader: str) -> Iterator[None]:
 
 # How long a take that woke inside a step's burst of outputs waits for the burst's end.
 _BURST_WAIT_S = 0.005
+# How long a take may hold outputs of deferred requests back to gather more (EngineHost.take).
+_HOLD_S = 0.25
 
 
 class OutputBuffer:
@@ -194,16 +199,26 @@ class OutputBuffer:
     at once took ~2 of 3 of them here and left the rest for another take (for a Ray rank
     another actor call, ~2 ms of CPU between the two ends). Nothing waits to be put: an
     output outside a burst is taken as soon as it comes, and one inside it as soon as the
-    burst ends (or `burst_wait_s` after the take woke)."""
+    burst ends (or `burst_wait_s` after the take woke).
+
+    A take may also be asked to hold what it has (`take`'s ``hold``) and gather more: it then
+    wakes at the end of each burst that had outputs and at each output put outside one."""
 
     def __init__(self, burst_wait_s: float = _BURST_WAIT_S) -> None:
         self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        # Notified at the end of a burst that had outputs, and at each output outside one.
         self._burst = threading.Condition()
         self._in_burst = False
+        self._burst_had_outputs = False
         self._burst_wait_s = burst_wait_s
 
     def put(self, output: RequestOutput) -> None:
         self._queue.put(output)
+        if self._in_burst:  # a burst's outputs wake a waiting take once, at its end
+            self._burst_had_outputs = True
+        else:
+            with self._burst:
+                self._burst.notify_all()
 
     def begin_burst(self) -> None:
         with self._burst:
@@ -212,9 +227,19 @@ class OutputBuffer:
     def end_burst(self) -> None:
         with self._burst:
             self._in_burst = False
-            self._burst.notify_all()
+            if self._burst_had_outputs:
+                self._burst_had_outputs = False
+                self._burst.notify_all()
 
-    def take(self, timeout_s: float) -> list[RequestOutput]:
+    def take(
+        self,
+        timeout_s: float,
+        hold: Callable[[list[RequestOutput]], bool] | None = None,
+        hold_s: float = _HOLD_S,
+    ) -> list[RequestOutput]:
+        """The outputs there are, waiting up to ``timeout_s`` for the first. With ``hold``:
+        while ``hold(outputs so far)`` is true, keep them and gather more, up to ``hold_s``
+        after the first (asked again whenever more outputs came)."""
         try:
             first = self._queue.get(timeout=timeout_s)
         except queue.Empty:
@@ -222,11 +247,26 @@ class OutputBuffer:
         with self._burst:
             self._burst.wait_for(lambda: not self._in_burst, self._burst_wait_s)
         items = [first]
+        self._drain(items)
+        if hold is None or not hold(items):
+            return items
+        deadline = time.monotonic() + hold_s
+        with self._burst:
+            while (left := deadline - time.monotonic()) > 0:
+                self._burst.wait(left)
+                self._drain(items)
+                if not self._in_burst and not hold(items):
+                    break
+            self._burst.wait_for(lambda: not self._in_burst, self._burst_wait_s)
+        self._drain(items)
+        return items
+
+    def _drain(self, items: list[RequestOutput]) -> None:
         while True:
             try:
                 items.append(self._queue.get_nowait())
             except queue.Empty:
-                return items
+                return
 
 
 # How long an engine whose group failed waits to be taken into a re-formed one.
@@ -269,6 +309,7 @@ class EngineHost:
         self._waiting = threading.Event()
         self._joined = threading.Event()
         self._join_error: BaseException | None = None
+        self._deferred: set[str] = set()  # the ids of deferred requests not yet taken as ended
         built = threading.Event()
         self.thread = threading.Thread(
             target=self._main,
@@ -376,6 +417,7 @@ class EngineHost:
         """Post every request of the batch, then wake the group once."""
         if not batch:
             return
+        self._deferred.update(item.request_id for item in batch if item.deferred)
         try:
             for item in batch:
                 self.engine.submit(
@@ -396,11 +438,34 @@ class EngineHost:
 
     def take(self, timeout_s: float) -> list[RequestOutput]:
         """The engine's outputs, waiting up to ``timeout_s`` for one; raises `GroupLeft`, once
-        they are all out, while the engine waits for a re-formed group."""
-        outputs = self.outputs.take(0.0 if self._waiting.is_set() else timeout_s)
+        they are all out, while the engine waits for a re-formed group.
+
+        Terminal outputs of deferred requests (`Submission.deferred`: `LLM.generate`, whose
+        caller reads nothing before the whole batch ends) are held back, at most `_HOLD_S`,
+        while the engine still has requests, so that they leave together: every take is a
+        round trip between processes for a Ray rank, and one per finishing step cost a
+        DP=1 group ~10% of its tok/s on a 2-core host (docs/benchmark_notes.md, "A Ray rank
+        against the same engine in-process"). Any other output ends the hold at once."""
+        waiting = self._waiting.is_set()
+        outputs = self.outputs.take(0.0 if waiting else timeout_s, None if waiting else self._hold)
+        for output in outputs:
+            if output.finished:
+                self._deferred.discard(output.request_id)
         if not outputs and self._waiting.is_set():
             raise GroupLeft(self.engine.left_because or "its group failed")
         return outputs
+
+    def _hold(self, outputs: list[RequestOutput]) -> bool:
+        """Whether a take should keep ``outputs`` and gather more: all are deferred requests'
+        ends, and the engine runs and still has requests."""
+        engine = self.engine
+        return (
+            all(o.finished and o.request_id in self._deferred for o in outputs)
+            and engine is not None
+            and engine.scheduler.num_unfinished > 0
+            and not self._waiting.is_set()
+            and self.thread.is_alive()
+        )
 
     def stats(self) -> RankStats:
         """The rank's queues, KV pool and counters, with the loop's error if it failed."""

@@ -163,11 +163,18 @@ class ResumeLedger:
         stream: bool,
         rank: int,
         sample_group: str | None = None,
+        deferred: bool = False,
     ) -> Submission:
         """Track a new request routed to ``rank``; returns its first submission (resubmissions
-        keep its seed and ``sample_group``). ``seed``: `DriverSeeds`'."""
+        keep its seed, ``sample_group`` and ``deferred``). ``seed``: `DriverSeeds`'."""
         submission = Submission(
-            request_id, prompt_token_ids, params, stream, seed=seed, sample_group=sample_group
+            request_id,
+            prompt_token_ids,
+            params,
+            stream,
+            seed=seed,
+            sample_group=sample_group,
+            deferred=deferred,
         )
         self._open[request_id] = _Tracked(submission, rank, caller_streams=stream)
         return submission

@@ -271,12 +271,8 @@ class LLM:
         """
         _check_neutral(lora_request, priority, mm_processor_kwargs)
         finals = dict(
-            self.generate_as_completed(
-                prompts,
-                sampling_params,
-                dp_rank,
-                use_tqdm,
-                tokenization_kwargs=tokenization_kwargs,
+            self._as_completed(
+                prompts, sampling_params, dp_rank, use_tqdm, tokenization_kwargs, deferred=True
             )
         )
         return [finals[i] for i in range(len(finals))]
@@ -347,9 +343,13 @@ class LLM:
         use_tqdm: bool = False,
         *,
         tokenization_kwargs: dict[str, Any] | None = None,
+        deferred: bool = False,
     ) -> Iterator[tuple[int, Completion]]:
         """Yield `(prompt index, result)` for every prompt as it finishes (each exactly once;
-        a prompt with n > 1 once all its samples have).
+        a prompt with n > 1 once all its samples have). With ``deferred`` a result may come
+        up to a quarter of a second after its request ended: each rank gathers finished
+        requests and hands them over together while it still has others (as for `generate`;
+        under Ray that saves a round trip per finishing step, ~8-10% of a 2-core host's tok/s).
 
         A rank that fails is healed over as `generate` says. Where it is not, the requests it
         held are yielded failed (reason naming the rank), the other ranks' requests still end
@@ -358,6 +358,23 @@ class LLM:
         torchrun this process's share comes first, the other ranks' results after the
         exchange.
         """
+        return self._as_completed(
+            prompts, sampling_params, dp_rank, use_tqdm, tokenization_kwargs, deferred=deferred
+        )
+
+    def _as_completed(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        dp_rank: int | Sequence[int | None] | None,
+        use_tqdm: bool,
+        tokenization_kwargs: dict[str, Any] | None,
+        *,
+        deferred: bool,
+    ) -> Iterator[tuple[int, Completion]]:
+        """`generate_as_completed`; ``deferred``: the caller reads the results only once all
+        have come (`generate`), so a rank may hold finished ones back to send them together
+        (`Submission.deferred`)."""
         requests = self._prepare(prompts, sampling_params, dp_rank, tokenization_kwargs)
         finals: dict[int, Completion] = {}
         ended: dict[int, dict[int, _Ended]] = {}  # prompt index -> sample index -> its end
@@ -368,7 +385,9 @@ class LLM:
         failure: _GroupFailure | None = None
         with tqdm(total=total, disable=not use_tqdm, desc="generate") as progress:
             try:
-                for index, sample, output, text in self._run(requests, stream=False):
+                for index, sample, output, text in self._run(
+                    requests, stream=False, deferred=deferred
+                ):
                     samples = ended.setdefault(index, {})
                     samples[sample] = (_whole(output, text), text)
                     if len(samples) < len(requests[index].samples):
@@ -566,16 +585,16 @@ class LLM:
         return RecoveryBudget(self.config.parallel.max_recoveries_per_hour)
 
     def _run(
-        self, requests: list[_Prompt], *, stream: bool
+        self, requests: list[_Prompt], *, stream: bool, deferred: bool = False
     ) -> Iterator[tuple[int, int, RequestOutput, SampleText]]:
         """`_run_reading`, as the one reader of the group's outputs (`claim_outputs`): a second
         call while this one runs (another thread, an unfinished stream, a server over this
         LLM's group) is refused before it submits anything."""
         with reading_outputs(self.client, "LLM.generate"):
-            yield from self._run_reading(requests, stream=stream)
+            yield from self._run_reading(requests, stream=stream, deferred=deferred)
 
     def _run_reading(
-        self, requests: list[_Prompt], *, stream: bool
+        self, requests: list[_Prompt], *, stream: bool, deferred: bool = False
     ) -> Iterator[tuple[int, int, RequestOutput, SampleText]]:
         """Submit every prompt's samples, then yield (prompt index, sample index, output, its
         text) until every sample has its terminal output: only those (as the front end keeps
@@ -615,7 +634,7 @@ class LLM:
                 texts[sample.request_id] = SampleText.of(prompt.params, self.tokenizer)
                 submissions.append(
                     ledger.add(sample.request_id, prompt.token_ids, sample.params, sample.seed,
-                               streamed, rank, group)
+                               streamed, rank, group, deferred=deferred and not streamed)
                 )  # fmt: skip
         pending = set(where)
         failed: dict[int, str] = {}  # rank -> why (-1: the group as a whole)

@@ -130,3 +130,100 @@ def test_a_take_inside_a_burst_takes_the_whole_burst():
     start = time.perf_counter()
     assert bounded.take(30.0) == ["e"]
     assert 0.04 <= time.perf_counter() - start < 5.0
+
+
+def test_a_holding_take_gathers_until_told_and_within_its_bound():
+    """`hold` keeps a take gathering: it is asked again whenever more outputs came (at the end
+    of a burst that had some, or at a lone output), and the take returns once it says no, or
+    `hold_s` after the first output whatever it says."""
+    from launcher.clients import OutputBuffer
+
+    buffer = OutputBuffer(burst_wait_s=30.0)
+    asked: list[list[str]] = []
+
+    def hold(items: list[str]) -> bool:
+        asked.append(list(items))
+        return "last" not in items
+
+    taken: list[list[str]] = []
+    taker = threading.Thread(target=lambda: taken.append(buffer.take(30.0, hold, hold_s=30.0)))
+    taker.start()
+    buffer.begin_burst()
+    buffer.put("a")
+    buffer.end_burst()
+    time.sleep(0.05)
+    buffer.begin_burst()  # a burst with no outputs wakes nobody
+    buffer.end_burst()
+    buffer.begin_burst()
+    buffer.put("b")
+    buffer.end_burst()
+    time.sleep(0.05)
+    assert taken == []  # still held
+    buffer.put("last")  # a lone output: asked at once, and the hold ends
+    taker.join(30)
+    assert taken == [["a", "b", "last"]]
+    assert asked == [["a"], ["a", "b"], ["a", "b", "last"]]
+
+    bounded = OutputBuffer()
+    bounded.put("x")
+    start = time.perf_counter()
+    assert bounded.take(30.0, lambda items: True, hold_s=0.05) == ["x"]
+    assert 0.04 <= time.perf_counter() - start < 5.0
+
+
+def _takes(llm) -> list[int]:
+    """Record how many outputs each non-empty take of the local rank returns."""
+    host = llm.client.host
+    sizes: list[int] = []
+    take = host.take
+
+    def counted(timeout_s: float):
+        outputs = take(timeout_s)
+        if outputs:
+            sizes.append(len(outputs))
+        return outputs
+
+    host.take = counted
+    return sizes
+
+
+def test_generate_gets_its_results_in_one_take_and_as_completed_as_they_end(model_dir):
+    """`generate` reads nothing before the whole batch ended, so its requests are deferred
+    and the rank hands their ends over together (for a Ray rank, one round trip instead of
+    one per finishing step); `generate_as_completed` gets each end as it comes."""
+    prompts = [[4 + i, 5, 6] for i in range(6)]
+    params = [SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True) for i in range(6)]
+    with LLM(model=model_dir, launcher="local", **{**SETTINGS, "max_num_seqs": 8}) as llm:
+        sizes = _takes(llm)
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert [len(o.output_token_ids) for o in out] == [2 + 3 * i for i in range(6)]
+        assert sizes == [6], sizes
+        sizes.clear()
+        ended = [index for index, _ in llm.generate_as_completed(prompts, params)]
+        assert sorted(ended) == list(range(6))
+        assert len(sizes) == 6, sizes  # every request ends at a step of its own
+
+
+def test_a_stream_is_not_held_behind_deferred_requests(model_dir):
+    """Outputs of any request that is not deferred end a hold at once: a stream running
+    beside deferred requests gets every token as it comes."""
+    from launcher.clients import Submission
+
+    with LLM(model=model_dir, launcher="local", **{**SETTINGS, "max_num_seqs": 8}) as llm:
+        host = llm.client.host
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        long = SamplingParams(max_tokens=40, ignore_eos=True)
+        host.submit(
+            [Submission(f"d{i}", [4 + i, 5], params, False, deferred=True) for i in range(2)]
+            + [Submission(f"late{i}", [9 + i, 5], long, False, deferred=True) for i in range(2)]
+            + [Submission("s", [7, 8], long, True)]
+        )
+        takes: list[list[tuple[str, int, bool]]] = []
+        while not any(o[0] == "s" and o[2] for take in takes for o in take):
+            got = host.take(5.0)
+            takes.append([(o.request_id, len(o.new_token_ids), o.finished) for o in got])
+        streamed = [o for take in takes for o in take if o[0] == "s"]
+        assert sum(n for _, n, _ in streamed) == 40
+        assert len(takes) >= 20, takes  # the stream's steps were not gathered
+        ends = [o[0] for take in takes for o in take if o[2]]
+        assert sorted(ends) == ["d0", "d1", "late0", "late1", "s"]
