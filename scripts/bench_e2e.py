@@ -56,6 +56,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import random
 import statistics
 import tempfile
@@ -66,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import processor
+from machine import describe, processor
 
 from launcher import LLM, SamplingParams
 from launcher.builtin import BUILTIN_MODEL
@@ -399,6 +400,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(2)
     workload = make_workload(args.requests, args.seed, args.prompt_len, args.output_len)
+    load_before = os.getloadavg()
     connect_ray(num_cpus=13)  # logical CPUs: every contender's ranks stay up at once (13)
     import ray
 
@@ -415,6 +417,7 @@ def main() -> None:
             for contender in contenders.values():
                 contender.close()
             ray.shutdown()
+    load = {"before": load_before, "after": os.getloadavg()}
     rows = summarize(contenders, results)
     hf_names = [f"hf bs{b}" for b in args.hf_batch_sizes]
     baseline = max(hf_names, key=lambda name: rows[name]["tok_s"])
@@ -435,7 +438,12 @@ def main() -> None:
     for name, value in targets.items():
         print(f"{name}: {value:.2f}x")
     print("output checks (fraction of identical requests):", checks)
-    write_json(args, rows, {"baseline": baseline, **targets}, checks)
+    print(
+        f"{describe(processor())}; load average (1, 5, 15 min) before "
+        f"{', '.join(f'{x:.2f}' for x in load['before'])}, after "
+        f"{', '.join(f'{x:.2f}' for x in load['after'])}"
+    )
+    write_json(args, rows, {"baseline": baseline, **targets}, checks, load)
 
 
 def target_ratios(rows: dict[str, dict[str, Any]], baseline: str) -> dict[str, float]:
@@ -455,13 +463,16 @@ def target_ratios(rows: dict[str, dict[str, Any]], baseline: str) -> dict[str, f
     return ratios
 
 
-def write_json(args: argparse.Namespace, rows: dict, ratios: dict, checks: dict) -> None:
+def write_json(
+    args: argparse.Namespace, rows: dict, ratios: dict, checks: dict, load: dict
+) -> None:
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "config": vars(args),
         "model": BUILTIN_MODEL,
         "processor": processor(),
+        "load_average": load,
         "intervals": {"default": DEFAULT_INTERVALS, "tuned": TUNED_INTERVALS},
         "rows": rows,
         "ratios": ratios,
