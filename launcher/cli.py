@@ -192,7 +192,6 @@ def run_job(args: argparse.Namespace) -> int:
                     [sampling[i] for i in todo],
                     dp_rank=[pins[i] for i in todo],
                     use_tqdm=not args.quiet,
-                    deferred=True,  # written as they come, a quarter second at most late
                 ):
                     index = todo[position]
                     outputs[index] = completion

@@ -409,6 +409,10 @@ class EngineHost:
         if self._join_error is not None:
             raise RuntimeError(f"joining failed: {self._join_error}") from self._join_error
 
+    def wait_rejoined(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for an engine that left its group to join another."""
+        self._joined.wait(timeout_s)
+
     def leave(self) -> None:
         """Tell a waiting engine that no group will come: it fails its requests and stops."""
         self._groups.put(None)

@@ -37,7 +37,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -57,6 +59,7 @@ from dist_engine.engine.outputs import RequestOutput
 from dist_engine.engine.stats import RankStats
 from dist_engine.errors import LockstepError
 from dist_engine.log import get_logger
+from launcher import output_channel
 from launcher.clients import (
     EngineHost,
     GroupLeft,
@@ -89,6 +92,7 @@ class RankActor:
         self.rank = rank
         self.store: Any = None
         self.host: EngineHost | None = None
+        self.generation = 0  # of the group this rank last joined (stamps "left" frames)
 
     def create_store(self, loopback: bool) -> tuple[str, int]:
         """Host the group's store, listening on loopback (every rank on this host) or on this
@@ -114,7 +118,13 @@ class RankActor:
         return host, port
 
     def start(
-        self, host: str, port: int, namespace: str, cpu_slot: tuple[int, int] | None, loopback: bool
+        self,
+        host: str,
+        port: int,
+        namespace: str,
+        cpu_slot: tuple[int, int] | None,
+        loopback: bool,
+        generation: int = 0,
     ) -> tuple[int, str, str, str]:
         """Join the group; returns this rank's process id, its Ray node id, how the group's
         MoE rows travel (`describe_exchange`) and the backends this rank resolved.
@@ -134,6 +144,7 @@ class RankActor:
             self.store = dist.TCPStore(host, port, world, is_master=False)
         ctx = self._join_group(host, port, namespace, loopback, self.rank, world)
         self.host = EngineHost(self.config, ctx, rejoinable=_heals_in_place(self.config))
+        self.generation = generation
         return self._started(ctx)
 
     def ping(self) -> int:
@@ -220,10 +231,12 @@ class RankActor:
         timeout_s: float,
         group_rank: int,
         size: int,
+        generation: int = 0,
     ) -> tuple[int, str, str, str]:
-        """Join the re-formed group whose store is at (host, port) as ``group_rank`` of
-        ``size``: leave the failed group's process groups (a survivor), join the new ones,
-        and wait for the engine to join (moving its experts if the group changed size)."""
+        """Join the re-formed group (``generation``) whose store is at (host, port) as
+        ``group_rank`` of ``size``: leave the failed group's process groups (a survivor),
+        join the new ones, and wait for the engine to join (moving its experts if the group
+        changed size)."""
         import torch.distributed as dist
 
         from dist_engine.distributed.groups import leave_group
@@ -235,6 +248,7 @@ class RankActor:
             self.store = dist.TCPStore(host, port, size, is_master=False)
         ctx = self._join_group(host, port, namespace, loopback, group_rank, size)
         self.host.join(ctx, timeout_s)
+        self.generation = generation
         return self._started(ctx)
 
     def regroup(self) -> None:
@@ -255,6 +269,25 @@ class RankActor:
 
     def take(self, timeout_s: float) -> list[RequestOutput]:
         return self.host.take(timeout_s)
+
+    def open_outputs(self, path: str, key: bytes) -> bool:
+        """Send this rank's takes to the driver's socket at ``path`` from now on
+        (launcher/output_channel.py); False where it cannot be reached (another host)."""
+        try:
+            conn = output_channel.connect(path, key)
+        except OSError:
+            return False
+        host = self.host
+        output_channel.start_writer(
+            "lockstep-outputs",
+            conn,
+            lambda: host.take(_TAKE_S),
+            lambda: self.generation,
+            host.wait_rejoined,
+            GroupLeft,
+            _TAKE_S,
+        )
+        return True
 
     def stats(self) -> RankStats:
         return self.host.stats()
@@ -412,6 +445,10 @@ class _Group:
     # answer from an actor since replaced is not that rank's any more, and a survivor's
     # "left the group" from before a heal is old news.
     takes: dict[int, tuple[Any, Any, int]] = field(default_factory=dict)
+    # With every rank on the driver's host, each rank's takes come over a socket instead
+    # (launcher/output_channel.py): rank -> (the actor writing, its channel).
+    channeled: bool = False
+    channels: dict[int, tuple[Any, output_channel.Channel]] = field(default_factory=dict)
     # Outputs polled from live ranks in a poll that then found a rank failed: the next poll
     # returns them (a heal in place keeps the survivors').
     stash: list[RequestOutput] = field(default_factory=list)
@@ -466,6 +503,12 @@ class RayClient:
         self._grower: threading.Thread | None = None
         self._grown_actors: tuple[int, dict[int, Any]] | None = None
         self._closing = threading.Event()
+        # The ranks' output channels (made at the first group on this host), the lock that
+        # lets one poll read them at a time, and the channels dropped since the last poll:
+        # only the reader closes a channel, so that no descriptor it reads is reused under it.
+        self._listener: output_channel.Listener | None = None
+        self._read_lock = threading.Lock()
+        self._dropped: list[output_channel.Channel] = []
         self._group = _Group(generation=0, pg=None)
         try:
             self._group = self._start_group(0)
@@ -540,11 +583,14 @@ class RayClient:
             namespace = f"lockstep/{secrets.token_hex(16)}/"
             started = ray.get(
                 [
-                    actor.start.remote(host, port, namespace, slots.get(rank), loopback)
+                    actor.start.remote(host, port, namespace, slots.get(rank), loopback, generation)
                     for rank, actor in enumerate(group.actors)
                 ],
                 timeout=_STARTUP_TIMEOUT_S,
             )
+            here = ray.get_runtime_context().get_node_id()
+            if all(node == here for _, node, *_ in started):
+                self._try_channels(group)
         except BaseException:
             self._kill_group(group)
             raise
@@ -668,6 +714,7 @@ class RayClient:
                     group.pids.pop(rank, None)
                     group.node_ids.pop(rank, None)
             self._took_members(group, actors, started, lost)
+        self._open_replacement_channels(group, sorted(new))
         self._log_started(started, new)
         if not replace and self._config.parallel.on_rank_failure == "heal":
             self._start_grower()
@@ -738,7 +785,14 @@ class RayClient:
         started = ray.get(
             [
                 actors[rank].rejoin.remote(
-                    host, port, namespace, loopback, _STARTUP_TIMEOUT_S, group_rank, size
+                    host,
+                    port,
+                    namespace,
+                    loopback,
+                    _STARTUP_TIMEOUT_S,
+                    group_rank,
+                    size,
+                    group.generation + 1,
                 )
                 for group_rank, rank in enumerate(members)
             ],
@@ -758,6 +812,7 @@ class RayClient:
         group.failed.clear()
         for rank in gone:
             group.takes.pop(rank, None)
+            self._close_channel(group, rank)
             group.last_stats.pop(rank, None)
             group.since[rank] = group.generation
         for rank, (pid, node, *_) in started.items():
@@ -877,6 +932,7 @@ class RayClient:
                 group.absent.clear()
                 self._took_members(group, actors, started, set(new))
                 group.planned = False
+        self._open_replacement_channels(group, sorted(new))
         self._log_started(started, new)
         log.warning(
             "the group grew back to %d ranks (DP ranks %s joined)", len(started), sorted(new)
@@ -976,6 +1032,8 @@ class RayClient:
             stashed, group.stash = group.stash, []
         if stashed:
             return stashed
+        if group.channeled:
+            return self._poll_channels(group, timeout_s)
         for rank in group.live:
             if rank not in group.takes and rank not in group.failed:
                 actor = group.actors[rank]
@@ -1014,6 +1072,141 @@ class RayClient:
                 group.stash = outputs + group.stash
             raise failure
         return outputs
+
+    # -- the ranks' output channels ------------------------------------------------------
+    def _open_channels(self, group: _Group, ranks: Iterable[int]) -> None:
+        """Have each of ``ranks`` send its takes over a socket of its own from now on.
+        Raises if one cannot (the caller decides what that costs)."""
+        if self._listener is None:
+            self._listener = output_channel.Listener()
+        for rank in ranks:
+            actor = group.actors[rank]
+            key = output_channel.new_key()
+            opened = ray.get(
+                actor.open_outputs.remote(self._listener.path, key), timeout=_STARTUP_TIMEOUT_S
+            )
+            if not opened:
+                raise LockstepError(f"DP rank {rank} could not reach {self._listener.path}")
+            channel = self._listener.accept(key, timeout_s=_STARTUP_TIMEOUT_S)
+            with self._lock:
+                self._close_channel(group, rank)
+                group.channels[rank] = (actor, channel)
+
+    def _try_channels(self, group: _Group) -> None:
+        """A new group, every rank on this host: channels for all, or (where one cannot be
+        made) takes for all; no request has been handed to the group yet."""
+        try:
+            self._open_channels(group, range(len(group.actors)))
+        except Exception as error:
+            log.warning(
+                "outputs come by actor calls: a rank's output channel did not open (%s: %s)",
+                type(error).__name__, error,
+            )  # fmt: skip
+            with self._lock:
+                for rank in list(group.channels):
+                    self._close_channel(group, rank)
+            return
+        group.channeled = True
+
+    def _open_replacement_channels(self, group: _Group, ranks: list[int]) -> None:
+        """After a heal or a grow: the new actors' channels. One that does not open fails
+        its rank (the front end heals again), so no rank is left unread."""
+        if not group.channeled or not ranks:
+            return
+        try:
+            self._open_channels(group, ranks)
+        except Exception as error:
+            for rank in ranks:
+                if rank not in group.channels:
+                    why = f"its output channel did not open ({type(error).__name__}: {error})"
+                    if self._declare_failed(group, rank, why):
+                        self._kill(group, rank)
+
+    def _close_channel(self, group: _Group, rank: int) -> None:
+        """Stop reading ``rank``'s channel; the next poll closes it. Called with the lock."""
+        entry = group.channels.pop(rank, None)
+        if entry is not None:
+            self._dropped.append(entry[1])
+
+    def _close_dropped(self) -> None:
+        """Close the channels dropped since; called by the reader (with `_read_lock`)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        for channel in dropped:
+            channel.close()
+
+    def _poll_channels(self, group: _Group, timeout_s: float) -> list[RequestOutput]:
+        """`poll` for a group whose ranks write their takes to sockets: every frame that
+        has come, each answered as the take it stands for would be (`_on_frame`)."""
+        outputs: list[RequestOutput] = []
+        failure: RankFailure | None = None
+        with self._read_lock:
+            self._close_dropped()
+            with self._lock:
+                channels = {
+                    rank: entry
+                    for rank, entry in group.channels.items()
+                    if rank in group.live and rank not in group.failed
+                }
+            if not channels:
+                return []
+            waiting = select.poll()  # not select(): a server may hold descriptors past 1024
+            by_fd = {}
+            for rank, (_, channel) in channels.items():
+                fd = channel.fileno()
+                if fd >= 0:  # else closed meanwhile (its rank failed): the next poll skips it
+                    by_fd[fd] = rank
+                    waiting.register(fd, select.POLLIN)
+            ready = {by_fd[fd] for fd, _ in waiting.poll(max(0, int(timeout_s * 1000)))}
+            for rank, (actor, channel) in channels.items():
+                if rank not in ready:
+                    continue
+                try:
+                    frames = channel.read()
+                except pickle.UnpicklingError as error:
+                    frames = []
+                    self._declare_failed(group, rank, f"it sent a malformed output frame: {error}")
+                    self._kill(group, rank)
+                    failure = failure or RankFailure(rank, group.failed[rank], group.generation)
+                for frame in frames:
+                    try:
+                        outputs.extend(self._on_frame(group, rank, actor, frame))
+                    except RankFailure as error:
+                        failure = failure or error
+                if channel.closed and _is_current(group, rank, actor) and rank not in group.failed:
+                    why = "its process is gone (its output channel closed)"
+                    self._declare_failed(group, rank, why)
+                    self._kill(group, rank)
+                    failure = failure or RankFailure(rank, group.failed[rank], group.generation)
+        if failure is None:
+            now = time.monotonic()
+            for rank in channels:
+                silent_s = now - group.heard.get(rank, now)
+                if silent_s > self._silence_limit_s and rank not in group.failed:
+                    try:
+                        self._fail_silent(group, rank, silent_s)
+                    except RankFailure as error:
+                        failure = error
+                        break
+        if failure is not None:
+            with self._lock:
+                group.stash = outputs + group.stash
+            raise failure
+        return outputs
+
+    def _on_frame(self, group: _Group, rank: int, actor: Any, frame: tuple) -> list[RequestOutput]:
+        """What the take a frame stands for answers: its outputs; or, for a rank that left
+        its group, `RankLeftGroup`, unless that group has been healed since or the leaving
+        was planned (a grow). A frame from an actor since replaced is old news."""
+        if not _is_current(group, rank, actor):
+            return []
+        group.heard[rank] = time.monotonic()
+        if frame[0] == "out":
+            return frame[1]
+        _, joined, reason = frame
+        if joined != group.generation or group.planned:
+            return []
+        raise RankLeftGroup(rank, reason, group.generation)
 
     def silent_ranks(self) -> dict[int, float]:
         """Live ranks whose last answer is more than two heartbeats old: rank -> seconds."""
@@ -1073,12 +1266,18 @@ class RayClient:
             first = rank not in group.failed
             group.failed.setdefault(rank, why)
             group.takes.pop(rank, None)
+            self._close_channel(group, rank)
         return first
 
     def shutdown(self) -> None:
         """Stop every rank, free the placement group, and stop the embedded Ray if we
         started it: nothing stays."""
         self.stop_ranks()
+        with self._read_lock:
+            self._close_dropped()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
@@ -1137,6 +1336,7 @@ class RayClient:
         with self._lock:
             for rank in range(len(group.actors)):
                 group.failed.setdefault(rank, "its group was stopped")
+                self._close_channel(group, rank)
             group.takes.clear()
         for rank in range(len(group.actors)):
             self._kill(group, rank)
@@ -1144,6 +1344,13 @@ class RayClient:
         if group.pg is not None:
             remove_placement_group(group.pg)
             group.pg = None
+
+
+def _is_current(group: _Group, rank: int, actor: Any) -> bool:
+    """Whether ``actor`` is still ``rank``'s in ``group`` (not replaced, the group not
+    stopped)."""
+    actors = group.actors
+    return rank < len(actors) and actors[rank] is actor
 
 
 def describe_per_rank(values: list[str]) -> str:

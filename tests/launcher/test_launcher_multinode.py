@@ -60,6 +60,10 @@ def test_strict_spread_puts_each_rank_on_its_own_node(model_dir, reference, two_
         node_ids = llm.client.node_ids
         cores = ray.get([actor.cpu_cores.remote() for actor in llm.client.actors])
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        # Not every rank on the driver's node: the outputs come by takes (actor calls), not
+        # over sockets (launcher/output_channel.py).
+        channeled = llm.client._group.channeled
+    assert not channeled
     # Two raylets, one machine: CPU binding must count both ranks as sharing its cores.
     available = sorted(os.sched_getaffinity(0))
     if 2 * max(1, len(available) // 2) <= len(available):

@@ -51,6 +51,19 @@ def test_dp2_equals_the_single_rank_reference(llm, reference):
     assert llm.moe_exchange == "shared memory"  # both actors on this host (moe_exchange: auto)
 
 
+def test_ranks_on_this_host_send_their_outputs_over_sockets(llm, reference):
+    """Every rank on the driver's node: each writes its takes to a socket of its own
+    (launcher/output_channel.py) and the driver makes no `take` call; streams and whole
+    results come through it alike."""
+    group = llm.client._group
+    assert group.channeled and sorted(group.channels) == [0, 1]
+    outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    streamed = list(llm.generate_stream(PROMPTS[:2], PARAMS))
+    assert [o.output_token_ids for o in outputs] == reference
+    assert streamed[-1].finished and len(streamed) >= 12
+    assert group.takes == {}  # no actor call carried outputs
+
+
 def test_each_rank_gets_its_share_of_the_cores(llm):
     """threads_per_rank unset: the host's cores split evenly over the 2 ranks, at least 1 each:
     together they take no more cores than the host has (it has at least 2), and one thread

@@ -1,0 +1,140 @@
+"""The socket a Ray rank's outputs travel by on the driver's host (launcher/output_channel.py):
+frames, their loader, the key, and the writer's loop. Real sockets and threads."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import stat
+import threading
+import time
+
+import pytest
+
+from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
+from launcher import output_channel
+
+
+def _output(request_id: str, **changes) -> RequestOutput:
+    fields = dict(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        output_token_ids=[4, 5],
+        new_token_ids=[5],
+        finished=False,
+        finish_reason=None,
+        dp_rank=1,
+        arrival_time=1.5,
+        new_logprobs=[TokenLogprob(5, -0.25, 1, ((5, -0.25), (7, -2.0)))],
+    )
+    return RequestOutput(**{**fields, **changes})
+
+
+@pytest.fixture
+def listener():
+    made = output_channel.Listener()
+    yield made
+    made.close()
+
+
+def test_frames_arrive_whole_in_order_and_the_end_is_seen(listener):
+    key = output_channel.new_key()
+    rank_end = output_channel.connect(listener.path, key)
+    channel = listener.accept(key, timeout_s=10)
+    kind = ErrorKind.GROUP_FAILED
+    failed = _output("b", finished=True, finish_reason="error: x", error_kind=kind)
+    frames = [("out", [_output("a"), failed]), ("out", []), ("left", 3, "its group failed")]
+    data = b"".join(output_channel.encode(frame) for frame in frames)
+    rank_end.sendall(data[:7])  # a frame in pieces: nothing until it is whole
+    time.sleep(0.05)
+    assert channel.read() == []
+    rank_end.sendall(data[7:])
+    got: list[tuple] = []
+    deadline = time.monotonic() + 10
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += channel.read()
+    assert got == frames and not channel.closed
+    rank_end.close()
+    deadline = time.monotonic() + 10
+    while not channel.closed and time.monotonic() < deadline:
+        assert channel.read() == []
+    assert channel.closed
+    channel.close()
+
+
+def test_the_loader_admits_only_output_types():
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    payload = output_channel.encode(("out", [Evil()]))[8:]
+    with pytest.raises(pickle.UnpicklingError, match=r"names posix.system"):
+        output_channel.decode(payload)
+    with pytest.raises(pickle.UnpicklingError, match=r"not an output frame"):
+        output_channel.decode(pickle.dumps(("exec", "x")))
+
+
+def test_only_the_keyed_connection_is_taken_and_the_socket_is_private(listener):
+    mode = stat.S_IMODE(os.stat(os.path.dirname(listener.path)).st_mode)
+    assert mode == 0o700
+    key = output_channel.new_key()
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stranger.connect(listener.path)
+    stranger.sendall(b"x" * output_channel.KEY_BYTES)
+    rank_end = output_channel.connect(listener.path, key)
+    channel = listener.accept(key, timeout_s=10)
+    rank_end.sendall(output_channel.encode(("out", [])))
+    assert stranger.recv(1) == b""  # the stranger was hung up on
+    deadline = time.monotonic() + 10
+    frames: list[tuple] = []
+    while not frames and time.monotonic() < deadline:
+        frames = channel.read()
+    assert frames == [("out", [])]
+    with pytest.raises(TimeoutError):
+        listener.accept(output_channel.new_key(), timeout_s=0.1)
+    for end in (stranger, rank_end, channel):
+        end.close()
+
+
+def test_the_writer_stamps_a_departure_with_the_group_it_left_and_repeats_it(listener):
+    """A take that finds the engine waiting for a new group becomes a "left" frame stamped
+    with the generation read before the take (a rejoin during it does not restamp it), sent
+    again after each pause while the engine still waits; outputs follow once it rejoined."""
+
+    class Left(Exception):
+        pass
+
+    generation = [4]
+    answers = iter([["x"], Left("gone"), Left("gone"), ["y"]])
+
+    def take():
+        answer = next(answers, None)
+        if answer is None:  # nothing more: idle heartbeats until the driver hangs up
+            time.sleep(0.01)
+            return []
+        if isinstance(answer, Exception):
+            generation[0] = 5  # the engine moved on meanwhile: not this frame's stamp
+            raise answer
+        return answer
+
+    key = output_channel.new_key()
+    rank_end = output_channel.connect(listener.path, key)
+    channel = listener.accept(key, timeout_s=10)
+    pauses: list[float] = []
+    writer = threading.Thread(
+        target=output_channel.write_takes,
+        args=(rank_end, take, lambda: generation[0], pauses.append, Left, 0.5),
+        daemon=True,
+    )
+    writer.start()
+    frames: list[tuple] = []
+    deadline = time.monotonic() + 10
+    while len(frames) < 5 and time.monotonic() < deadline:
+        frames += channel.read()
+    assert frames[:4] == [("out", ["x"]), ("left", 4, "gone"), ("left", 5, "gone"), ("out", ["y"])]
+    assert frames[4] == ("out", [])
+    assert pauses == [0.5, 0.5]
+    channel.close()  # the driver's end goes: the writer's next write fails and it ends
+    writer.join(10)
+    assert not writer.is_alive()
