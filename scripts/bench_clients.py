@@ -7,7 +7,9 @@ On one checkpoint with a tokenizer (the built-in tiny Qwen3-MoE by default), one
 time on a free loopback port, contenders interleaved round by round:
 
 - `vllm serve` (vLLM's CPU backend, float32, prefix caching off), `lockstep serve` at DP=1
-  (local) and at DP=2 (Ray);
+  (local: the engine on a thread of the server) and at DP=2 (Ray); `lockstep-dpN-ray` runs
+  DP=N under Ray whatever N (at DP=1 that is `lockstep serve`'s default, which heals a rank
+  that dies);
 - `vllm bench serve` with its `openai` (completions) and `openai-chat` backends, random
   prompts, at request rate inf and at Poisson rates: completed/failed requests, throughput,
   TTFT and ITL p50/p99. A rate written `0.5x` is that fraction of the capacity of the first
@@ -126,8 +128,9 @@ def start(contender: str, model: str, port: int, log: Path, dtype: str) -> subpr
                    "--dtype", dtype, "--no-enable-prefix-caching", *common]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     else:
-        dp = contender.removeprefix("lockstep-dp")
-        launcher = ["--launcher", "local"] if dp == "1" else ["--launcher", "ray"]
+        dp = contender.removeprefix("lockstep-dp").removesuffix("-ray")
+        local = dp == "1" and not contender.endswith("-ray")
+        launcher = ["--launcher", "local" if local else "ray"]
         command = [str(ROOT / ".venv" / "bin" / "lockstep"), "serve", model, "--dtype", dtype,
                    "--data-parallel-size", dp, *launcher, *common]  # fmt: skip
         env = dict(os.environ)
