@@ -93,6 +93,7 @@ class RankActor:
         self.store: Any = None
         self.host: EngineHost | None = None
         self.generation = 0  # of the group this rank last joined (stamps "left" frames)
+        self._outputs: tuple[socket.socket, threading.Thread] | None = None  # `open_outputs`
 
     def create_store(self, loopback: bool) -> tuple[str, int]:
         """Host the group's store, listening on loopback (every rank on this host) or on this
@@ -278,16 +279,31 @@ class RankActor:
         except OSError:
             return False
         host = self.host
-        output_channel.start_writer(
-            "lockstep-outputs",
+        self._outputs = (
             conn,
-            lambda: host.take(_TAKE_S),
-            lambda: self.generation,
-            host.wait_rejoined,
-            GroupLeft,
-            _TAKE_S,
+            output_channel.start_writer(
+                "lockstep-outputs",
+                conn,
+                lambda: host.take(_TAKE_S),
+                lambda: self.generation,
+                host.wait_rejoined,
+                GroupLeft,
+                _TAKE_S,
+            ),
         )
         return True
+
+    def stop_outputs(self, timeout_s: float) -> bool:
+        """Stop sending takes to the socket (the driver went back to asking for them):
+        shut the connection, so that the writer's next frame fails, and wait for it to end.
+        Only before the group has any request: a take the writer holds then is empty."""
+        if self._outputs is None:
+            return True
+        conn, writer = self._outputs
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        writer.join(timeout_s)
+        return not writer.is_alive()
 
     def stats(self) -> RankStats:
         return self.host.stats()
@@ -1102,9 +1118,18 @@ class RayClient:
                 "outputs come by actor calls: a rank's output channel did not open (%s: %s)",
                 type(error).__name__, error,
             )  # fmt: skip
+            # The group is not current yet, so no poll reads these: closed here. Every writer
+            # started is stopped before any request can reach its rank (a writer left running
+            # would take outputs the driver then asks for by takes).
             with self._lock:
                 for rank in list(group.channels):
-                    self._close_channel(group, rank)
+                    group.channels.pop(rank)[1].close()
+            stopped = ray.get(
+                [actor.stop_outputs.remote(10.0) for actor in group.actors],
+                timeout=_STARTUP_TIMEOUT_S,
+            )
+            if not all(stopped):
+                raise LockstepError("a rank's output writer did not stop") from error
             return
         group.channeled = True
 

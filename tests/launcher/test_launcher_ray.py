@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 
+import launcher.ray_launcher as ray_launcher
 from dist_engine.errors import LockstepError
 from launcher import LLM, SamplingParams
 
@@ -62,6 +63,32 @@ def test_ranks_on_this_host_send_their_outputs_over_sockets(llm, reference):
     assert [o.output_token_ids for o in outputs] == reference
     assert streamed[-1].finished and len(streamed) >= 12
     assert group.takes == {}  # no actor call carried outputs
+
+
+def test_a_channel_that_does_not_open_leaves_the_group_on_takes(
+    model_dir, ray_cluster, reference, monkeypatch
+):
+    """One rank's output channel fails to open after another's did: the group goes back to
+    takes for every rank, and the writer already started is stopped before any request, so
+    no output is taken by it and lost."""
+    opened: list[int] = []
+    original = ray_launcher.RayClient._open_channels
+
+    def one_then_fail(self, group, ranks):
+        original(self, group, [0])
+        opened.append(0)
+        raise OSError("no socket for rank 1")
+
+    monkeypatch.setattr(ray_launcher.RayClient, "_open_channels", one_then_fail)
+    with LLM(model=model_dir, dp_size=2, launcher="ray", **SETTINGS) as llm:
+        group = llm.client._group
+        assert opened == [0] and not group.channeled and group.channels == {}
+        outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        streamed = list(llm.generate_stream(PROMPTS[:1], PARAMS))
+        stopped = ray.get(group.actors[0].stop_outputs.remote(1.0))
+    assert [o.output_token_ids for o in outputs] == reference
+    assert streamed[-1].output_token_ids == reference[0]
+    assert stopped  # its writer had ended
 
 
 def test_each_rank_gets_its_share_of_the_cores(llm):
