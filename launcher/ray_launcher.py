@@ -1071,11 +1071,22 @@ class RayClient:
                 outputs.extend(self._get(group, rank, ref, actor, asked_in))
             except RankFailure as error:
                 failure = failure or error
+        return self._end_poll(group, list(group.takes), outputs, failure)
+
+    def _end_poll(
+        self,
+        group: _Group,
+        ranks: list[int],
+        outputs: list[RequestOutput],
+        failure: RankFailure | None,
+    ) -> list[RequestOutput]:
+        """A poll's end: any of ``ranks`` silent past the limit is failed; on a failure the
+        outputs polled are stashed and it is raised, else they are returned."""
         if failure is None:
             now = time.monotonic()
-            for rank in list(group.takes):
-                silent_s = now - group.heard[rank]
-                if silent_s > self._silence_limit_s:
+            for rank in ranks:
+                silent_s = now - group.heard.get(rank, now)
+                if silent_s > self._silence_limit_s and rank not in group.failed:
                     try:
                         self._fail_silent(group, rank, silent_s)
                     except RankFailure as error:
@@ -1203,21 +1214,7 @@ class RayClient:
                     self._declare_failed(group, rank, why)
                     self._kill(group, rank)
                     failure = failure or RankFailure(rank, group.failed[rank], group.generation)
-        if failure is None:
-            now = time.monotonic()
-            for rank in channels:
-                silent_s = now - group.heard.get(rank, now)
-                if silent_s > self._silence_limit_s and rank not in group.failed:
-                    try:
-                        self._fail_silent(group, rank, silent_s)
-                    except RankFailure as error:
-                        failure = error
-                        break
-        if failure is not None:
-            with self._lock:
-                group.stash = outputs + group.stash
-            raise failure
-        return outputs
+        return self._end_poll(group, list(channels), outputs, failure)
 
     def _on_frame(self, group: _Group, rank: int, actor: Any, frame: tuple) -> list[RequestOutput]:
         """What the take a frame stands for answers: its outputs; or, for a rank that left
