@@ -19,18 +19,18 @@ of takes (launcher/ray_launcher.py):
 - end of file: the rank's process is gone (or the thread died: either way the rank failed).
 
 Who can write: the socket lives in a directory only this user can enter (``mkdtemp``), and
-each connection first presents a key made for that actor, handed over by Ray; the driver
-unpickles a frame with a loader that admits only the output types (`RequestOutput`,
-`TokenLogprob`, `ErrorKind`), never code.
+each connection first presents a key made for that actor, handed over by Ray. A frame is
+JSON (outputs as `output_to_plain` makes them), never a pickle: nothing read from a socket
+is unpickled. JSON costs ~0.35 ms more a 32-output frame over both ends than a pickle would
+(measured); the actor call it replaces costs ~0.9 ms.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
-import io
+import json
 import os
-import pickle
 import secrets
 import shutil
 import socket
@@ -41,38 +41,37 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dist_engine.engine.outputs import output_from_plain, output_to_plain
+from dist_engine.errors import LockstepError
+
 KEY_BYTES = 16
 _HEADER = struct.Struct("<Q")  # payload bytes
 _RECV_BYTES = 1 << 20
 
 
-class _OutputUnpickler(pickle.Unpickler):
-    """Loads lists, tuples, dicts, numbers, strings and the output types only."""
-
-    _ALLOWED = frozenset(
-        {
-            ("dist_engine.engine.outputs", "RequestOutput"),
-            ("dist_engine.engine.outputs", "TokenLogprob"),
-            ("dist_engine.engine.outputs", "ErrorKind"),
-        }
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self._ALLOWED:
-            raise pickle.UnpicklingError(f"an output frame names {module}.{name}")
-        return super().find_class(module, name)
+class MalformedFrame(LockstepError):
+    """A frame that is not one a rank's writer makes."""
 
 
 def encode(frame: tuple) -> bytes:
-    payload = pickle.dumps(frame, protocol=pickle.HIGHEST_PROTOCOL)
+    """``("out", outputs)`` or ``("left", generation, reason)`` as a frame: length, JSON."""
+    if frame[0] == "out":
+        frame = ("out", [output_to_plain(output) for output in frame[1]])
+    payload = json.dumps(frame, separators=(",", ":")).encode()
     return _HEADER.pack(len(payload)) + payload
 
 
 def decode(payload: bytes) -> tuple:
-    frame = _OutputUnpickler(io.BytesIO(payload)).load()
-    if not isinstance(frame, tuple) or not frame or frame[0] not in ("out", "left"):
-        raise pickle.UnpicklingError(f"not an output frame: {str(frame)[:80]}")
-    return frame
+    """The frame `encode` made; MalformedFrame for anything else."""
+    try:
+        frame = json.loads(payload)
+        if frame[0] == "out" and len(frame) == 2 and isinstance(frame[1], list):
+            return ("out", [output_from_plain(plain) for plain in frame[1]])
+        if frame[0] == "left" and len(frame) == 3 and isinstance(frame[1], int):
+            return ("left", frame[1], str(frame[2]))
+    except (ValueError, TypeError, KeyError, IndexError, LockstepError) as error:
+        raise MalformedFrame(f"a malformed output frame: {error}") from None
+    raise MalformedFrame(f"not an output frame: {str(frame)[:80]}")
 
 
 class Listener:
@@ -126,7 +125,7 @@ class Channel:
 
     def read(self) -> list[tuple]:
         """Every complete frame that has arrived (non-blocking); sets `closed` at end of
-        file. Raises pickle.UnpicklingError for a frame that is not an output frame."""
+        file. Raises MalformedFrame for a frame that is not an output frame."""
         while not self.closed:
             try:
                 data = self.socket.recv(_RECV_BYTES)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import pickle
 import secrets
 import select
 import signal
@@ -1199,7 +1198,7 @@ class RayClient:
                     continue
                 try:
                     frames = channel.read()
-                except pickle.UnpicklingError as error:
+                except output_channel.MalformedFrame as error:
                     frames = []
                     self._declare_failed(group, rank, f"it sent a malformed output frame: {error}")
                     self._kill(group, rank)

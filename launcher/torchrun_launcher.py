@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import os
 import time
-from dataclasses import fields
 from datetime import timedelta
 
 import torch
@@ -22,7 +21,7 @@ from dist_engine.distributed.cpu_binding import bind_process
 from dist_engine.distributed.groups import describe_exchange, init_distributed, resolve_backend
 from dist_engine.distributed.plain_data import all_gather_json
 from dist_engine.engine.config import EngineConfig
-from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
+from dist_engine.engine.outputs import RequestOutput, output_from_plain, output_to_plain
 from dist_engine.errors import LockstepError
 from dist_engine.kernels import compute
 from dist_engine.log import get_logger
@@ -39,53 +38,6 @@ def torchrun_rank() -> tuple[int, int, str, int]:
             f"launcher 'torchrun' needs {missing} in the environment: start the job with "
             "`torchrun --nproc-per-node N -m launcher.cli run ...`"
         ) from None
-
-
-_OUTPUT_FIELDS = [f.name for f in fields(RequestOutput)]
-
-
-def _plain(output: RequestOutput) -> dict:
-    """An output as JSON values (the results exchange carries JSON, never pickles)."""
-    plain = {name: getattr(output, name) for name in _OUTPUT_FIELDS}
-    if output.error_kind is not None:
-        plain["error_kind"] = output.error_kind.value
-    for name in ("new_logprobs", "prompt_logprobs"):
-        if plain[name] is not None:
-            plain[name] = [None if e is None else _plain_logprob(e) for e in plain[name]]
-    return plain
-
-
-def _plain_logprob(entry: TokenLogprob) -> list:
-    return [entry.token_id, entry.logprob, entry.rank, [list(pair) for pair in entry.top]]
-
-
-def _logprob(plain: list) -> TokenLogprob:
-    try:
-        token_id, logprob, rank, top = plain
-        return TokenLogprob(
-            int(token_id), float(logprob), int(rank), tuple((int(t), float(v)) for t, v in top)
-        )
-    except (TypeError, ValueError):
-        raise LockstepError(f"a rank sent a malformed logprob entry {str(plain)[:80]}") from None
-
-
-def _output(plain: dict) -> RequestOutput:
-    unknown = set(plain) - set(_OUTPUT_FIELDS)
-    if unknown:
-        raise LockstepError(f"a rank sent results with unknown fields {sorted(unknown)}")
-    kind = plain.get("error_kind")
-    if kind is not None:
-        try:
-            plain = {**plain, "error_kind": ErrorKind(kind)}
-        except ValueError:
-            raise LockstepError(
-                f"a rank sent results with an unknown error_kind {kind!r}"
-            ) from None
-    for name in ("new_logprobs", "prompt_logprobs"):
-        if plain.get(name) is not None:
-            entries = [None if e is None else _logprob(e) for e in plain[name]]
-            plain = {**plain, name: entries}
-    return RequestOutput(**plain)
 
 
 def _bind_cpu_rank(config: EngineConfig, rank: int, world: int) -> list[int]:
@@ -183,10 +135,10 @@ class TorchrunClient(HostedClient):
                 names = ", ".join(f"rank {r}" for r in missing)
                 raise LockstepError(f"{names} did not deliver results within {self._timeout_s} s")
             time.sleep(0.01)
-        mine_plain = {str(index): _plain(output) for index, output in mine.items()}
+        mine_plain = {str(index): output_to_plain(output) for index, output in mine.items()}
         merged: dict[int, RequestOutput] = {}
         for theirs in all_gather_json(mine_plain, self._results_group):
-            merged.update({int(index): _output(plain) for index, plain in theirs.items()})
+            merged.update({int(index): output_from_plain(plain) for index, plain in theirs.items()})
         return merged
 
     def shutdown(self) -> None:

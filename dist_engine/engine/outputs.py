@@ -4,8 +4,9 @@ and `CompletionOutput`, the offline API's per-completion view in vLLM's shape.""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from dist_engine.errors import LockstepError
 from scheduler import Sequence, SequenceStatus
 
 
@@ -142,3 +143,58 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# -- outputs as JSON values: how they cross a process boundary Lockstep owns (the torchrun
+# results exchange, a Ray rank's output channel), never as pickles --------------------------
+_OUTPUT_FIELDS = [f.name for f in fields(RequestOutput)]
+
+
+def output_to_plain(output: RequestOutput) -> dict:
+    """An output as JSON values."""
+    plain = {name: getattr(output, name) for name in _OUTPUT_FIELDS}
+    if output.error_kind is not None:
+        plain["error_kind"] = output.error_kind.value
+    for name in ("new_logprobs", "prompt_logprobs"):
+        if plain[name] is not None:
+            plain[name] = [None if e is None else _plain_logprob(e) for e in plain[name]]
+    return plain
+
+
+def output_from_plain(plain: dict) -> RequestOutput:
+    """The output `output_to_plain` made; LockstepError for one that is not."""
+    if not isinstance(plain, dict):
+        raise LockstepError(f"a rank sent a result that is not an object: {str(plain)[:80]}")
+    unknown = set(plain) - set(_OUTPUT_FIELDS)
+    if unknown:
+        raise LockstepError(f"a rank sent results with unknown fields {sorted(unknown)}")
+    kind = plain.get("error_kind")
+    if kind is not None:
+        try:
+            plain = {**plain, "error_kind": ErrorKind(kind)}
+        except ValueError:
+            raise LockstepError(
+                f"a rank sent results with an unknown error_kind {kind!r}"
+            ) from None
+    for name in ("new_logprobs", "prompt_logprobs"):
+        if plain.get(name) is not None:
+            entries = [None if e is None else _logprob(e) for e in plain[name]]
+            plain = {**plain, name: entries}
+    try:
+        return RequestOutput(**plain)
+    except TypeError as error:
+        raise LockstepError(f"a rank sent a malformed result: {error}") from None
+
+
+def _plain_logprob(entry: TokenLogprob) -> list:
+    return [entry.token_id, entry.logprob, entry.rank, [list(pair) for pair in entry.top]]
+
+
+def _logprob(plain: list) -> TokenLogprob:
+    try:
+        token_id, logprob, rank, top = plain
+        return TokenLogprob(
+            int(token_id), float(logprob), int(rank), tuple((int(t), float(v)) for t, v in top)
+        )
+    except (TypeError, ValueError):
+        raise LockstepError(f"a rank sent a malformed logprob entry {str(plain)[:80]}") from None

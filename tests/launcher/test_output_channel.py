@@ -3,6 +3,7 @@ frames, their loader, the key, and the writer's loop. Real sockets and threads."
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import socket
@@ -63,16 +64,26 @@ def test_frames_arrive_whole_in_order_and_the_end_is_seen(listener):
     channel.close()
 
 
-def test_the_loader_admits_only_output_types():
+def test_a_frame_is_json_and_anything_else_is_refused():
+    """Nothing read from the socket is unpickled: a frame is JSON, and a pickle, an unknown
+    field or a frame of another kind is refused with MalformedFrame."""
+
     class Evil:
         def __reduce__(self):
             return (os.system, ("true",))
 
-    payload = output_channel.encode(("out", [Evil()]))[8:]
-    with pytest.raises(pickle.UnpicklingError, match=r"names posix.system"):
-        output_channel.decode(payload)
-    with pytest.raises(pickle.UnpicklingError, match=r"not an output frame"):
-        output_channel.decode(pickle.dumps(("exec", "x")))
+    frame = output_channel.encode(("out", [_output("a")]))
+    assert frame[8:].startswith(b'["out",[{"request_id":"a"')
+    refused = [
+        pickle.dumps(("out", [Evil()])),
+        json.dumps(["out", [{"request_id": "a", "shell": "rm"}]]).encode(),
+        json.dumps(["left", "3", "x"]).encode(),
+        json.dumps(["exec", "x"]).encode(),
+        json.dumps({"out": []}).encode(),
+    ]
+    for payload in refused:
+        with pytest.raises(output_channel.MalformedFrame):
+            output_channel.decode(payload)
 
 
 def test_only_the_keyed_connection_is_taken_and_the_socket_is_private(listener):
@@ -106,7 +117,8 @@ def test_the_writer_stamps_a_departure_with_the_group_it_left_and_repeats_it(lis
         pass
 
     generation = [4]
-    answers = iter([["x"], Left("gone"), Left("gone"), ["y"]])
+    x, y = _output("x"), _output("y", finished=True, finish_reason="length")
+    answers = iter([[x], Left("gone"), Left("gone"), [y]])
 
     def take():
         answer = next(answers, None)
@@ -132,7 +144,7 @@ def test_the_writer_stamps_a_departure_with_the_group_it_left_and_repeats_it(lis
     deadline = time.monotonic() + 10
     while len(frames) < 5 and time.monotonic() < deadline:
         frames += channel.read()
-    assert frames[:4] == [("out", ["x"]), ("left", 4, "gone"), ("left", 5, "gone"), ("out", ["y"])]
+    assert frames[:4] == [("out", [x]), ("left", 4, "gone"), ("left", 5, "gone"), ("out", [y])]
     assert frames[4] == ("out", [])
     assert pauses == [0.5, 0.5]
     channel.close()  # the driver's end goes: the writer's next write fails and it ends
