@@ -28,6 +28,7 @@ is unpickled. JSON costs ~0.35 ms more a 32-output frame over both ends than a p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import os
@@ -41,7 +42,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dist_engine.engine.outputs import output_from_plain, output_to_plain
+from dist_engine.engine.outputs import (
+    RequestOutput,
+    logprobs_from_plain,
+    logprobs_to_plain,
+    output_from_plain,
+    output_to_plain,
+)
 from dist_engine.errors import LockstepError
 
 KEY_BYTES = 16
@@ -53,25 +60,88 @@ class MalformedFrame(LockstepError):
     """A frame that is not one a rank's writer makes."""
 
 
-def encode(frame: tuple) -> bytes:
-    """``("out", outputs)`` or ``("left", generation, reason)`` as a frame: length, JSON."""
-    if frame[0] == "out":
-        frame = ("out", [output_to_plain(output) for output in frame[1]])
-    payload = json.dumps(frame, separators=(",", ":")).encode()
-    return _HEADER.pack(len(payload)) + payload
+class Encoder:
+    """The writer's end of the frame format. A request's first output and its terminal
+    output go whole (`output_to_plain`); the outputs between, a stream's deltas, go as
+    ``{"d": request id, "new": token ids, "n": output tokens so far, "ft": first token time,
+    "lp": logprobs}``: its prompt and earlier tokens, sent once, are not sent again every step
+    (JSON of every token so far was most of a streamed frame's cost)."""
+
+    def __init__(self) -> None:
+        self._open: set[str] = set()  # requests sent whole and not ended
+
+    def encode(self, frame: tuple) -> bytes:
+        """``("out", outputs)`` or ``("left", generation, reason)`` as length + JSON."""
+        if frame[0] == "out":
+            frame = ("out", [self._plain(output) for output in frame[1]])
+        payload = json.dumps(frame, separators=(",", ":")).encode()
+        return _HEADER.pack(len(payload)) + payload
+
+    def _plain(self, output: RequestOutput) -> dict:
+        request_id = output.request_id
+        if output.finished:
+            self._open.discard(request_id)
+        elif request_id not in self._open:
+            self._open.add(request_id)
+        else:
+            delta: dict = {
+                "d": request_id,
+                "new": output.new_token_ids,
+                "n": len(output.output_token_ids),
+                "ft": output.first_token_time,
+            }
+            if output.new_logprobs is not None:
+                delta["lp"] = logprobs_to_plain(output.new_logprobs)
+            return delta
+        return output_to_plain(output)
 
 
-def decode(payload: bytes) -> tuple:
-    """The frame `encode` made; MalformedFrame for anything else."""
-    try:
-        frame = json.loads(payload)
-        if frame[0] == "out" and len(frame) == 2 and isinstance(frame[1], list):
-            return ("out", [output_from_plain(plain) for plain in frame[1]])
-        if frame[0] == "left" and len(frame) == 3 and isinstance(frame[1], int):
-            return ("left", frame[1], str(frame[2]))
-    except (ValueError, TypeError, KeyError, IndexError, LockstepError) as error:
-        raise MalformedFrame(f"a malformed output frame: {error}") from None
-    raise MalformedFrame(f"not an output frame: {str(frame)[:80]}")
+class Decoder:
+    """The driver's end: the outputs an `Encoder` sent, rebuilt whole."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, RequestOutput] = {}  # the last output of each open request
+
+    def decode(self, payload: bytes) -> tuple:
+        """The frame `Encoder.encode` made; MalformedFrame for anything else."""
+        try:
+            frame = json.loads(payload)
+            if frame[0] == "out" and len(frame) == 2 and isinstance(frame[1], list):
+                return ("out", [self._output(plain) for plain in frame[1]])
+            if frame[0] == "left" and len(frame) == 3 and isinstance(frame[1], int):
+                return ("left", frame[1], str(frame[2]))
+        except (ValueError, TypeError, KeyError, IndexError, LockstepError) as error:
+            raise MalformedFrame(f"a malformed output frame: {error}") from None
+        raise MalformedFrame(f"not an output frame: {str(frame)[:80]}")
+
+    def _output(self, plain: dict) -> RequestOutput:
+        if "d" not in plain:
+            output = output_from_plain(plain)
+            if output.finished:
+                self._open.pop(output.request_id, None)
+            else:
+                self._open[output.request_id] = output
+            return output
+        last = self._open[plain["d"]]  # KeyError: a delta of a request never sent whole
+        new = [int(token) for token in plain["new"]]
+        tokens = [*last.output_token_ids, *new]
+        if len(tokens) != plain["n"]:
+            raise MalformedFrame(
+                f"request {plain['d']!r}: a delta to {plain['n']} output tokens after "
+                f"{len(last.output_token_ids)} with {len(new)} new"
+            )
+        lp = plain.get("lp")
+        logprobs = None if lp is None else logprobs_from_plain(lp)
+        output = dataclasses.replace(
+            last,
+            output_token_ids=tokens,
+            new_token_ids=new,
+            first_token_time=plain["ft"],
+            new_logprobs=logprobs,
+            prompt_logprobs=None,
+        )
+        self._open[output.request_id] = output
+        return output
 
 
 class Listener:
@@ -118,6 +188,7 @@ class Channel:
     def __init__(self, conn: socket.socket) -> None:
         self.socket = conn
         self._buffer = bytearray()
+        self._decoder = Decoder()
         self.closed = False  # the rank's end closed (its process is gone)
 
     def fileno(self) -> int:
@@ -144,7 +215,7 @@ class Channel:
             end = _HEADER.size + size
             if len(self._buffer) < end:
                 break
-            frames.append(decode(bytes(self._buffer[_HEADER.size : end])))
+            frames.append(self._decoder.decode(bytes(self._buffer[_HEADER.size : end])))
             del self._buffer[:end]
         return frames
 
@@ -179,16 +250,17 @@ def write_takes(
     the driver closes its end. ``take`` raises ``left_error`` while the engine waits for a
     re-formed group; the frame then says so, and the loop waits ``pause_s`` (or until the
     engine has joined a group) before it asks again."""
+    encoder = Encoder()
     try:
         while True:
             joined = generation()
             try:
                 frame: tuple = ("out", take())
             except left_error as error:
-                conn.sendall(encode(("left", joined, str(error))))
+                conn.sendall(encoder.encode(("left", joined, str(error))))
                 wait_rejoined(pause_s)
                 continue
-            conn.sendall(encode(frame))
+            conn.sendall(encoder.encode(frame))
     except OSError:  # the driver closed its end (a shutdown, or this rank was replaced)
         pass
     finally:

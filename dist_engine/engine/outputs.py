@@ -157,8 +157,18 @@ def output_to_plain(output: RequestOutput) -> dict:
         plain["error_kind"] = output.error_kind.value
     for name in ("new_logprobs", "prompt_logprobs"):
         if plain[name] is not None:
-            plain[name] = [None if e is None else _plain_logprob(e) for e in plain[name]]
+            plain[name] = logprobs_to_plain(plain[name])
     return plain
+
+
+def logprobs_to_plain(entries: list[TokenLogprob | None]) -> list:
+    return [None if e is None else _plain_logprob(e) for e in entries]
+
+
+def logprobs_from_plain(entries: list) -> list[TokenLogprob | None]:
+    if not isinstance(entries, list):
+        raise LockstepError(f"a rank sent logprobs that are not a list: {str(entries)[:80]}")
+    return [None if e is None else _logprob(e) for e in entries]
 
 
 def output_from_plain(plain: dict) -> RequestOutput:
@@ -178,8 +188,7 @@ def output_from_plain(plain: dict) -> RequestOutput:
             ) from None
     for name in ("new_logprobs", "prompt_logprobs"):
         if plain.get(name) is not None:
-            entries = [None if e is None else _logprob(e) for e in plain[name]]
-            plain = {**plain, name: entries}
+            plain = {**plain, name: logprobs_from_plain(plain[name])}
     try:
         return RequestOutput(**plain)
     except TypeError as error:

@@ -46,7 +46,8 @@ def test_frames_arrive_whole_in_order_and_the_end_is_seen(listener):
     kind = ErrorKind.GROUP_FAILED
     failed = _output("b", finished=True, finish_reason="error: x", error_kind=kind)
     frames = [("out", [_output("a"), failed]), ("out", []), ("left", 3, "its group failed")]
-    data = b"".join(output_channel.encode(frame) for frame in frames)
+    encoder = output_channel.Encoder()
+    data = b"".join(encoder.encode(frame) for frame in frames)
     rank_end.sendall(data[:7])  # a frame in pieces: nothing until it is whole
     time.sleep(0.05)
     assert channel.read() == []
@@ -72,10 +73,11 @@ def test_a_frame_is_json_and_anything_else_is_refused():
         def __reduce__(self):
             return (os.system, ("true",))
 
-    frame = output_channel.encode(("out", [_output("a")]))
+    frame = output_channel.Encoder().encode(("out", [_output("a")]))
     assert frame[8:].startswith(b'["out",[{"request_id":"a"')
     refused = [
         pickle.dumps(("out", [Evil()])),
+        json.dumps(["out", [{"d": "never-sent-whole", "new": [1], "n": 1, "ft": 1.0}]]).encode(),
         json.dumps(["out", [{"request_id": "a", "shell": "rm"}]]).encode(),
         json.dumps(["left", "3", "x"]).encode(),
         json.dumps(["exec", "x"]).encode(),
@@ -83,7 +85,7 @@ def test_a_frame_is_json_and_anything_else_is_refused():
     ]
     for payload in refused:
         with pytest.raises(output_channel.MalformedFrame):
-            output_channel.decode(payload)
+            output_channel.Decoder().decode(payload)
 
 
 def test_only_the_keyed_connection_is_taken_and_the_socket_is_private(listener):
@@ -95,7 +97,7 @@ def test_only_the_keyed_connection_is_taken_and_the_socket_is_private(listener):
     stranger.sendall(b"x" * output_channel.KEY_BYTES)
     rank_end = output_channel.connect(listener.path, key)
     channel = listener.accept(key, timeout_s=10)
-    rank_end.sendall(output_channel.encode(("out", [])))
+    rank_end.sendall(output_channel.Encoder().encode(("out", [])))
     assert stranger.recv(1) == b""  # the stranger was hung up on
     deadline = time.monotonic() + 10
     frames: list[tuple] = []
@@ -150,3 +152,40 @@ def test_the_writer_stamps_a_departure_with_the_group_it_left_and_repeats_it(lis
     channel.close()  # the driver's end goes: the writer's next write fails and it ends
     writer.join(10)
     assert not writer.is_alive()
+
+
+def test_a_stream_goes_as_deltas_and_comes_back_whole():
+    """Between a request's first and terminal outputs only its new tokens travel; the
+    driver rebuilds each output as the rank made it (prompt, every token so far, logprobs),
+    for each of several interleaved requests; a delta that does not add up is refused."""
+    lp = [TokenLogprob(9, -0.5, 2, ((3, -0.1),))]
+    prompt = [1, 2, 3]
+
+    def step(rid: str, tokens: list[int], new: int, **changes) -> RequestOutput:
+        return _output(
+            rid,
+            prompt_token_ids=prompt,
+            output_token_ids=tokens,
+            new_token_ids=tokens[len(tokens) - new :],
+            first_token_time=2.0,
+            new_logprobs=lp * new,
+            **changes,
+        )
+
+    outputs = [
+        step("a", [7], 1, prompt_logprobs=[None, *lp, *lp]),
+        step("b", [4, 4], 2),  # resumed: its first output has tokens from before
+        step("a", [7, 8], 1),
+        step("b", [4, 4, 5], 1),
+        step("a", [7, 8, 9, 9], 2),
+        step("a", [7, 8, 9, 9, 6], 1, finished=True, finish_reason="length", token_times=[1.0]),
+        step("b", [4, 4, 5, 5], 1),
+    ]
+    encoder, decoder = output_channel.Encoder(), output_channel.Decoder()
+    payloads = [encoder.encode(("out", [o]))[8:] for o in outputs]
+    assert [b'"d":' in p for p in payloads] == [False, False, True, True, True, False, True]
+    assert all(b'"prompt_token_ids"' not in p for p in payloads if b'"d":' in p)
+    assert [decoder.decode(p) for p in payloads] == [("out", [o]) for o in outputs]
+    bad = json.dumps(["out", [{"d": "b", "new": [6], "n": 9, "ft": 2.0}]]).encode()
+    with pytest.raises(output_channel.MalformedFrame, match="a delta to 9 output tokens"):
+        decoder.decode(bad)
