@@ -1154,8 +1154,7 @@ class RayClient:
             for rank in ranks:
                 if rank not in group.channels:
                     why = f"its output channel did not open ({type(error).__name__}: {error})"
-                    if self._declare_failed(group, rank, why):
-                        self._kill(group, rank)
+                    self._fail_and_kill(group, rank, why)
 
     def _close_channel(self, group: _Group, rank: int) -> None:
         """Stop reading ``rank``'s channel; the next poll closes it. Called with the lock."""
@@ -1200,9 +1199,9 @@ class RayClient:
                     frames = channel.read()
                 except output_channel.MalformedFrame as error:
                     frames = []
-                    self._declare_failed(group, rank, f"it sent a malformed output frame: {error}")
-                    self._kill(group, rank)
-                    failure = failure or RankFailure(rank, group.failed[rank], group.generation)
+                    why = f"it sent a malformed output frame: {error}"
+                    failed = self._fail_and_kill(group, rank, why)
+                    failure = failure or failed
                 for frame in frames:
                     try:
                         outputs.extend(self._on_frame(group, rank, actor, frame))
@@ -1210,9 +1209,8 @@ class RayClient:
                         failure = failure or error
                 if channel.closed and _is_current(group, rank, actor) and rank not in group.failed:
                     why = "its process is gone (its output channel closed)"
-                    self._declare_failed(group, rank, why)
-                    self._kill(group, rank)
-                    failure = failure or RankFailure(rank, group.failed[rank], group.generation)
+                    failed = self._fail_and_kill(group, rank, why)
+                    failure = failure or failed
         return self._end_poll(group, list(channels), outputs, failure)
 
     def _on_frame(self, group: _Group, rank: int, actor: Any, frame: tuple) -> list[RequestOutput]:
@@ -1280,6 +1278,13 @@ class RayClient:
             log.error("DP rank %d has not answered for %.0f s: killing it", rank, silent_s)
             self._kill(group, rank)
         raise RankFailure(rank, group.failed[rank], group.generation)
+
+    def _fail_and_kill(self, group: _Group, rank: int, why: str) -> RankFailure:
+        """Declare ``rank`` failed and kill its actor (if no other call did first); the
+        `RankFailure` that says so, for the caller to raise."""
+        if self._declare_failed(group, rank, why):
+            self._kill(group, rank)
+        return RankFailure(rank, group.failed[rank], group.generation)
 
     def _declare_failed(self, group: _Group, rank: int, why: str) -> bool:
         """Mark ``rank`` failed; True if this call did (another thread may have first)."""
