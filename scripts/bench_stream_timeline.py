@@ -1,18 +1,20 @@
 """Where a stream's inter-token gap comes from: each token's time at the engine and at the client.
 
     .venv/bin/python scripts/bench_stream_timeline.py [--rate 4] [--num-prompts 64]
-        [--input-len 128] [--output-len 64] [--out bench_results/stream_timeline.json]
+        [--input-len 128] [--output-len 64] [--launcher local] [--dp 1] [--threads-per-rank N]
+        [--out bench_results/stream_timeline.json]
 
 (from the repository root, with the package installed editable)
 
-`lockstep serve`'s parts in this process: an `LLM` on the built-in tiny Qwen3-MoE (DP=1, local
-launcher, float32, as scripts/bench_clients.py runs it) and a `LockstepServer` over its client
-on an event loop of its own. A client in another process streams `/v1/completions` with
-`return_token_ids` (random token prompts of `--input-len`, `--output-len` tokens each, EOS
-ignored, Poisson arrivals at `--rate` requests/s, `inf`: all at once) and records when each
-chunk arrives and how many token ids it carries. The engine records when each token was
-sampled (`RequestOutput.token_times`, time.monotonic() on the rank, which is this host's clock
-for every process). Joined per request, per token:
+`lockstep serve`'s parts in this process: an `LLM` on the built-in tiny Qwen3-MoE (float32, as
+scripts/bench_clients.py runs it; `--launcher local`, the default, puts the engine on a thread
+of this process, `ray` puts each of `--dp` ranks in a process of its own) and a
+`LockstepServer` over its client on an event loop of its own. A client in another process
+streams `/v1/completions` with `return_token_ids` (random token prompts of `--input-len`,
+`--output-len` tokens each, EOS ignored, Poisson arrivals at `--rate` requests/s, `inf`: all at
+once) and records when each chunk arrives and how many token ids it carries. The engine records
+when each token was sampled (`RequestOutput.token_times`, time.monotonic() on the rank, which is
+this host's clock for every process). Joined per request, per token:
 
   engine gap      — between a token's sampling and the previous one's (the step time as the
                     request sees it);
@@ -21,6 +23,10 @@ for every process). Joined per request, per token:
   delivery        — from a chunk's last token's sampling to the chunk's arrival (the server,
                     the event loop, HTTP);
   tokens / chunk  — more than one means the server sent tokens together.
+
+and per request, the first token's way: intake (the client's send → the request's arrival at
+its rank), rank (arrival → the first token's sampling: queueing and prefill) and first
+delivery (sampling → the first chunk at the client).
 
 If the client's gap follows the engine's, the gap is the step time; if it exceeds it, the
 delivery adds it. Figures are this host's under whatever else runs on it.
@@ -113,7 +119,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     frontend.RequestStream.next = next_recording
     rng = random.Random(0)
     model = str(builtin_model())
-    llm = LLM(model=model, launcher="local", dtype="float32", max_model_len=1024)
+    llm = LLM(
+        model=model, launcher=args.launcher, dp_size=args.dp, dtype="float32", max_model_len=1024,
+        threads_per_rank=args.threads_per_rank,
+    )  # fmt: skip
     vocab = BUILTIN_MODEL["vocab_size"]
     prompts = [
         [rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)
@@ -152,9 +161,13 @@ def _run_client(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def analyse(records, prompts, finals, load: float) -> dict[str, Any]:
     engine_gaps, client_gaps, delivery, per_chunk = [], [], [], []
+    intake, rank, first_delivery = [], [], []
     for record in records:
         final = finals[tuple(prompts[record["index"]])]
         times = final.token_times
+        intake.append(final.arrival_time - record["sent"])
+        rank.append(times[0] - final.arrival_time)
+        first_delivery.append(record["chunks"][0][0] - times[0])
         engine_gaps += [b - a for a, b in itertools.pairwise(times)]
         arrivals = [at for at, _ in record["chunks"]]
         client_gaps += [b - a for a, b in itertools.pairwise(arrivals)]
@@ -170,6 +183,9 @@ def analyse(records, prompts, finals, load: float) -> dict[str, Any]:
         "engine_gap_ms": _percentiles(engine_gaps),
         "client_gap_ms": _percentiles(client_gaps),
         "delivery_ms": _percentiles(delivery),
+        "intake_ms": _percentiles(intake),
+        "rank_to_first_token_ms": _percentiles(rank),
+        "first_delivery_ms": _percentiles(first_delivery),
         "chunks_with_more_than_one_token": sum(1 for c in per_chunk if c > 1),
         "chunks": len(per_chunk),
     }
@@ -194,14 +210,19 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--launcher", default="local", choices=("local", "ray"))
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--threads-per-rank", type=int, help="default: the launcher's")
     parser.add_argument("--out", default="bench_results/stream_timeline.json")
     args = parser.parse_args()
     result = run(args)
-    print(f"rate {args.rate}/s, {result['requests']} requests of {args.input_len} -> "
-          f"{args.output_len} tokens, load average {result['load_average']:.2f}")  # fmt: skip
+    print(f"{args.launcher} DP={args.dp}, rate {args.rate}/s, {result['requests']} requests of "
+          f"{args.input_len} -> {args.output_len} tokens, load average "
+          f"{result['load_average']:.2f}")  # fmt: skip
     print("| ms | p50 | p90 | p99 | mean |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for name in ("engine_gap_ms", "client_gap_ms", "delivery_ms"):
+    for name in ("engine_gap_ms", "client_gap_ms", "delivery_ms", "intake_ms",
+                 "rank_to_first_token_ms", "first_delivery_ms"):  # fmt: skip
         row = result[name]
         print(f"| {name} | " + " | ".join(f"{row[k]:.1f}" for k in ("p50", "p90", "p99", "mean"))
               + " |")  # fmt: skip
