@@ -265,7 +265,8 @@ DESCRIPTIONS = {
     "scheduler.lookahead_tokens": "speculative lookahead (not served: keep 0)",
     "scheduler.cp_size": "context parallelism (not served: keep 1)",
     "scheduler.sync_policy": "how the ranks agree on each step's kind",
-    "scheduler.prefill_deadline_steps": "deadline: decode steps a ready prompt waits at most",
+    "scheduler.prefill_deadline_steps": "deadline: decode steps a ready prompt waits at most "
+    "(default: 0 for one rank, 2 in a group)",
     "scheduler.mixed_steps": "prefill steps also decode the running sequences (default: on "
     "unless the policy is vote)",
     "scheduler.mixed_prompt_tokens": "mixed steps: prompt tokens per step while any rank decodes "

@@ -16,6 +16,16 @@ PREEMPTION_ORDERS = ("lcfs", "fcfs")
 MIXED_PROMPT_TOKENS_GROUP = 256
 # A multiple of GROUP: context parallelism's chunk alignment, met by GROUP, holds for it too.
 MIXED_PROMPT_TOKENS_ALONE = 4 * MIXED_PROMPT_TOKENS_GROUP
+# The deadline policy's D (prefill_deadline_steps) unless set. In a group a vote is a collective
+# and a prefill step stretches every rank's step, so a ready prompt may sit out up to 2 decode
+# steps, votes come at most that often, and prompts arriving on several ranks meanwhile share
+# one prefill step (docs/design.md, "The deadline policy"). A rank alone votes without a
+# collective and stretches only its own decoders, as vLLM's and SGLang's schedulers do at every
+# step: there a ready prompt starts at the next step (0), which took 2.5-4 ms (about one decode
+# step) off the served TTFT at half load (docs/benchmark_notes.md, "A prompt's way to its
+# first token").
+PREFILL_DEADLINE_STEPS_GROUP = 2
+PREFILL_DEADLINE_STEPS_ALONE = 0
 # The contenders the sync benchmarks compare: vote (prefill-only steps, the reference), and the
 # two other policies with prefill-only ("+separate") or mixed ("+mixed", the default) steps.
 POLICY_VARIANTS = (
@@ -64,8 +74,10 @@ class SchedulerConfig:
     # in docs/benchmarks.md, "Step policies") | vote (the reference) | every_step
     sync_policy: str = "deadline"
     # deadline policy: the most decode steps a ready head of waiting (schedulable, under the
-    # watermark, admissible now) sits out before the group prefills.
-    prefill_deadline_steps: int = 2
+    # watermark, admissible now) sits out before the group prefills; 0 votes at every step and
+    # prefills at the first a head is ready. None: PREFILL_DEADLINE_STEPS_GROUP, or
+    # PREFILL_DEADLINE_STEPS_ALONE where the engine runs as a group of one rank (`for_group`).
+    prefill_deadline_steps: int | None = None
     # Mixed steps: a prefill step also carries one decode token for every running sequence, so
     # prompts never pause decoding; while any rank of the group decodes, a rank's prompt chunks
     # in one step total at most mixed_prompt_tokens (the head always gets its minimum chunk),
@@ -84,10 +96,11 @@ class SchedulerConfig:
             "block_size",
             "prefill_attempt_interval",
             "prefill_any_attempt_interval",
-            "prefill_deadline_steps",
             "cp_size",
         ):
             _require_int(name, getattr(self, name), minimum=1)
+        if self.prefill_deadline_steps is not None:
+            _require_int("prefill_deadline_steps", self.prefill_deadline_steps, minimum=0)
         _require_int("num_blocks", self.num_blocks, minimum=2)
         _require_int("lookahead_tokens", self.lookahead_tokens, minimum=0)
         _require_int("num_state_slots", self.num_state_slots, minimum=0)
@@ -168,13 +181,27 @@ class SchedulerConfig:
             return MIXED_PROMPT_TOKENS_GROUP
         return self.mixed_prompt_tokens
 
+    @property
+    def deadline_steps(self) -> int:
+        """The deadline policy's D (``prefill_deadline_steps`` resolved)."""
+        if self.prefill_deadline_steps is None:
+            return PREFILL_DEADLINE_STEPS_GROUP
+        return self.prefill_deadline_steps
+
     def for_group(self, num_ranks: int) -> SchedulerConfig:
-        """This config for a group of ``num_ranks`` DP ranks: an unset ``mixed_prompt_tokens``
-        becomes MIXED_PROMPT_TOKENS_ALONE for one rank (aligned wherever the unset config passed
-        its check, since ALONE is a multiple of GROUP)."""
-        if self.mixed_prompt_tokens is not None or num_ranks != 1:
+        """This config for a group of ``num_ranks`` DP ranks: for one rank, an unset
+        ``mixed_prompt_tokens`` becomes MIXED_PROMPT_TOKENS_ALONE (aligned wherever the unset
+        config passed its check, since ALONE is a multiple of GROUP) and an unset
+        ``prefill_deadline_steps`` PREFILL_DEADLINE_STEPS_ALONE. A group that later shrinks to
+        one rank keeps what it started with: every rank resolved the same."""
+        if num_ranks != 1:
             return self
-        return replace(self, mixed_prompt_tokens=MIXED_PROMPT_TOKENS_ALONE)
+        config = self
+        if config.mixed_prompt_tokens is None:
+            config = replace(config, mixed_prompt_tokens=MIXED_PROMPT_TOKENS_ALONE)
+        if config.prefill_deadline_steps is None:
+            config = replace(config, prefill_deadline_steps=PREFILL_DEADLINE_STEPS_ALONE)
+        return config
 
     @property
     def min_chunk_tokens(self) -> int:

@@ -328,7 +328,7 @@ class Scheduler:
             next_vote=self.next_vote,
             all_interval=config.prefill_attempt_interval,
             any_interval=config.prefill_any_attempt_interval,
-            deadline=config.prefill_deadline_steps,
+            deadline=config.deadline_steps,
         )
 
     def policy_state(self) -> tuple[int, int, bool, int | None, int, int]:

@@ -40,7 +40,8 @@ otherwise only when the oldest ready head falls due (or, with none ready, every
 ``prefill_deadline_steps`` steps to look for new ones); prefill when a ready head has waited
 ``prefill_deadline_steps``, when every rank is ready, or when nobody decodes. So a head that
 stays ready from step ``r`` on starts its prefill by step ``r + prefill_deadline_steps``, and
-decoding is interrupted at most once per deadline by prompts that are not yet due.
+decoding is interrupted at most once per deadline by prompts that are not yet due. A deadline of
+0 (a rank alone, by default) votes at every step and prefills as soon as a head is ready.
 """
 
 from __future__ import annotations
@@ -217,13 +218,13 @@ def deadline_next_vote(decided_on: int, view: GroupView, deadline: int) -> int:
     """After the group decoded on a vote taken at ``decided_on``: the decode step of the next.
 
     The oldest ready head falls due ``deadline - wait`` steps on; a head that is not ready
-    yet, or arrives later, is seen at a vote at most ``deadline`` steps on. A head that is
-    already due here was not admitted by any rank after all (vote 2 found no batch): look
-    again next step.
+    yet, or arrives later, is seen at a vote at most ``deadline`` steps on (the next step
+    where the deadline is 0). A head that is already due here was not admitted by any rank
+    after all (vote 2 found no batch): look again next step.
     """
     wait = view.max_ready_wait
     if wait < 0:
-        return decided_on + deadline
+        return decided_on + max(1, deadline)
     return decided_on + max(1, deadline - wait)
 
 

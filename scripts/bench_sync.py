@@ -607,7 +607,7 @@ def _write(
         "model": MODEL_SIZES,
         "scheduler": SCHEDULER,
         "spec": asdict(spec),
-        "prefill_deadline_steps": SchedulerConfig().prefill_deadline_steps,
+        "prefill_deadline_steps": SchedulerConfig().deadline_steps,
         "mixed_prompt_tokens": SchedulerConfig().mixed_prompt_cap,
         "online_loads": ONLINE_LOADS,
         "capacity_requests_per_s_per_rank": capacities,

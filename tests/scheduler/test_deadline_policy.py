@@ -105,9 +105,29 @@ def test_next_vote_is_when_the_oldest_ready_head_falls_due():
     assert deadline_next_vote(3, view(max_ready_wait=DEADLINE + 2), DEADLINE) == 4
 
 
+def test_deadline_zero_votes_every_step_and_prefills_any_ready_head():
+    # Nothing ready: the next vote is the next step, never the step just decided on (which
+    # has passed, so no later step would vote again).
+    assert deadline_next_vote(3, view(max_ready_wait=-1), 0) == 4
+    assert deadline_next_vote(3, view(max_ready_wait=0), 0) == 4
+    assert deadline_prefills(AttemptPoint.DUE, view(max_ready_wait=0), 0)
+    assert not deadline_prefills(AttemptPoint.DUE, view(max_ready_wait=-1), 0)
+
+
+def test_a_rank_alone_defaults_to_no_deadline_and_a_group_to_two_steps():
+    assert SchedulerConfig().prefill_deadline_steps is None
+    assert SchedulerConfig().deadline_steps == 2
+    assert SchedulerConfig().for_group(4).deadline_steps == 2
+    alone = SchedulerConfig().for_group(1)
+    assert alone.prefill_deadline_steps == 0 and alone.deadline_steps == 0
+    # A value the user set is kept, alone or not.
+    assert SchedulerConfig(prefill_deadline_steps=3).for_group(1).deadline_steps == 3
+    assert SchedulerConfig(prefill_deadline_steps=0).for_group(2).deadline_steps == 0
+
+
 def test_policy_and_deadline_are_checked_and_group_agreed():
-    with pytest.raises(ValueError, match="prefill_deadline_steps must be an int >= 1"):
-        SchedulerConfig(prefill_deadline_steps=0)
+    with pytest.raises(ValueError, match="prefill_deadline_steps must be an int >= 0"):
+        SchedulerConfig(prefill_deadline_steps=-1)
     with pytest.raises(ValueError, match="sync_policy must be one of"):
         SchedulerConfig(sync_policy="deadlines")
     agreed = SchedulerConfig(sync_policy="deadline", prefill_deadline_steps=5).group_agreed()
@@ -195,6 +215,23 @@ def test_late_prompt_waits_exactly_the_deadline_and_votes_are_sparse(num_ranks):
     assert votes == [0, 1, 5, 9, 13, 14, 15, 19, 23, 27, 31, 35, 39]
     assert kinds[14][2] is AttemptPoint.DUE and kinds[15][2] is AttemptPoint.FOLLOW
     assert group.votes.num_collectives == len(votes) + 2  # + vote 2 of the two prefill steps
+
+
+def test_a_rank_alone_prefills_a_late_prompt_at_the_next_step():
+    # prefill_deadline_steps as a rank alone resolves it: the prompt that arrives at step 10
+    # is in the prefill (mixed) step 10 itself, where a group's deadline makes it sit out
+    # DEADLINE decode steps (the test above); the vote to see it costs no collective alone.
+    group = Group(1, prefill_deadline_steps=SchedulerConfig().for_group(1).deadline_steps)
+    group.ranks[0].add_sequence(make_seq("long", 8, max_tokens=30))
+
+    def arrive(rank, step, sched):
+        if step == 10:
+            sched.add_sequence(make_seq("late", 8, max_tokens=3))
+
+    kinds = group.run(20, before_step=arrive)
+    assert group.prefills(0, "late") == [10]
+    assert [s for s, kind, _ in kinds if kind == "prefill"] == [0, 10]
+    assert all(point is not AttemptPoint.NONE for _, _, point in kinds)  # a vote every step
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -324,7 +361,7 @@ pools = st.fixed_dictionaries(
         "num_state_slots": st.sampled_from([0, 3]),
         "stop_preempted_request": st.booleans(),
         "prefill_watermark": st.sampled_from([0.6, 0.9, 1.0]),
-        "prefill_deadline_steps": st.integers(1, 6),
+        "prefill_deadline_steps": st.integers(0, 6),
         "mixed_steps": st.booleans(),
         "mixed_prompt_tokens": st.sampled_from([4, 8, 64]),
     }

@@ -36,7 +36,7 @@ configs = st.fixed_dictionaries(
         "prefill_attempt_interval": st.integers(1, 8),
         "prefill_any_attempt_interval": st.integers(2, 12),
         "sync_policy": st.sampled_from(["vote", "every_step", "deadline"]),
-        "prefill_deadline_steps": st.integers(1, 8),
+        "prefill_deadline_steps": st.integers(0, 8),
         "mixed_steps": st.sampled_from([None, True, False]),
         "mixed_prompt_tokens": st.sampled_from([4, 8, 256]),
         "cp_size": st.sampled_from([1, 2]),
