@@ -23,16 +23,27 @@ each connection first presents a key made for that actor, handed over by Ray. A 
 JSON (outputs as `output_to_plain` makes them), never a pickle: nothing read from a socket
 is unpickled. Whole outputs as JSON every step cost ~0.35 ms more a 32-output frame than
 pickles, so a stream's deltas carry only its new tokens (`Encoder`).
+
+The same connection carries the driver's commands the other way: ``("submit", submissions)``
+and ``("abort", request_id)`` (`encode_command`), each what the actor call of that name
+would have carried, read by a thread of the rank (`read_commands`). An actor call's hops (the
+driver's Ray threads, the rank's IO and executor threads) each wait for a core the rank's
+compute holds: at half load a submission took 3.0 ms p50 that way (docs/benchmark_notes.md,
+"A prompt's way to its first token"). A command the rank cannot carry out shuts the
+connection, so the driver sees its rank fail (as an actor call would have raised) and heals.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hmac
 import json
+import logging
 import os
 import secrets
+import select
 import shutil
 import socket
 import struct
@@ -50,6 +61,10 @@ from dist_engine.engine.outputs import (
     output_to_plain,
 )
 from dist_engine.errors import LockstepError
+from launcher.clients import Submission
+from scheduler.sampling_params import params_from_plain, params_to_plain
+
+log = logging.getLogger("lockstep")
 
 KEY_BYTES = 16
 _HEADER = struct.Struct("<Q")  # payload bytes
@@ -189,6 +204,7 @@ class Channel:
         self.socket = conn
         self._buffer = bytearray()
         self._decoder = Decoder()
+        self._send_lock = threading.Lock()
         self.closed = False  # the rank's end closed (its process is gone)
 
     def fileno(self) -> int:
@@ -209,15 +225,28 @@ class Channel:
                 self.closed = True
                 break
             self._buffer += data
-        frames = []
-        while len(self._buffer) >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(self._buffer)
-            end = _HEADER.size + size
-            if len(self._buffer) < end:
-                break
-            frames.append(self._decoder.decode(bytes(self._buffer[_HEADER.size : end])))
-            del self._buffer[:end]
-        return frames
+        return [self._decoder.decode(payload) for payload in _split_frames(self._buffer)]
+
+    def send(self, payload: bytes, timeout_s: float) -> None:
+        """Write a frame (`encode_command`) to the rank, waiting at most ``timeout_s`` for
+        room (a stopped rank reads nothing). Raises TimeoutError, or OSError once the
+        connection is closed (its rank failed). One writer at a time."""
+        deadline = time.monotonic() + timeout_s
+        view = memoryview(payload)
+        with self._send_lock:
+            while view:
+                try:
+                    view = view[self.socket.send(view) :]
+                except (BlockingIOError, InterruptedError):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"no room for a command in {timeout_s:g} s") from None
+                    fd = self.socket.fileno()
+                    if fd < 0:  # closed meanwhile (its rank failed)
+                        raise OSError(errno.EBADF, "the channel closed") from None
+                    room = select.poll()
+                    room.register(fd, select.POLLOUT)
+                    room.poll(max(1, int(left * 1000)))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -272,6 +301,103 @@ def start_writer(name: str, *args: Any) -> threading.Thread:
     thread = threading.Thread(target=write_takes, args=args, name=name, daemon=True)
     thread.start()
     return thread
+
+
+# -- the driver's commands to the rank --------------------------------------------------------
+def submission_to_plain(item: Submission) -> dict:
+    return {
+        "id": item.request_id,
+        "prompt": item.prompt_token_ids,
+        "params": params_to_plain(item.params),
+        "stream": item.stream,
+        "seed": item.seed,
+        "resumed": list(item.resumed_token_ids),
+        "group": item.sample_group,
+        "deferred": item.deferred,
+    }
+
+
+def submission_from_plain(plain: dict) -> Submission:
+    return Submission(
+        request_id=str(plain["id"]),
+        prompt_token_ids=[int(token) for token in plain["prompt"]],
+        params=params_from_plain(plain["params"]),
+        stream=bool(plain["stream"]),
+        seed=plain["seed"],
+        resumed_token_ids=tuple(int(token) for token in plain["resumed"]),
+        sample_group=plain["group"],
+        deferred=bool(plain["deferred"]),
+    )
+
+
+def encode_command(command: tuple) -> bytes:
+    """``("submit", submissions)`` or ``("abort", request_id)`` as length + JSON."""
+    if command[0] == "submit":
+        command = ("submit", [submission_to_plain(item) for item in command[1]])
+    payload = json.dumps(command, separators=(",", ":")).encode()
+    return _HEADER.pack(len(payload)) + payload
+
+
+def decode_command(payload: bytes) -> tuple:
+    """The command `encode_command` made; MalformedFrame for anything else."""
+    try:
+        command = json.loads(payload)
+        if command[0] == "submit" and len(command) == 2 and isinstance(command[1], list):
+            return ("submit", [submission_from_plain(plain) for plain in command[1]])
+        if command[0] == "abort" and len(command) == 2 and isinstance(command[1], str):
+            return ("abort", command[1])
+    except (ValueError, TypeError, KeyError, IndexError) as error:
+        raise MalformedFrame(f"a malformed command: {error}") from None
+    raise MalformedFrame(f"not a command: {str(command)[:80]}")
+
+
+def read_commands(
+    conn: socket.socket,
+    submit: Callable[[list[Submission]], None],
+    abort: Callable[[str], None],
+) -> None:
+    """The rank's reader loop (on a thread of its own): each command the driver sends,
+    carried out in order, until the connection closes. A command that fails (a malformed
+    one, or the engine refusing it) shuts the connection: the driver then fails this rank,
+    as an actor call raising would have had it do, and nothing it sent is left unanswered."""
+    buffer = bytearray()
+    try:
+        while True:
+            data = conn.recv(_RECV_BYTES)
+            if not data:
+                return
+            buffer += data
+            for payload in _split_frames(buffer):
+                kind, body = decode_command(payload)
+                if kind == "submit":
+                    submit(body)
+                else:
+                    abort(body)
+    except OSError:  # closed: the driver's end, or this rank's writer ended
+        return
+    except Exception:
+        log.exception("a command from the driver failed; this rank's channel closes")
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+
+def start_reader(name: str, *args: Any) -> threading.Thread:
+    thread = threading.Thread(target=read_commands, args=args, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _split_frames(buffer: bytearray) -> list[bytes]:
+    """The complete frames at the front of ``buffer``, taken out of it."""
+    frames = []
+    while len(buffer) >= _HEADER.size:
+        (size,) = _HEADER.unpack_from(buffer)
+        end = _HEADER.size + size
+        if len(buffer) < end:
+            break
+        frames.append(bytes(buffer[_HEADER.size : end]))
+        del buffer[:end]
+    return frames
 
 
 def _read_exactly(conn: socket.socket, size: int) -> bytes:

@@ -271,8 +271,9 @@ class RankActor:
         return self.host.take(timeout_s)
 
     def open_outputs(self, path: str, key: bytes) -> bool:
-        """Send this rank's takes to the driver's socket at ``path`` from now on
-        (launcher/output_channel.py); False where it cannot be reached (another host)."""
+        """Send this rank's takes to the driver's socket at ``path`` from now on, and take
+        the driver's commands from it (launcher/output_channel.py); False where it cannot be
+        reached (another host)."""
         try:
             conn = output_channel.connect(path, key)
         except OSError:
@@ -290,11 +291,14 @@ class RankActor:
                 _TAKE_S,
             ),
         )
+        # The driver's submissions and aborts come the other way on the same connection.
+        output_channel.start_reader("lockstep-commands", conn, host.submit, host.abort)
         return True
 
     def stop_outputs(self, timeout_s: float) -> bool:
         """Stop sending takes to the socket (the driver went back to asking for them):
-        shut the connection, so that the writer's next frame fails, and wait for it to end.
+        shut the connection, so that the writer's next frame fails (and the command reader
+        reads its end), and wait for the writer to end.
         Only before the group has any request: a take the writer holds then is empty."""
         if self._outputs is None:
             return True
@@ -996,11 +1000,32 @@ class RayClient:
 
     def submit(self, rank: int, batch: list[Submission], generation: int | None = None) -> None:
         group = self._current(generation)
-        self._get(group, rank, self._actor(group, rank).submit.remote(batch))
+        actor = self._actor(group, rank)
+        if not self._command(group, rank, actor, ("submit", batch)):
+            self._get(group, rank, actor.submit.remote(batch))
 
     def abort(self, rank: int, request_id: str, generation: int | None = None) -> None:
         group = self._current(generation)
-        self._get(group, rank, self._actor(group, rank).abort.remote(request_id))
+        actor = self._actor(group, rank)
+        if not self._command(group, rank, actor, ("abort", request_id)):
+            self._get(group, rank, actor.abort.remote(request_id))
+
+    def _command(self, group: _Group, rank: int, actor: Any, command: tuple) -> bool:
+        """Send ``command`` over ``rank``'s channel, where it has one: True once written.
+        False where it has none, or it closed meanwhile (its rank failing): the actor call
+        then carries the command, or says how the rank failed. A rank that takes nothing
+        for the silence limit (stopped) is failed, as an unanswered call would be."""
+        with self._lock:
+            entry = group.channels.get(rank)
+        if entry is None or entry[0] is not actor:
+            return False
+        try:
+            entry[1].send(output_channel.encode_command(command), self._silence_limit_s)
+        except TimeoutError:
+            self._fail_silent(group, rank, time.monotonic() - group.heard.get(rank, 0.0))
+        except OSError:
+            return False
+        return True
 
     def stats(self, timeout_s: float = STATS_TIMEOUT_S) -> list[RankStats]:
         """Every live rank's queues, KV pool and counters, in rank order.

@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import json as jsonlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 # Seeds are hashed as unsigned 64-bit integers (the sampler's counter-based draws).
 MAX_SEED = 2**64 - 1
@@ -327,16 +328,7 @@ class SamplingParams:
         object.__setattr__(self, "bad_words_token_ids", sequences)
         # Read for every row of every step (the sampler's `_adjust`): computed once here, not
         # a field (equality, hashing and `replace` see only the fields, and recompute it).
-        object.__setattr__(
-            self,
-            "adjusts_logits",
-            bool(
-                self.logit_bias
-                or self.allowed_token_ids is not None
-                or self.bad_words_token_ids
-                or self.uses_penalties
-            ),
-        )
+        object.__setattr__(self, "adjusts_logits", _adjusts_logits(self))
 
     @property
     def greedy(self) -> bool:
@@ -355,6 +347,85 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def params_to_plain(params: SamplingParams) -> dict[str, object]:
+    """``params`` as JSON-ready values: the fields that differ from their defaults, each as
+    lists, strings, numbers and dicts with string keys (`params_from_plain` reverses it)."""
+    default = _DEFAULT_PARAMS
+    plain: dict[str, object] = {}
+    for item in fields(SamplingParams):
+        value = getattr(params, item.name)
+        if value == getattr(default, item.name):
+            continue
+        if item.name == "logit_bias":
+            value = [[token, bias] for token, bias in value.items()]
+        elif item.name == "structured_outputs":
+            value = {
+                sub.name: _plain_value(getattr(value, sub.name))
+                for sub in fields(StructuredOutputsParams)
+                if getattr(value, sub.name) != sub.default
+            }
+        plain[item.name] = _plain_value(value)
+    return plain
+
+
+def params_from_plain(plain: dict[str, Any]) -> SamplingParams:
+    """The `SamplingParams` `params_to_plain` made, equal to the original: its checks run
+    again and give each field its type. Params a caller forced past the checks (a field set
+    with ``object.__setattr__``) come back as they were, as an unpickled copy would, so that
+    a rank's own admission refuses that request alone."""
+    values: dict[str, Any] = dict(plain)
+    if "stop_token_ids" in values:
+        values["stop_token_ids"] = frozenset(values["stop_token_ids"])
+    if "logit_bias" in values:
+        values["logit_bias"] = {int(token): bias for token, bias in values["logit_bias"]}
+    for name in ("grammar_after", "allowed_token_ids", "stop", "bad_words"):
+        if isinstance(values.get(name), list):
+            values[name] = tuple(values[name])
+    if "bad_words_token_ids" in values:
+        values["bad_words_token_ids"] = tuple(tuple(ids) for ids in values["bad_words_token_ids"])
+    if "structured_outputs" in values:
+        outputs = dict(values["structured_outputs"])
+        if isinstance(outputs.get("choice"), list):
+            outputs["choice"] = tuple(outputs["choice"])
+        values["structured_outputs"] = _checked_or_restored(StructuredOutputsParams, outputs)
+    return _checked_or_restored(SamplingParams, values)
+
+
+def _checked_or_restored(cls: type, values: dict[str, Any]) -> Any:
+    try:
+        return cls(**values)
+    except ValueError:
+        made = object.__new__(cls)
+        for item in fields(cls):
+            if item.name in values:
+                value = values[item.name]
+            elif item.default is not MISSING:
+                value = item.default
+            else:
+                value = item.default_factory()
+            object.__setattr__(made, item.name, value)
+        if cls is SamplingParams:
+            object.__setattr__(made, "adjusts_logits", _adjusts_logits(made))
+        return made
+
+
+def _adjusts_logits(params: SamplingParams) -> bool:
+    return bool(
+        params.logit_bias
+        or params.allowed_token_ids is not None
+        or params.bad_words_token_ids
+        or params.uses_penalties
+    )
+
+
+def _plain_value(value: object) -> object:
+    if isinstance(value, frozenset):
+        return sorted(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain_value(item) for item in value]
+    return value
 
 
 def _token_ids(ids: object) -> frozenset[int]:
@@ -445,3 +516,6 @@ def _is_real(value: object) -> bool:
         return math.isfinite(float(value))
     except OverflowError:  # an int beyond float's range
         return False
+
+
+_DEFAULT_PARAMS = SamplingParams()

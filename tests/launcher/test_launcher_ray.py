@@ -52,17 +52,27 @@ def test_dp2_equals_the_single_rank_reference(llm, reference):
     assert llm.moe_exchange == "shared memory"  # both actors on this host (moe_exchange: auto)
 
 
-def test_ranks_on_this_host_send_their_outputs_over_sockets(llm, reference):
+def test_ranks_on_this_host_send_their_outputs_over_sockets(llm, reference, monkeypatch):
     """Every rank on the driver's node: each writes its takes to a socket of its own
     (launcher/output_channel.py) and the driver makes no `take` call; streams and whole
-    results come through it alike."""
+    results come through it alike. The driver's submissions go the other way on the same
+    sockets, none by an actor call."""
     group = llm.client._group
     assert group.channeled and sorted(group.channels) == [0, 1]
+    sent: list[tuple[str, int, bool]] = []
+    command = ray_launcher.RayClient._command
+
+    def recorded(self, group, rank, actor, what):
+        sent.append((what[0], rank, command(self, group, rank, actor, what)))
+        return sent[-1][2]
+
+    monkeypatch.setattr(ray_launcher.RayClient, "_command", recorded)
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     streamed = list(llm.generate_stream(PROMPTS[:2], PARAMS))
     assert [o.output_token_ids for o in outputs] == reference
     assert streamed[-1].finished and len(streamed) >= 12
     assert group.takes == {}  # no actor call carried outputs
+    assert {rank for _, rank, _ in sent} == {0, 1} and all(over for _, _, over in sent)
 
 
 def test_a_channel_that_does_not_open_leaves_the_group_on_takes(

@@ -1,13 +1,16 @@
 """The socket a Ray rank's outputs travel by on the driver's host (launcher/output_channel.py):
-frames, their loader, the key, and the writer's loop. Real sockets and threads."""
+frames, their loader, the key, the writer's loop, and the driver's commands the other way.
+Real sockets and threads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
 import socket
 import stat
+import struct
 import threading
 import time
 
@@ -15,6 +18,9 @@ import pytest
 
 from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
 from launcher import output_channel
+from launcher.clients import Submission
+from scheduler import SamplingParams, StructuredOutputsParams
+from scheduler.sampling_params import params_from_plain, params_to_plain
 
 
 def _output(request_id: str, **changes) -> RequestOutput:
@@ -189,3 +195,113 @@ def test_a_stream_goes_as_deltas_and_comes_back_whole():
     bad = json.dumps(["out", [{"d": "b", "new": [6], "n": 9, "ft": 2.0}]]).encode()
     with pytest.raises(output_channel.MalformedFrame, match="a delta to 9 output tokens"):
         decoder.decode(bad)
+
+
+# -- the driver's commands ----------------------------------------------------------------------
+EVERY_FIELD = SamplingParams(
+    max_tokens=7, temperature=0.7, top_p=0.9, top_k=5, seed=2**64 - 1, stop_token_ids=[3, 1],
+    ignore_eos=True, min_p=0.1, min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
+    repetition_penalty=1.2, logit_bias={5: -1.5, 2: 3}, logprobs=2, prompt_logprobs=-1,
+    grammar='{"grammars": []}', grammar_after=[9, 8], allowed_token_ids=[1, 2, 3],
+    bad_words_token_ids=[[1, 2], [3]], cache_salt="tenant", n=2, stop=["x", "yz"],
+    include_stop_str_in_output=True, bad_words=["w"], skip_special_tokens=False,
+    spaces_between_special_tokens=False,
+)  # fmt: skip
+STRUCTURED = SamplingParams(
+    structured_outputs=StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "string"}}},
+        disable_any_whitespace=True,
+    ),
+    detokenize=False,
+)
+
+
+def test_every_sampling_field_is_set_in_the_round_trip_case():
+    default = SamplingParams()
+    unset = {
+        f.name
+        for f in dataclasses.fields(SamplingParams)
+        if getattr(EVERY_FIELD, f.name) == getattr(default, f.name)
+    }
+    # structured_outputs excludes grammar (STRUCTURED has it), detokenize=False excludes stop.
+    assert unset == {"structured_outputs", "detokenize"}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), EVERY_FIELD, STRUCTURED])
+def test_a_submission_goes_as_json_and_comes_back_equal(params):
+    """A submission crosses as JSON (nothing unpickled on the rank either) and comes back
+    equal, each field of its params in the type the params' checks give it."""
+    item = Submission("r1", [1, 2, 3], params, True, 5, (4,), "group", True)
+    payload = output_channel.encode_command(("submit", [item]))[8:]
+    assert json.loads(payload)[0] == "submit"
+    kind, [back] = output_channel.decode_command(payload)
+    assert kind == "submit" and back == item
+    for field in dataclasses.fields(SamplingParams):
+        got, want = getattr(back.params, field.name), getattr(params, field.name)
+        assert type(got) is type(want), field.name
+    assert back.params.adjusts_logits == params.adjusts_logits
+    abort = output_channel.encode_command(("abort", "r1"))[8:]
+    assert output_channel.decode_command(abort) == ("abort", "r1")
+
+
+def test_params_forced_past_their_checks_cross_as_they_were():
+    """A caller may force a field past the checks (test_faults does, for a seed): the rank
+    gets the params as they were, as a pickled copy would have been, so its own admission
+    refuses that request alone instead of the channel failing the rank."""
+    forced = SamplingParams(max_tokens=6, temperature=0.7, presence_penalty=0.5)
+    object.__setattr__(forced, "seed", 2**64)
+    plain = json.loads(json.dumps(params_to_plain(forced)))
+    back = params_from_plain(plain)
+    assert back == forced and back.seed == 2**64 and back.adjusts_logits
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(**plain)
+
+
+def test_commands_reach_the_rank_in_order_and_a_bad_one_closes_the_channel(listener):
+    key = output_channel.new_key()
+    rank_end = output_channel.connect(listener.path, key)
+    channel = listener.accept(key, timeout_s=10)
+    got: list[tuple] = []
+    reader = output_channel.start_reader(
+        "test-commands",
+        rank_end,
+        lambda batch: got.append(("submit", [item.request_id for item in batch])),
+        lambda request_id: got.append(("abort", request_id)),
+    )
+    items = [Submission(f"r{i}", [1, 2], SamplingParams(), True) for i in range(3)]
+    for command in (("submit", items[:2]), ("abort", "r0"), ("submit", items[2:])):
+        channel.send(output_channel.encode_command(command), timeout_s=10)
+    deadline = time.monotonic() + 10
+    while len(got) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == [("submit", ["r0", "r1"]), ("abort", "r0"), ("submit", ["r2"])]
+    # A pickle is no command: the rank takes nothing more and shuts the connection, which
+    # the driver reads as its end (and fails the rank: a command was not carried out).
+    evil = pickle.dumps(("submit", []))
+    channel.send(struct.pack("<Q", len(evil)) + evil, timeout_s=10)
+    reader.join(10)
+    assert not reader.is_alive() and len(got) == 3
+    deadline = time.monotonic() + 10
+    while not channel.closed and time.monotonic() < deadline:
+        assert channel.read() == []
+    assert channel.closed
+    channel.close()
+    rank_end.close()
+
+
+def test_a_rank_that_reads_no_command_fails_the_send_in_time(listener):
+    """A stopped rank reads nothing: once the socket's buffers are full, the send gives up
+    at its limit (the driver then fails the rank) rather than waiting for ever; and a send on
+    a closed channel raises, so the driver falls back to the actor call."""
+    key = output_channel.new_key()
+    rank_end = output_channel.connect(listener.path, key)
+    channel = listener.accept(key, timeout_s=10)
+    command = output_channel.encode_command(("abort", "x" * (8 << 20)))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        channel.send(command, timeout_s=0.3)
+    assert time.monotonic() - start < 5
+    channel.close()
+    with pytest.raises(OSError):
+        channel.send(output_channel.encode_command(("abort", "x")), timeout_s=1)
+    rank_end.close()
