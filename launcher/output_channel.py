@@ -40,7 +40,6 @@ import dataclasses
 import errno
 import hmac
 import json
-import logging
 import os
 import secrets
 import select
@@ -61,10 +60,11 @@ from dist_engine.engine.outputs import (
     output_to_plain,
 )
 from dist_engine.errors import LockstepError
+from dist_engine.log import get_logger
 from launcher.clients import Submission
 from scheduler.sampling_params import params_from_plain, params_to_plain
 
-log = logging.getLogger("lockstep")
+log = get_logger()
 
 KEY_BYTES = 16
 _HEADER = struct.Struct("<Q")  # payload bytes
@@ -361,24 +361,26 @@ def read_commands(
     one, or the engine refusing it) shuts the connection: the driver then fails this rank,
     as an actor call raising would have had it do, and nothing it sent is left unanswered."""
     buffer = bytearray()
-    try:
-        while True:
+    while True:
+        try:
             data = conn.recv(_RECV_BYTES)
-            if not data:
-                return
-            buffer += data
+        except OSError:  # closed: the driver's end, or this rank's writer ended
+            return
+        if not data:
+            return
+        buffer += data
+        try:
             for payload in _split_frames(buffer):
                 kind, body = decode_command(payload)
                 if kind == "submit":
                     submit(body)
                 else:
                     abort(body)
-    except OSError:  # closed: the driver's end, or this rank's writer ended
-        return
-    except Exception:
-        log.exception("a command from the driver failed; this rank's channel closes")
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_RDWR)
+        except Exception:
+            log.exception("a command from the driver failed; this rank's channel closes")
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            return
 
 
 def start_reader(name: str, *args: Any) -> threading.Thread:

@@ -289,6 +289,30 @@ def test_commands_reach_the_rank_in_order_and_a_bad_one_closes_the_channel(liste
     rank_end.close()
 
 
+def test_a_command_the_engine_refuses_closes_the_channel(listener):
+    """The engine raising on a submission (as an actor call would have raised to the
+    driver) shuts the connection: the driver reads its end and fails the rank, whose open
+    requests the heal resubmits; nothing waits on a command nobody carried out."""
+    key = output_channel.new_key()
+    rank_end = output_channel.connect(listener.path, key)
+    channel = listener.accept(key, timeout_s=10)
+
+    def refuse(batch):
+        raise RuntimeError("the group's store is gone")
+
+    reader = output_channel.start_reader("test-commands", rank_end, refuse, lambda _: None)
+    item = Submission("r0", [1, 2], SamplingParams(), True)
+    channel.send(output_channel.encode_command(("submit", [item])), timeout_s=10)
+    reader.join(10)
+    assert not reader.is_alive()
+    deadline = time.monotonic() + 10
+    while not channel.closed and time.monotonic() < deadline:
+        assert channel.read() == []
+    assert channel.closed
+    channel.close()
+    rank_end.close()
+
+
 def test_a_rank_that_reads_no_command_fails_the_send_in_time(listener):
     """A stopped rank reads nothing: once the socket's buffers are full, the send gives up
     at its limit (the driver then fails the rank) rather than waiting for ever; and a send on
