@@ -279,12 +279,8 @@ def test_commands_reach_the_rank_in_order_and_a_bad_one_closes_the_channel(liste
     # the driver reads as its end (and fails the rank: a command was not carried out).
     evil = pickle.dumps(("submit", []))
     channel.send(struct.pack("<Q", len(evil)) + evil, timeout_s=10)
-    reader.join(10)
-    assert not reader.is_alive() and len(got) == 3
-    deadline = time.monotonic() + 10
-    while not channel.closed and time.monotonic() < deadline:
-        assert channel.read() == []
-    assert channel.closed
+    _assert_the_rank_closed_it(reader, channel)
+    assert len(got) == 3
     channel.close()
     rank_end.close()
 
@@ -303,14 +299,19 @@ def test_a_command_the_engine_refuses_closes_the_channel(listener):
     reader = output_channel.start_reader("test-commands", rank_end, refuse, lambda _: None)
     item = Submission("r0", [1, 2], SamplingParams(), True)
     channel.send(output_channel.encode_command(("submit", [item])), timeout_s=10)
+    _assert_the_rank_closed_it(reader, channel)
+    channel.close()
+    rank_end.close()
+
+
+def _assert_the_rank_closed_it(reader: threading.Thread, channel) -> None:
+    """The rank's reader has ended and the driver's end reads the end of file."""
     reader.join(10)
     assert not reader.is_alive()
     deadline = time.monotonic() + 10
     while not channel.closed and time.monotonic() < deadline:
         assert channel.read() == []
     assert channel.closed
-    channel.close()
-    rank_end.close()
 
 
 def test_a_rank_that_reads_no_command_fails_the_send_in_time(listener):
