@@ -21,9 +21,9 @@ MIXED_PROMPT_TOKENS_ALONE = 4 * MIXED_PROMPT_TOKENS_GROUP
 # steps, votes come at most that often, and prompts arriving on several ranks meanwhile share
 # one prefill step (docs/design.md, "The deadline policy"). A rank alone votes without a
 # collective and stretches only its own decoders, as vLLM's and SGLang's schedulers do at every
-# step: there a ready prompt starts at the next step (0), which took 2.5-4 ms (about one decode
-# step) off the served TTFT at half load (docs/benchmark_notes.md, "A prompt's way to its
-# first token").
+# step: there a ready prompt starts at the next step (0), which took 1-2 ms off the time from a
+# served request's arrival to its first token at half load (docs/benchmark_notes.md, "A
+# prompt's way to its first token").
 PREFILL_DEADLINE_STEPS_GROUP = 2
 PREFILL_DEADLINE_STEPS_ALONE = 0
 # The contenders the sync benchmarks compare: vote (prefill-only steps, the reference), and the
