@@ -67,7 +67,7 @@ Limits, honestly
 Usage::
 
     .venv/bin/python scripts/simulate_vote.py [--quick] [--out bench_results/simulate_vote.json]
-        [--plot bench_results/simulate_vote.png]
+        [--plot bench_results/simulate_vote.png] [--deadline-steps D]
 """
 
 from __future__ import annotations
@@ -778,6 +778,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--any-interval", type=int, default=100)
     s.add_argument("--mixed-prompt-tokens", type=int, default=MIXED_PROMPT_TOKENS_GROUP)
     s.add_argument(
+        "--deadline-steps", type=int, default=None,
+        help="deadline policy: prefill_deadline_steps (default: a group's)",
+    )  # fmt: skip
+    s.add_argument(
         "--goal-policy", choices=POLICIES, default="deadline+mixed", help="the policy checked"
     )
     return p.parse_args(argv)
@@ -805,6 +809,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, CostModel
         prefill_attempt_interval=args.all_interval,
         prefill_any_attempt_interval=args.any_interval,
         mixed_prompt_tokens=args.mixed_prompt_tokens,
+        prefill_deadline_steps=args.deadline_steps,
     )
     return spec, cost, config
 
