@@ -19,7 +19,8 @@ MIXED_PROMPT_TOKENS_ALONE = 4 * MIXED_PROMPT_TOKENS_GROUP
 # The deadline policy's D (prefill_deadline_steps) unless set. In a group a vote is a collective
 # and a prefill step stretches every rank's step, so a ready prompt may sit out up to 2 decode
 # steps, votes come at most that often, and prompts arriving on several ranks meanwhile share
-# one prefill step (docs/design.md, "The deadline policy"). A rank alone votes without a
+# one prefill step (docs/design.md, "The deadline policy"); real DP=2 groups at 90% of capacity
+# fell behind their arrivals with 0 (docs/benchmark_notes.md). A rank alone votes without a
 # collective and stretches only its own decoders, as vLLM's and SGLang's schedulers do at every
 # step: there a ready prompt starts at the next step (0), which took 1-2 ms off the time from a
 # served request's arrival to its first token at half load (docs/benchmark_notes.md, "A
