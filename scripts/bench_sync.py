@@ -46,7 +46,8 @@ Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outpu
 - output tok/s: all ranks' output tokens over the time from the first arrival to the last token.
 
     .venv/bin/python scripts/bench_sync.py [--quick] [--runs skewed online]
-        [--policies vote deadline+mixed ...] [--dp 2 4] [--out bench_results/sync.json]
+        [--policies vote deadline+mixed ...] [--dp 2 4] [--deadline-steps 0 ...]
+        [--out bench_results/sync.json]
 """
 
 from __future__ import annotations
@@ -182,7 +183,10 @@ class Collector:
 
 
 def _engine_config(model_dir: str, world: int, policy: str) -> EngineConfig:
-    scheduler = policy_variant(SchedulerConfig(**SCHEDULER), policy)
+    """``policy``: a POLICY_VARIANTS name, or ``deadline+mixed@D`` (`--deadline-steps`)."""
+    policy, _, deadline = policy.partition("@")
+    overrides = {"prefill_deadline_steps": int(deadline)} if deadline else {}
+    scheduler = policy_variant(SchedulerConfig(**SCHEDULER, **overrides), policy)
     return EngineConfig(
         model=model_dir,
         dtype="float32",
@@ -541,7 +545,12 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--dp", type=int, nargs="+", default=list(WORLD_SIZES))
+    parser.add_argument(
+        "--deadline-steps", type=int, nargs="+", default=[],
+        help="also run deadline+mixed with these prefill_deadline_steps (as deadline+mixed@D)",
+    )  # fmt: skip
     args = parser.parse_args()
+    args.policies += [f"deadline+mixed@{steps}" for steps in args.deadline_steps]
     duration = args.duration or (4.0 if args.quick else 12.0)
     skewed = Spec(duration_s=duration, rate_per_s=args.rate)
     probe = Spec(duration_s=0.0, rate_per_s=0.0, kind="batch", batch=12 if args.quick else 48)
