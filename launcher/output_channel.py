@@ -89,8 +89,7 @@ class Encoder:
         """``("out", outputs)`` or ``("left", generation, reason)`` as length + JSON."""
         if frame[0] == "out":
             frame = ("out", [self._plain(output) for output in frame[1]])
-        payload = json.dumps(frame, separators=(",", ":")).encode()
-        return _HEADER.pack(len(payload)) + payload
+        return _framed(frame)
 
     def _plain(self, output: RequestOutput) -> dict:
         request_id = output.request_id
@@ -334,8 +333,7 @@ def encode_command(command: tuple) -> bytes:
     """``("submit", submissions)`` or ``("abort", request_id)`` as length + JSON."""
     if command[0] == "submit":
         command = ("submit", [submission_to_plain(item) for item in command[1]])
-    payload = json.dumps(command, separators=(",", ":")).encode()
-    return _HEADER.pack(len(payload)) + payload
+    return _framed(command)
 
 
 def decode_command(payload: bytes) -> tuple:
@@ -387,6 +385,12 @@ def start_reader(name: str, *args: Any) -> threading.Thread:
     thread = threading.Thread(target=read_commands, args=args, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def _framed(value: tuple) -> bytes:
+    """``value`` as one frame: its JSON's length, then the JSON (`_split_frames` reads it)."""
+    payload = json.dumps(value, separators=(",", ":")).encode()
+    return _HEADER.pack(len(payload)) + payload
 
 
 def _split_frames(buffer: bytearray) -> list[bytes]:
