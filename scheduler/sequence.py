@@ -55,6 +55,7 @@ _FIRST_FINISHED = SequenceStatus.STOPPED
 
 class Sequence:
     __slots__ = (
+        "_prompt",
         "arrival_index",
         "arrival_time",
         "block_hashes",
@@ -102,6 +103,7 @@ class Sequence:
         # Token ledger.
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
+        self._prompt: list[int] | None = None  # `prompt_token_ids`, made at the first ask
         self.num_output_tokens = 0
         self.max_tokens = self.sampling_params.max_tokens
         # EOS ids and stop ids end a sequence the same way ("stop"), so the hot path tests one
@@ -137,7 +139,14 @@ class Sequence:
     # -- token ledger -----------------------------------------------------------------------
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        """The prompt's ids: one list, made at the first ask and the same list after (the
+        prompt's part of ``token_ids`` never changes). A streamed request's output carries it
+        every step, as do the sampler's rows under a repetition penalty: a copy each time
+        would cost O(prompt) per sequence per step. Not to be modified."""
+        prompt = self._prompt
+        if prompt is None:
+            prompt = self._prompt = self.token_ids[: self.num_prompt_tokens]
+        return prompt
 
     @property
     def output_token_ids(self) -> list[int]:

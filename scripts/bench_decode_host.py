@@ -1,6 +1,7 @@
 """Host work per decode step: what a step costs outside its forward, at 64 and 256 sequences.
 
     .venv/bin/python scripts/bench_decode_host.py [--seqs 64 256] [--steps 50] [--out FILE.json]
+        [--prompt-len 200] [--stream]
 
 (from the repository root; not part of the test suite)
 
@@ -9,8 +10,11 @@ the scheduler's decode assembly and output accounting, the runner's inputs (toke
 block tables into the persistent buffers, `DecodeInputs.fill`) and the sampler. This runs the
 real Scheduler and ModelRunner on a tiny model (2 layers: its forward is small, and is timed
 apart) with every sequence decoding, and prints, per batch size, the median milliseconds per
-step of each part and of the forward, as a table and as JSON. Contexts start at 200 tokens in
-blocks of 16 and grow by one per step, so block boundaries are crossed.
+step of each part and of the forward, as a table and as JSON. Contexts start at 200 tokens
+(`--prompt-len`) in blocks of 16 and grow by one per step, so block boundaries are crossed.
+`--stream`: every request streams, and "stream outputs" (part of the host total then) times
+what the engine does for a streamed request each step: its output of the step's new tokens
+(`Request.delta`, the `RequestOutput` a front end or the output channel gets).
 """
 
 from __future__ import annotations
@@ -39,16 +43,18 @@ from scheduler import SamplingParams, Scheduler, SchedulerConfig, Sequence  # no
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 200
-PARTS = ("schedule", "runner inputs", "forward", "sampling", "process outputs")
+PARTS = ("schedule", "runner inputs", "forward", "sampling", "process outputs", "stream outputs")
 
 
-def measure(model, num_seqs: int, num_steps: int) -> dict[str, float]:
+def measure(
+    model, num_seqs: int, num_steps: int, prompt_len: int = PROMPT_LEN, stream: bool = False
+) -> dict[str, float]:
     config = SchedulerConfig(
         max_num_seqs=num_seqs,
-        max_num_batched_tokens=num_seqs * PROMPT_LEN,
-        max_model_len=PROMPT_LEN + num_steps + 8,
+        max_num_batched_tokens=num_seqs * prompt_len,
+        max_model_len=prompt_len + num_steps + 8,
         block_size=BLOCK_SIZE,
-        num_blocks=num_seqs * (-(-(PROMPT_LEN + num_steps + 8) // BLOCK_SIZE)) + 2,
+        num_blocks=num_seqs * (-(-(prompt_len + num_steps + 8) // BLOCK_SIZE)) + 2,
     )
     model.attach_kv_cache(model.new_kv_cache(config.num_blocks, BLOCK_SIZE))
     runner = ModelRunner(
@@ -76,13 +82,15 @@ def measure(model, num_seqs: int, num_steps: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=num_steps + 2, ignore_eos=True)
     requests = {}
     for index in range(num_seqs):
-        prompt = [(index * 31 + i) % 300 + 1 for i in range(PROMPT_LEN)]
+        prompt = [(index * 31 + i) % 300 + 1 for i in range(prompt_len)]
         seq = Sequence(f"r{index}", prompt, params)
         sched.add_sequence(seq)
-        requests[seq.request_id] = Request.admit(seq, stream=False)
+        requests[seq.request_id] = Request.admit(seq, stream=stream)
     while True:  # the prompts, until every sequence decodes
         outputs = sched.schedule()
         sched.process_outputs(outputs, runner.execute(outputs, requests)[0])
+        for request in requests.values():
+            request.delta(0)  # None for a request that does not stream
         if not outputs.is_prefill:
             break
     forward_ms.clear()
@@ -96,12 +104,17 @@ def measure(model, num_seqs: int, num_steps: int) -> dict[str, float]:
         executed = time.perf_counter()
         sched.process_outputs(outputs, tokens)
         done = time.perf_counter()
+        if stream:
+            for request in requests.values():
+                request.delta(0)
+        streamed = time.perf_counter()
         inside = forward_ms[-1] + sample_ms[-1]
         timings["schedule"].append((scheduled - start) * 1e3)
         timings["runner inputs"].append((executed - scheduled) * 1e3 - inside)
         timings["forward"].append(forward_ms[-1])
         timings["sampling"].append(sample_ms[-1])
         timings["process outputs"].append((done - executed) * 1e3)
+        timings["stream outputs"].append((streamed - done) * 1e3)
     result = {part: statistics.median(values) for part, values in timings.items()}
     result["host total"] = sum(v for part, v in result.items() if part != "forward")
     return result
@@ -112,13 +125,17 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    parser.add_argument("--stream", action="store_true", help="every request streams")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_checkpoint("qwen3_moe", Path(tmp), seed=1, num_layers=2)
         model = load_model(model_dir, backends=Backends.all("torch"))
-        results = {n: measure(model, n, args.steps) for n in args.seqs}
+        results = {
+            n: measure(model, n, args.steps, args.prompt_len, args.stream) for n in args.seqs
+        }
     columns = [*PARTS, "host total"]
     print(f"{'ms per decode step (median)':<28}" + "".join(f"{n:>10} seqs" for n in results))
     for part in columns:
@@ -128,6 +145,8 @@ def main() -> None:
         "steps": args.steps,
         "threads": args.threads,
         "block_size": BLOCK_SIZE,
+        "prompt_len": args.prompt_len,
+        "stream": args.stream,
     }
     report["ms_per_step"] = {str(n): values for n, values in results.items()}
     print(json.dumps(report, indent=2))

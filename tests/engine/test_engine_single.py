@@ -84,6 +84,9 @@ def test_streaming_yields_the_final_tokens_in_order(running):
     streamed = [t for o in outs for t in o.new_token_ids]
     assert streamed == final.output_token_ids and len(final.output_token_ids) == 6
     assert len(outs) > 1 and final.finish_reason == "length"
+    # Every output carries the one prompt list the sequence made once, not a copy per step.
+    assert all(o.prompt_token_ids is outs[0].prompt_token_ids for o in outs)
+    assert outs[0].prompt_token_ids == [9, 8, 7, 6]
 
 
 def test_a_duplicate_id_does_not_disturb_the_live_request(running):

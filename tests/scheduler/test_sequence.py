@@ -63,6 +63,15 @@ def test_token_ledger_views():
     assert seq.prompt_token_ids == [5, 6] and seq.output_token_ids == [7, 8] and len(seq) == 4
 
 
+def test_the_prompt_view_is_made_once_and_stays_the_prompt():
+    seq = Sequence("r", (5, 6), SamplingParams(max_tokens=8))
+    seq.token_ids += [7]
+    prompt = seq.prompt_token_ids
+    seq.token_ids += [8, 9]  # outputs appended after the first ask
+    assert seq.prompt_token_ids is prompt and prompt == [5, 6]
+    assert seq.output_token_ids == [7, 8, 9]
+
+
 def test_eos_ids_join_the_stop_ids_unless_ignored():
     params = SamplingParams(stop_token_ids=[7])
     assert Sequence("r", [1], params, eos_token_id=2).stop_token_ids == {2, 7}
