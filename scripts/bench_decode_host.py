@@ -1,7 +1,7 @@
 """Host work per decode step: what a step costs outside its forward, at 64 and 256 sequences.
 
     .venv/bin/python scripts/bench_decode_host.py [--seqs 64 256] [--steps 50] [--out FILE.json]
-        [--prompt-len 200] [--stream]
+        [--prompt-len 200] [--stream] [--penalties]
 
 (from the repository root; not part of the test suite)
 
@@ -15,6 +15,9 @@ step of each part and of the forward, as a table and as JSON. Contexts start at 
 `--stream`: every request streams, and "stream outputs" (part of the host total then) times
 what the engine does for a streamed request each step: its output of the step's new tokens
 (`Request.delta`, the `RequestOutput` a front end or the output channel gets).
+`--penalties`: every request samples at temperature 1.0 with repetition, frequency and
+presence penalties (vLLM's, as an OpenAI client sets them), so "sampling" counts the penalties
+over each sequence's prompt and outputs every step.
 """
 
 from __future__ import annotations
@@ -46,8 +49,17 @@ PROMPT_LEN = 200
 PARTS = ("schedule", "runner inputs", "forward", "sampling", "process outputs", "stream outputs")
 
 
+PENALTIES = dict(temperature=1.0, repetition_penalty=1.1, frequency_penalty=0.5,
+                 presence_penalty=0.5)  # fmt: skip
+
+
 def measure(
-    model, num_seqs: int, num_steps: int, prompt_len: int = PROMPT_LEN, stream: bool = False
+    model,
+    num_seqs: int,
+    num_steps: int,
+    prompt_len: int = PROMPT_LEN,
+    stream: bool = False,
+    penalties: bool = False,
 ) -> dict[str, float]:
     config = SchedulerConfig(
         max_num_seqs=num_seqs,
@@ -79,7 +91,9 @@ def measure(
 
     runner.decode_step, runner._sample_all = timed_forward, timed_sample
     sched = Scheduler(config)
-    params = SamplingParams(max_tokens=num_steps + 2, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=num_steps + 2, ignore_eos=True, **(PENALTIES if penalties else {})
+    )
     requests = {}
     for index in range(num_seqs):
         prompt = [(index * 31 + i) % 300 + 1 for i in range(prompt_len)]
@@ -127,6 +141,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     parser.add_argument("--stream", action="store_true", help="every request streams")
+    parser.add_argument("--penalties", action="store_true", help="every request penalised")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -134,7 +149,8 @@ def main() -> None:
         model_dir = make_tiny_checkpoint("qwen3_moe", Path(tmp), seed=1, num_layers=2)
         model = load_model(model_dir, backends=Backends.all("torch"))
         results = {
-            n: measure(model, n, args.steps, args.prompt_len, args.stream) for n in args.seqs
+            n: measure(model, n, args.steps, args.prompt_len, args.stream, args.penalties)
+            for n in args.seqs
         }
     columns = [*PARTS, "host total"]
     print(f"{'ms per decode step (median)':<28}" + "".join(f"{n:>10} seqs" for n in results))
@@ -147,6 +163,7 @@ def main() -> None:
         "block_size": BLOCK_SIZE,
         "prompt_len": args.prompt_len,
         "stream": args.stream,
+        "penalties": args.penalties,
     }
     report["ms_per_step"] = {str(n): values for n, values in results.items()}
     print(json.dumps(report, indent=2))

@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
 from scheduler import SamplingParams, Sequence
 
@@ -37,6 +39,35 @@ class ResumableRequest:
     seed: int
     stream: bool
     num_streamed: int
+
+
+class TokenHistory:
+    """A part of a sequence's token ledger (the prompt, or the outputs so far) as one int64
+    tensor, grown by the tokens added since the last ask: O(new tokens) a step where a list
+    turned into a tensor every step costs O(history) in Python (the penalties read it every
+    step). The ledger only grows, so what was copied stays right; a view handed out keeps its
+    values when the history grows past it."""
+
+    __slots__ = ("_buffer", "_length")
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.int64)
+        self._length = 0
+
+    def view(self, token_ids: list[int], start: int, stop: int) -> torch.Tensor:
+        """``token_ids[start:stop]`` as a tensor (a view of the history's buffer)."""
+        length = stop - start
+        if length < self._length:  # not a ledger that only grows: start again
+            self._length = 0
+        if length > self._length:
+            if length > self._buffer.numel():
+                grown = torch.empty(max(length, 2 * self._buffer.numel(), 64), dtype=torch.int64)
+                grown[: self._length] = self._buffer[: self._length]
+                self._buffer = grown
+            new = token_ids[start + self._length : stop]
+            self._buffer[self._length : length] = torch.tensor(new, dtype=torch.int64)
+            self._length = length
+        return self._buffer[:length]
 
 
 @dataclass(eq=False)
@@ -58,6 +89,9 @@ class Request:
     matcher: Any = None
     num_matched: int = 0
     next_mask: Future | None = None
+    # With penalties: the prompt's and the outputs' ids as tensors, for the sampler.
+    prompt_history: TokenHistory | None = field(default=None, repr=False)
+    output_history: TokenHistory | None = field(default=None, repr=False)
 
     @classmethod
     def admit(cls, seq: Sequence, stream: bool, seed: int | None = None) -> Request:
@@ -103,6 +137,20 @@ class Request:
     @property
     def request_id(self) -> str:
         return self.seq.request_id
+
+    def prompt_ids(self) -> torch.Tensor:
+        """The prompt's ids as an int64 tensor (made once)."""
+        if self.prompt_history is None:
+            self.prompt_history = TokenHistory()
+        seq = self.seq
+        return self.prompt_history.view(seq.token_ids, 0, seq.num_prompt_tokens)
+
+    def output_ids(self) -> torch.Tensor:
+        """The output ids so far as an int64 tensor (grown by the new ones)."""
+        if self.output_history is None:
+            self.output_history = TokenHistory()
+        seq = self.seq
+        return self.output_history.view(seq.token_ids, seq.num_prompt_tokens, len(seq.token_ids))
 
     def delta(self, dp_rank: int) -> RequestOutput | None:
         """The tokens committed since the last report, for a streamed request still running."""

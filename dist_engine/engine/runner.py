@@ -298,13 +298,20 @@ def _sampling_row(seq: Sequence, request: Request) -> SamplingRow:
     from the random stream its record's seed keys."""
     params = seq.sampling_params
     index = seq.num_output_tokens
-    penalised = params.reads_output
+    prompt: torch.Tensor | tuple = ()
+    outputs: torch.Tensor | list[int] | tuple = ()
+    if params.reads_output:
+        # Tensors the record grows by each step's tokens: the penalties count the whole
+        # history every step. Bad words match the outputs' tail as a list.
+        outputs = seq.output_token_ids if params.bad_words_token_ids else request.output_ids()
+        if params.repetition_penalty != 1.0:
+            prompt = request.prompt_ids()
     return SamplingRow(
         params,
         request.seed,
         index,
-        prompt_token_ids=seq.prompt_token_ids if params.repetition_penalty != 1.0 else (),
-        output_token_ids=seq.output_token_ids if penalised else (),
+        prompt_token_ids=prompt,
+        output_token_ids=outputs,
         stop_token_ids=seq.stop_token_ids if index < params.min_tokens else frozenset(),
     )
 

@@ -68,15 +68,15 @@ class SamplingRow:  # dataclass's __init__ costs twice as much (143 vs 80 us at 
     request was created). index: how many output tokens it already has, i.e. the index of the one
     being drawn. prompt_token_ids, output_token_ids: what the penalties count (and the bad words
     match); needed only when ``params.reads_output`` (the prompt's only for
-    ``repetition_penalty != 1``).
+    ``repetition_penalty != 1``); lists, or 1-D int64 tensors (the runner's).
     stop_token_ids: masked while ``index < params.min_tokens`` (the stop ids and the EOS ids).
     """
 
     params: SamplingParams
     seed: int
     index: int
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
+    prompt_token_ids: Sequence[int] | torch.Tensor = ()
+    output_token_ids: Sequence[int] | torch.Tensor = ()
     stop_token_ids: AbstractSet[int] = frozenset()
 
     def __post_init__(self) -> None:
@@ -374,8 +374,11 @@ def _adjust(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     return logits
 
 
-def _ends_with(tokens: Sequence[int], tail: list[int]) -> bool:
-    return len(tokens) >= len(tail) and list(tokens[len(tokens) - len(tail) :]) == tail
+def _ends_with(tokens: Sequence[int] | torch.Tensor, tail: list[int]) -> bool:
+    if len(tokens) < len(tail):
+        return False
+    end = tokens[len(tokens) - len(tail) :]
+    return (end.tolist() if isinstance(end, torch.Tensor) else list(end)) == tail
 
 
 def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]) -> None:
@@ -405,12 +408,28 @@ def _penalise(logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list
 
 
 def _keys(
-    batch_rows: list[int], ids_per_row: Sequence[Sequence[int]], vocab: int, device: torch.device
+    batch_rows: list[int],
+    ids_per_row: Sequence[Sequence[int] | torch.Tensor],
+    vocab: int,
+    device: torch.device,
 ) -> torch.Tensor:
     """row * vocab + token for every token of ids_per_row[i], row = batch_rows[i]. → [N] int64.
 
     An id outside the vocabulary would land in another row's logits: it is refused instead.
+    A row's ids may be a list or a 1-D int64 tensor (the runner's, grown a step at a time).
     """
+    if ids_per_row and all(isinstance(row_ids, torch.Tensor) for row_ids in ids_per_row):
+        flat = torch.cat(list(ids_per_row))
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
+            ids_per_row = [row_ids.tolist() for row_ids in ids_per_row]  # to name the row
+        else:
+            lengths = _long([row_ids.numel() for row_ids in ids_per_row], device)
+            owners = _long(batch_rows, device).repeat_interleave(lengths)
+            return owners * vocab + flat.to(device)
+    ids_per_row = [
+        row_ids.tolist() if isinstance(row_ids, torch.Tensor) else row_ids
+        for row_ids in ids_per_row
+    ]
     ids = list(chain.from_iterable(ids_per_row))
     if ids and (min(ids) < 0 or max(ids) >= vocab):
         row, bad = next(

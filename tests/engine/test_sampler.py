@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
 )
 
 import dist_engine.engine.sampler as sampler_module
+from dist_engine.engine.request import TokenHistory
 from dist_engine.engine.sampler import (
     Sampler,
     SamplingRow,
@@ -118,6 +119,45 @@ def test_frequency_and_presence_penalties_match_a_loop() -> None:
         count = output.count(token)  # the prompt does not count for these two
         expected[token] -= 0.4 * count + (-1.1 if count else 0.0)
     torch.testing.assert_close(_adjusted(logits, row), expected.log_softmax(-1))
+
+
+def test_penalties_read_tensor_histories_as_they_read_lists() -> None:
+    """The runner hands the histories as int64 tensors (TokenHistory); a row whose bad words
+    need its outputs as a list sits beside them. Same logits either way, and an id outside the
+    vocabulary is refused naming its row, as from a list."""
+    logits = _logits(3, seed=5)
+    settings = dict(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2)
+    histories = [([1, 4, 4], [4, 9, 9, 9]), ([7], [2, 2, 30]), ([0, 49], [])]
+    as_lists = [_row(prompt=p, output=o, **settings) for p, o in histories]
+    as_tensors = [
+        _row(prompt=torch.tensor(p, dtype=torch.int64), output=torch.tensor(o, dtype=torch.int64),
+             **settings)
+        for p, o in histories
+    ]  # fmt: skip
+    mixed = [as_tensors[0], as_lists[1], as_tensors[2]]
+    expected = Sampler("processed_logprobs")(logits, [_logprobs_all(r) for r in as_lists])
+    for rows in (as_tensors, mixed):
+        got = Sampler("processed_logprobs")(logits, [_logprobs_all(r) for r in rows])
+        assert torch.equal(got.token_ids, expected.token_ids)
+        assert got.logprobs is not None and expected.logprobs is not None
+        torch.testing.assert_close(got.logprobs.top_logprobs, expected.logprobs.top_logprobs)
+    bad = [as_tensors[0], _row(output=torch.tensor([3, VOCAB + 2]), **settings)]
+    with pytest.raises(ValueError, match=rf"row 1: token ids \[{VOCAB + 2}\] in its history"):
+        Sampler()(_logits(2), bad)
+
+
+def _logprobs_all(row: SamplingRow) -> SamplingRow:
+    return replace(row, params=replace(row.params, logprobs=-1))
+
+
+def test_a_token_history_grows_by_the_new_ids_and_keeps_what_it_handed_out() -> None:
+    history, ledger = TokenHistory(), [5, 6, 7]
+    first = history.view(ledger, 1, 3)
+    assert first.tolist() == [6, 7]
+    ledger += list(range(100, 200))  # past the first buffer: it grows
+    second = history.view(ledger, 1, len(ledger))
+    assert second.tolist() == ledger[1:] and first.tolist() == [6, 7]
+    assert history.view([9, 8], 0, 2).tolist() == [9, 8]  # a shorter ledger starts again
 
 
 def test_all_penalties_apply_in_vllms_order() -> None:
