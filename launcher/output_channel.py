@@ -296,8 +296,9 @@ def write_takes(
             conn.close()
 
 
-def start_writer(name: str, *args: Any) -> threading.Thread:
-    thread = threading.Thread(target=write_takes, args=args, name=name, daemon=True)
+def start(name: str, target: Callable[..., None], *args: Any) -> threading.Thread:
+    """``target(*args)`` on a daemon thread named ``name`` (`write_takes`, `read_commands`)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     thread.start()
     return thread
 
@@ -379,12 +380,6 @@ def read_commands(
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
             return
-
-
-def start_reader(name: str, *args: Any) -> threading.Thread:
-    thread = threading.Thread(target=read_commands, args=args, name=name, daemon=True)
-    thread.start()
-    return thread
 
 
 def _framed(value: tuple) -> bytes:

@@ -281,8 +281,9 @@ class RankActor:
         host = self.host
         self._outputs = (
             conn,
-            output_channel.start_writer(
+            output_channel.start(
                 "lockstep-outputs",
+                output_channel.write_takes,
                 conn,
                 lambda: host.take(_TAKE_S),
                 lambda: self.generation,
@@ -292,7 +293,9 @@ class RankActor:
             ),
         )
         # The driver's submissions and aborts come the other way on the same connection.
-        output_channel.start_reader("lockstep-commands", conn, host.submit, host.abort)
+        output_channel.start(
+            "lockstep-commands", output_channel.read_commands, conn, host.submit, host.abort
+        )
         return True
 
     def stop_outputs(self, timeout_s: float) -> bool:

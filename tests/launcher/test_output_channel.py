@@ -262,8 +262,9 @@ def test_commands_reach_the_rank_in_order_and_a_bad_one_closes_the_channel(liste
     rank_end = output_channel.connect(listener.path, key)
     channel = listener.accept(key, timeout_s=10)
     got: list[tuple] = []
-    reader = output_channel.start_reader(
+    reader = output_channel.start(
         "test-commands",
+        output_channel.read_commands,
         rank_end,
         lambda batch: got.append(("submit", [item.request_id for item in batch])),
         lambda request_id: got.append(("abort", request_id)),
@@ -296,7 +297,9 @@ def test_a_command_the_engine_refuses_closes_the_channel(listener):
     def refuse(batch):
         raise RuntimeError("the group's store is gone")
 
-    reader = output_channel.start_reader("test-commands", rank_end, refuse, lambda _: None)
+    reader = output_channel.start(
+        "test-commands", output_channel.read_commands, rank_end, refuse, lambda _: None
+    )
     item = Submission("r0", [1, 2], SamplingParams(), True)
     channel.send(output_channel.encode_command(("submit", [item])), timeout_s=10)
     _assert_the_rank_closed_it(reader, channel)
