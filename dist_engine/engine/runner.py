@@ -299,11 +299,11 @@ def _sampling_row(seq: Sequence, request: Request) -> SamplingRow:
     params = seq.sampling_params
     index = seq.num_output_tokens
     prompt: torch.Tensor | tuple = ()
-    outputs: torch.Tensor | list[int] | tuple = ()
+    outputs: torch.Tensor | tuple = ()
     if params.reads_output:
         # Tensors the record grows by each step's tokens: the penalties count the whole
-        # history every step. Bad words match the outputs' tail as a list.
-        outputs = seq.output_token_ids if params.bad_words_token_ids else request.output_ids()
+        # history every step (and the bad words match its tail).
+        outputs = request.output_ids()
         if params.repetition_penalty != 1.0:
             prompt = request.prompt_ids()
     return SamplingRow(

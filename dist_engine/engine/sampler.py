@@ -420,7 +420,8 @@ def _keys(
     """
     if ids_per_row and all(isinstance(row_ids, torch.Tensor) for row_ids in ids_per_row):
         flat = torch.cat(list(ids_per_row))
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= vocab):
+        low, high = torch.aminmax(flat) if flat.numel() else (0, 0)
+        if int(low) < 0 or int(high) >= vocab:
             ids_per_row = [row_ids.tolist() for row_ids in ids_per_row]  # to name the row
         else:
             lengths = _long([row_ids.numel() for row_ids in ids_per_row], device)

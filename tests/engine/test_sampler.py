@@ -122,9 +122,9 @@ def test_frequency_and_presence_penalties_match_a_loop() -> None:
 
 
 def test_penalties_read_tensor_histories_as_they_read_lists() -> None:
-    """The runner hands the histories as int64 tensors (TokenHistory); a row whose bad words
-    need its outputs as a list sits beside them. Same logits either way, and an id outside the
-    vocabulary is refused naming its row, as from a list."""
+    """The runner hands the histories as int64 tensors (TokenHistory); another caller's rows
+    may hand lists, beside them. Same logits either way, and an id outside the vocabulary is
+    refused naming its row, as from a list."""
     logits = _logits(3, seed=5)
     settings = dict(repetition_penalty=1.4, frequency_penalty=0.3, presence_penalty=0.2)
     histories = [([1, 4, 4], [4, 9, 9, 9]), ([7], [2, 2, 30]), ([0, 49], [])]
@@ -522,6 +522,10 @@ def test_bad_words_mask_like_transformers_no_bad_words_over_the_output() -> None
     # Greedy rows then take the best token that is left.
     tokens = Sampler()(logits, rows).token_ids
     assert tokens.tolist() == got.argmax(-1).tolist()
+    # The runner hands the outputs as int64 tensors: the same mask.
+    as_tensors = [replace(row, output_token_ids=torch.tensor(o, dtype=torch.int64))
+                  for row, o in zip(rows, outputs, strict=True)]  # fmt: skip
+    assert torch.equal(sampler_module._adjust(logits, as_tensors), got)
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
