@@ -921,6 +921,7 @@ def _kept(output: RequestOutput, text: SampleText, piece: Piece) -> RequestOutpu
             changes["new_logprobs"] = piece.logprobs or []
     if text.stopped:
         changes.update(finished=True, finish_reason="stop", detail=None, error_kind=None)
+        changes.setdefault("output_token_ids", list(output.output_token_ids))  # a list once ended
     return replace(output, **changes) if changes else output
 
 

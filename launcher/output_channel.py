@@ -54,6 +54,7 @@ from typing import Any
 
 from dist_engine.engine.outputs import (
     RequestOutput,
+    TokenSlice,
     logprobs_from_plain,
     logprobs_to_plain,
     output_from_plain,
@@ -111,10 +112,13 @@ class Encoder:
 
 
 class Decoder:
-    """The driver's end: the outputs an `Encoder` sent, rebuilt whole."""
+    """The driver's end: the outputs an `Encoder` sent, rebuilt whole. A running request's
+    output tokens are a `TokenSlice` of one list per request that each delta extends, so a
+    delta costs O(its new tokens), not O(every token so far)."""
 
     def __init__(self) -> None:
-        self._open: dict[str, RequestOutput] = {}  # the last output of each open request
+        # The last output of each open request, and the list its outputs' tokens slice.
+        self._open: dict[str, tuple[RequestOutput, list[int]]] = {}
 
     def decode(self, payload: bytes) -> tuple:
         """The frame `Encoder.encode` made; MalformedFrame for anything else."""
@@ -134,27 +138,34 @@ class Decoder:
             if output.finished:
                 self._open.pop(output.request_id, None)
             else:
-                self._open[output.request_id] = output
+                tokens = list(output.output_token_ids)
+                output = dataclasses.replace(
+                    output, output_token_ids=TokenSlice(tokens, 0, len(tokens))
+                )
+                self._open[output.request_id] = (output, tokens)
             return output
-        last = self._open[plain["d"]]  # KeyError: a delta of a request never sent whole
+        last, tokens = self._open[plain["d"]]  # KeyError: a delta of a request never sent whole
         new = [int(token) for token in plain["new"]]
-        tokens = [*last.output_token_ids, *new]
-        if len(tokens) != plain["n"]:
+        if len(tokens) + len(new) != plain["n"]:
             raise MalformedFrame(
                 f"request {plain['d']!r}: a delta to {plain['n']} output tokens after "
-                f"{len(last.output_token_ids)} with {len(new)} new"
+                f"{len(tokens)} with {len(new)} new"
             )
+        tokens.extend(new)
         lp = plain.get("lp")
-        logprobs = None if lp is None else logprobs_from_plain(lp)
-        output = dataclasses.replace(
-            last,
-            output_token_ids=tokens,
+        output = RequestOutput(
+            request_id=last.request_id,
+            prompt_token_ids=last.prompt_token_ids,
+            output_token_ids=TokenSlice(tokens, 0, len(tokens)),
             new_token_ids=new,
+            finished=False,
+            finish_reason=None,
+            dp_rank=last.dp_rank,
+            arrival_time=last.arrival_time,
             first_token_time=plain["ft"],
-            new_logprobs=logprobs,
-            prompt_logprobs=None,
+            new_logprobs=None if lp is None else logprobs_from_plain(lp),
         )
-        self._open[output.request_id] = output
+        self._open[output.request_id] = (output, tokens)
         return output
 
 

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob
+from dist_engine.engine.outputs import ErrorKind, RequestOutput, TokenLogprob, TokenSlice
 from launcher import output_channel
 from launcher.clients import Submission
 from scheduler import SamplingParams, StructuredOutputsParams
@@ -191,7 +191,14 @@ def test_a_stream_goes_as_deltas_and_comes_back_whole():
     payloads = [encoder.encode(("out", [o]))[8:] for o in outputs]
     assert [b'"d":' in p for p in payloads] == [False, False, True, True, True, False, True]
     assert all(b'"prompt_token_ids"' not in p for p in payloads if b'"d":' in p)
-    assert [decoder.decode(p) for p in payloads] == [("out", [o]) for o in outputs]
+    decoded = [decoder.decode(p) for p in payloads]
+    assert decoded == [("out", [o]) for o in outputs]
+    # A running output's tokens are a slice of one list per request (no copy per delta);
+    # the outputs decoded before later deltas still read as they were sent; a terminal's
+    # tokens are a list.
+    tokens = [frame[1][0].output_token_ids for frame in decoded]
+    assert [type(t) is TokenSlice for t in tokens] == [True] * 5 + [False, True]
+    assert [list(t) for t in tokens] == [o.output_token_ids for o in outputs]
     bad = json.dumps(["out", [{"d": "b", "new": [6], "n": 9, "ft": 2.0}]]).encode()
     with pytest.raises(output_channel.MalformedFrame, match="a delta to 9 output tokens"):
         decoder.decode(bad)
