@@ -128,6 +128,8 @@ class Decoder:
                 return ("out", [self._output(plain) for plain in frame[1]])
             if frame[0] == "left" and len(frame) == 3 and isinstance(frame[1], int):
                 return ("left", frame[1], str(frame[2]))
+        except MalformedFrame:
+            raise  # says what was wrong already
         except (ValueError, TypeError, KeyError, IndexError, LockstepError) as error:
             raise MalformedFrame(f"a malformed output frame: {error}") from None
         raise MalformedFrame(f"not an output frame: {str(frame)[:80]}")

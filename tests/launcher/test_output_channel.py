@@ -200,7 +200,9 @@ def test_a_stream_goes_as_deltas_and_comes_back_whole():
     assert [type(t) is TokenSlice for t in tokens] == [True] * 5 + [False, True]
     assert [list(t) for t in tokens] == [o.output_token_ids for o in outputs]
     bad = json.dumps(["out", [{"d": "b", "new": [6], "n": 9, "ft": 2.0}]]).encode()
-    with pytest.raises(output_channel.MalformedFrame, match="a delta to 9 output tokens"):
+    with pytest.raises(
+        output_channel.MalformedFrame, match=r"^request .b.: a delta to 9 output tokens"
+    ):
         decoder.decode(bad)
 
 
