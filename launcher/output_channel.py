@@ -88,9 +88,17 @@ class Encoder:
 
     def encode(self, frame: tuple) -> bytes:
         """``("out", outputs)`` or ``("left", generation, reason)`` as length + JSON."""
+        return _framed(self._plain_frame(frame))
+
+    def payload(self, frame: tuple) -> bytes:
+        """The same frame's JSON alone (`Decoder.decode` takes it): a take's answer, where
+        the actor call carries its length."""
+        return _json(self._plain_frame(frame))
+
+    def _plain_frame(self, frame: tuple) -> tuple:
         if frame[0] == "out":
-            frame = ("out", [self._plain(output) for output in frame[1]])
-        return _framed(frame)
+            return ("out", [self._plain(output) for output in frame[1]])
+        return frame
 
     def _plain(self, output: RequestOutput) -> dict:
         request_id = output.request_id
@@ -395,9 +403,13 @@ def read_commands(
             return
 
 
+def _json(value: tuple) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
 def _framed(value: tuple) -> bytes:
     """``value`` as one frame: its JSON's length, then the JSON (`_split_frames` reads it)."""
-    payload = json.dumps(value, separators=(",", ":")).encode()
+    payload = _json(value)
     return _HEADER.pack(len(payload)) + payload
 
 

@@ -93,6 +93,9 @@ class RankActor:
         self.host: EngineHost | None = None
         self.generation = 0  # of the group this rank last joined (stamps "left" frames)
         self._outputs: tuple[socket.socket, threading.Thread] | None = None  # `open_outputs`
+        # A take's outputs as an output frame: a running stream's after its first as deltas.
+        self._take_encoder = output_channel.Encoder()
+        self._take_lock = threading.Lock()
 
     def create_store(self, loopback: bool) -> tuple[str, int]:
         """Host the group's store, listening on loopback (every rank on this host) or on this
@@ -267,8 +270,13 @@ class RankActor:
     def abort(self, request_id: str) -> None:
         self.host.abort(request_id)
 
-    def take(self, timeout_s: float) -> list[RequestOutput]:
-        return self.host.take(timeout_s)
+    def take(self, timeout_s: float) -> bytes:
+        """The outputs since the last take (waiting up to ``timeout_s`` for some), as one
+        output frame's JSON (launcher/output_channel.py: a running stream's outputs after
+        its first carry only their new tokens, not every token so far each step, across
+        nodes too). The driver decodes the takes in the order they were made: one at a time."""
+        with self._take_lock:
+            return self._take_encoder.payload(("out", self.host.take(timeout_s)))
 
     def open_outputs(self, path: str, key: bytes) -> bool:
         """Send this rank's takes to the driver's socket at ``path`` from now on, and take
@@ -467,6 +475,8 @@ class _Group:
     # answer from an actor since replaced is not that rank's any more, and a survivor's
     # "left the group" from before a heal is old news.
     takes: dict[int, tuple[Any, Any, int]] = field(default_factory=dict)
+    # rank -> (the actor, the decoder of its takes' frames): a new actor gets a new one.
+    take_decoders: dict[int, tuple[Any, output_channel.Decoder]] = field(default_factory=dict)
     # With every rank on the driver's host, each rank's takes come over a socket instead
     # (launcher/output_channel.py): rank -> (the actor writing, its channel).
     channeled: bool = False
@@ -834,6 +844,7 @@ class RayClient:
         group.failed.clear()
         for rank in gone:
             group.takes.pop(rank, None)
+            group.take_decoders.pop(rank, None)
             self._close_channel(group, rank)
             group.last_stats.pop(rank, None)
             group.since[rank] = group.generation
@@ -1095,10 +1106,31 @@ class RayClient:
                     continue  # another poll took it, or its rank has been replaced
                 del group.takes[rank]
             try:
-                outputs.extend(self._get(group, rank, ref, actor, asked_in))
+                answer = self._get(group, rank, ref, actor, asked_in)
+                outputs.extend(self._taken(group, rank, actor, answer))
             except RankFailure as error:
                 failure = failure or error
         return self._end_poll(group, list(group.takes), outputs, failure)
+
+    def _taken(self, group: _Group, rank: int, actor: Any, answer: Any) -> list[RequestOutput]:
+        """A take's outputs: its frame decoded by the decoder of the actor that made it
+        (`RankActor.take`); nothing for a take `_get` answered for (old news). A malformed
+        frame fails its rank, as on a channel."""
+        if not isinstance(answer, bytes):
+            return answer
+        with self._lock:
+            mine = group.take_decoders.get(rank)
+            if mine is None or mine[0] is not actor:
+                mine = group.take_decoders[rank] = (actor, output_channel.Decoder())
+        try:
+            frame = mine[1].decode(answer)
+            if frame[0] != "out":
+                raise output_channel.MalformedFrame(f"a take answered {frame[0]!r}")
+            return frame[1]
+        except output_channel.MalformedFrame as error:
+            raise self._fail_and_kill(
+                group, rank, f"it sent a malformed output frame: {error}"
+            ) from None
 
     def _end_poll(
         self,
@@ -1320,6 +1352,7 @@ class RayClient:
             first = rank not in group.failed
             group.failed.setdefault(rank, why)
             group.takes.pop(rank, None)
+            group.take_decoders.pop(rank, None)
             self._close_channel(group, rank)
         return first
 

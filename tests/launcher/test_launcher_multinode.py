@@ -60,10 +60,18 @@ def test_strict_spread_puts_each_rank_on_its_own_node(model_dir, reference, two_
         node_ids = llm.client.node_ids
         cores = ray.get([actor.cpu_cores.remote() for actor in llm.client.actors])
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        # Streamed by takes: after a request's first output each take carries only its new
+        # tokens (RankActor.take); every item must still read as every token so far.
+        streamed: dict[int, list[int]] = {}
+        for item in llm.generate_stream(PROMPTS, PARAMS):
+            so_far = streamed.setdefault(PROMPTS.index(list(item.prompt_token_ids)), [])
+            so_far += item.new_token_ids
+            assert list(item.output_token_ids) == so_far
         # Not every rank on the driver's node: the outputs come by takes (actor calls), not
         # over sockets (launcher/output_channel.py).
         channeled = llm.client._group.channeled
     assert not channeled
+    assert [streamed[index] for index in range(len(PROMPTS))] == reference
     # Two raylets, one machine: CPU binding must count both ranks as sharing its cores.
     available = sorted(os.sched_getaffinity(0))
     if 2 * max(1, len(available) // 2) <= len(available):
