@@ -45,6 +45,7 @@ import secrets
 import select
 import shutil
 import socket
+import stat
 import struct
 import tempfile
 import threading
@@ -179,12 +180,21 @@ class Decoder:
         return output
 
 
+_LISTENER_PREFIX = "lockstep-outputs-"
+_SOCKET_NAME = "outputs.sock"
+# A driver makes its directory, binds its socket in it, then listens: until it listens the
+# socket refuses connections too. Only directories older than this are judged.
+_STALE_AFTER_S = 60.0
+
+
 class Listener:
-    """The driver's end: a listening socket in a private directory."""
+    """The driver's end: a listening socket in a private directory. A driver that is killed
+    (SIGKILL) cannot remove its directory; the next one on the host does (`sweep_stale`)."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="lockstep-outputs-")  # mode 0700
-        self.path = os.path.join(self._dir, "outputs.sock")
+        sweep_stale(tempfile.gettempdir())
+        self._dir = tempfile.mkdtemp(prefix=_LISTENER_PREFIX)  # mode 0700
+        self.path = os.path.join(self._dir, _SOCKET_NAME)
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._socket.bind(self.path)
         self._socket.listen(64)
@@ -215,6 +225,44 @@ class Listener:
         with contextlib.suppress(OSError):
             self._socket.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove the listener directories in ``directory`` that this user's gone drivers left:
+    those older than `_STALE_AFTER_S` whose socket refuses a connection (nothing listens on it
+    any more) or that never got one. A live driver's socket accepts (its accept loop drops
+    the keyless connection), so its directory is kept. Returns the removed."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(_LISTENER_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            continue
+        if time.time() - info.st_mtime > _STALE_AFTER_S and _gone(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _gone(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(os.path.join(path, _SOCKET_NAME))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:  # timed out (a full backlog), or a path this probe cannot use: keep it
+        return False
+    finally:
+        probe.close()
+    return False
 
 
 class Channel:

@@ -8,9 +8,14 @@ import dataclasses
 import json
 import os
 import pickle
+import shutil
+import signal
 import socket
 import stat
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -92,6 +97,43 @@ def test_a_frame_is_json_and_anything_else_is_refused():
     for payload in refused:
         with pytest.raises(output_channel.MalformedFrame):
             output_channel.Decoder().decode(payload)
+
+
+def test_a_killed_drivers_directory_is_removed_by_the_next_and_a_live_ones_kept():
+    """A driver killed with SIGKILL leaves its listener's directory behind; a later listener
+    on the host removes it (its socket refuses connections) and one that never got a socket,
+    once they are older than a driver takes to start listening, and keeps a live driver's
+    (whose socket still accepts) and a young one (a driver between making it and listening)."""
+    base = tempfile.mkdtemp(prefix="ls-", dir="/tmp")  # short: a socket path has 108 bytes
+    env = {**os.environ, "TMPDIR": base}
+    code = (
+        "import time; from launcher import output_channel; "
+        "listener = output_channel.Listener(); print(listener.path, flush=True); time.sleep(600)"
+    )
+    drivers = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        killed, live = (os.path.dirname(d.stdout.readline().strip()) for d in drivers)
+        drivers[0].send_signal(signal.SIGKILL)
+        drivers[0].wait(timeout=30)
+        unbound, young = (os.path.join(base, f"lockstep-outputs-{n}") for n in ("x", "y"))
+        for path in (unbound, young):
+            os.mkdir(path, 0o700)
+        assert output_channel.sweep_stale(base) == []  # all young
+        long_ago = time.time() - 3600
+        for path in (killed, live, unbound):
+            os.utime(path, (long_ago, long_ago))
+        removed = output_channel.sweep_stale(base)
+        assert sorted(removed) == sorted([killed, unbound])
+        assert sorted(os.listdir(base)) == sorted(os.path.basename(p) for p in (live, young))
+        assert os.path.exists(os.path.join(live, "outputs.sock"))
+    finally:
+        for driver in drivers:
+            driver.kill()
+            driver.wait(timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_only_the_keyed_connection_is_taken_and_the_socket_is_private(listener):
