@@ -192,8 +192,9 @@ class Listener:
     (SIGKILL) cannot remove its directory; the next one on the host does (`sweep_stale`)."""
 
     def __init__(self) -> None:
-        sweep_stale(tempfile.gettempdir())
-        self._dir = tempfile.mkdtemp(prefix=_LISTENER_PREFIX)  # mode 0700
+        parent = _listener_parent()
+        sweep_stale(parent)
+        self._dir = tempfile.mkdtemp(prefix=_LISTENER_PREFIX, dir=parent)  # mode 0700
         self.path = os.path.join(self._dir, _SOCKET_NAME)
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._socket.bind(self.path)
@@ -225,6 +226,19 @@ class Listener:
         with contextlib.suppress(OSError):
             self._socket.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+_SOCKET_PATH_BYTES = 107  # sun_path's 108 bytes, less the terminating NUL
+
+
+def _listener_parent() -> str:
+    """The temp directory, or /tmp where a socket path under it would be too long (a long
+    TMPDIR, as some batch systems set, would otherwise send every group back to takes)."""
+    parent = tempfile.gettempdir()
+    longest = os.path.join(parent, _LISTENER_PREFIX + "x" * 8, _SOCKET_NAME)
+    if len(os.fsencode(longest)) <= _SOCKET_PATH_BYTES or not os.access("/tmp", os.W_OK):
+        return parent
+    return "/tmp"
 
 
 def sweep_stale(directory: str) -> list[str]:

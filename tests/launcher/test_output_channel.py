@@ -136,6 +136,28 @@ def test_a_killed_drivers_directory_is_removed_by_the_next_and_a_live_ones_kept(
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_a_temp_directory_too_long_for_a_socket_path_falls_back_to_tmp(monkeypatch):
+    """Under a TMPDIR too long for a socket path the listener goes to /tmp rather than
+    failing (which would send the group back to takes); under a short one it stays there."""
+    short = tempfile.mkdtemp(prefix="ls-", dir="/tmp")
+    long = os.path.join(short, "d" * 90)
+    os.mkdir(long)
+    try:
+        for parent, expected in ((short, short), (long, "/tmp")):
+            monkeypatch.setattr(tempfile, "tempdir", parent)
+            listener = output_channel.Listener()
+            try:
+                assert os.path.dirname(os.path.dirname(listener.path)) == expected
+                key = output_channel.new_key()
+                rank_end = output_channel.connect(listener.path, key)
+                listener.accept(key, timeout_s=10).close()
+                rank_end.close()
+            finally:
+                listener.close()
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
 def test_only_the_keyed_connection_is_taken_and_the_socket_is_private(listener):
     mode = stat.S_IMODE(os.stat(os.path.dirname(listener.path)).st_mode)
     assert mode == 0o700
