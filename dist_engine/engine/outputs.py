@@ -4,7 +4,6 @@ and `CompletionOutput`, the offline API's per-completion view in vLLM's shape.""
 from __future__ import annotations
 
 import enum
-import itertools
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field, fields
 
@@ -65,7 +64,8 @@ class TokenSlice(SequenceABC):
         return self._tokens[self._start + index]
 
     def __iter__(self):
-        return itertools.islice(self._tokens, self._start, self._stop)
+        # (not islice over the list: that would step through the prompt before it too)
+        return iter(self._tokens[self._start : self._stop])
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, TokenSlice | list | tuple):
