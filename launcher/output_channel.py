@@ -150,9 +150,7 @@ class Decoder:
                 self._open.pop(output.request_id, None)
             else:
                 tokens = list(output.output_token_ids)
-                output = dataclasses.replace(
-                    output, output_token_ids=TokenSlice(tokens, 0, len(tokens))
-                )
+                output = dataclasses.replace(output, output_token_ids=TokenSlice.whole(tokens))
                 self._open[output.request_id] = (output, tokens)
             return output
         last, tokens = self._open[plain["d"]]  # KeyError: a delta of a request never sent whole
@@ -167,7 +165,7 @@ class Decoder:
         output = RequestOutput(
             request_id=last.request_id,
             prompt_token_ids=last.prompt_token_ids,
-            output_token_ids=TokenSlice(tokens, 0, len(tokens)),
+            output_token_ids=TokenSlice.whole(tokens),
             new_token_ids=new,
             finished=False,
             finish_reason=None,

@@ -128,7 +128,7 @@ def measure(
         outputs = sched.schedule()
         sched.process_outputs(outputs, runner.execute(outputs, requests)[0])
         streamed = [request.delta(0) for request in requests.values()]  # None: not streamed
-        decoder.decode(encoder.encode(("out", [o for o in streamed if o is not None]))[8:])
+        decoder.decode(encoder.payload(("out", [o for o in streamed if o is not None])))
         if not outputs.is_prefill and outputs.num_seqs == num_seqs:
             break
     forward_ms.clear()
@@ -145,7 +145,7 @@ def measure(
         deltas = [request.delta(0) for request in requests.values()] if stream else []
         streamed = time.perf_counter()
         if stream:  # (a sequence ended by this step has no delta: None)
-            decoder.decode(encoder.encode(("out", [d for d in deltas if d is not None]))[8:])
+            decoder.decode(encoder.payload(("out", [d for d in deltas if d is not None])))
         channel = time.perf_counter()
         inside = forward_ms[-1] + sample_ms[-1]
         timings["schedule"].append((scheduled - start) * 1e3)

@@ -50,6 +50,11 @@ class TokenSlice(SequenceABC):
         self._start = start
         self._stop = stop
 
+    @staticmethod
+    def whole(tokens: list[int]) -> TokenSlice:
+        """All of ``tokens`` as they are now."""
+        return TokenSlice(tokens, 0, len(tokens))
+
     def __len__(self) -> int:
         return self._stop - self._start
 
@@ -87,11 +92,7 @@ class TokenSlice(SequenceABC):
         return repr(list(self))
 
     def __reduce__(self):
-        return (_token_slice_of, (list(self),))
-
-
-def _token_slice_of(tokens: list[int]) -> TokenSlice:
-    return TokenSlice(tokens, 0, len(tokens))
+        return (TokenSlice.whole, (list(self),))
 
 
 @dataclass(frozen=True)
