@@ -2,14 +2,19 @@
 
 STRICT_SPREAD must put the two rank actors on different nodes, the group must still generate
 exactly the single-rank tokens, and an unplaceable group must fail at start-up with a message,
-leaving nothing reserved behind.
+leaving nothing reserved behind. With no rank on the driver's node the outputs come by takes
+(actor calls answered with output frames), not over the output channels' sockets: a rank
+SIGKILLed and then one SIGSTOPped while streams are open must heal there as they do over
+channels (tests/launcher/test_heal.py), with no token missing or repeated.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
+import psutil
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -108,3 +113,69 @@ def test_the_cluster_still_serves_after_the_failed_start(model_dir, reference, t
         outputs = llm.generate(PROMPTS[:3], PARAMS, dp_rank=1, use_tqdm=False)
     assert [o.output_token_ids for o in outputs] == reference[:3]
     assert all(o.dp_rank == 1 for o in outputs)
+
+
+def test_a_kill_then_a_stop_heal_while_outputs_come_by_takes(model_dir, reference, two_nodes):
+    """Rank 1 (on the other node) SIGKILLed when a stream has 6 tokens; once the healed group
+    has given every unfinished request a token, rank 0 SIGSTOPped: its take stops coming back,
+    its peer's collective times out, and the driver re-forms the group again. Every request
+    ends once with the fault-free tokens (greedy and seeded sampling), each stream item reads
+    as every token so far, and the replacements' takes decode from a fresh start."""
+    timeout_s = 4  # parallel.collective_timeout_s
+    params = [
+        SamplingParams(max_tokens=40, ignore_eos=True, temperature=float(i % 2), seed=70 + i)
+        for i in range(len(PROMPTS))
+    ]
+    with LLM(
+        model=model_dir, dp_size=2, launcher="ray", placement_strategy="STRICT_SPREAD",
+        threads_per_rank=1, collective_timeout_s=timeout_s, max_recoveries_per_hour=20,
+        **SETTINGS,
+    ) as llm:  # fmt: skip
+        fault_free = [o.output_token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        generation, before = llm.client.generation, dict(llm.client.pids)
+        nodes_before = dict(llm.client.node_ids)
+        faults: dict = {}
+        since_heal: set[int] = set()
+        streamed: list[list[int]] = [[] for _ in PROMPTS]
+        ends: list[list] = [[] for _ in PROMPTS]
+        try:
+            for item in llm.generate_stream(PROMPTS, params):
+                index = PROMPTS.index(list(item.prompt_token_ids))
+                streamed[index] += item.new_token_ids
+                assert list(item.output_token_ids) == streamed[index], index
+                if item.finished:
+                    ends[index].append(item)
+                if not faults and len(item.output_token_ids) >= 6:
+                    faults["killed"] = llm.client.pids[1]
+                    os.kill(faults["killed"], signal.SIGKILL)
+                elif "stopped" not in faults and llm.client.generation == generation + 1:
+                    since_heal.add(index)
+                    unfinished = {i for i in range(len(PROMPTS)) if not ends[i]}
+                    if unfinished and unfinished <= since_heal:
+                        faults["pids"] = dict(llm.client.pids)
+                        faults["stopped"], faults["at"] = llm.client.pids[0], time.monotonic()
+                        os.kill(faults["stopped"], signal.SIGSTOP)
+                elif "healed_s" not in faults and llm.client.generation > generation + 1:
+                    faults["healed_s"] = time.monotonic() - faults["at"]
+        finally:
+            if "stopped" in faults and psutil.pid_exists(faults["stopped"]):
+                os.kill(faults["stopped"], signal.SIGCONT)
+        assert "stopped" in faults and llm.client.generation == generation + 2
+        assert not llm.client._group.channeled  # still by takes after both heals
+        pids, nodes = dict(llm.client.pids), dict(llm.client.node_ids)
+        # Healed in place: each heal replaced the faulted rank only, on its own node.
+        assert [pids[r] == faults["pids"][r] for r in (0, 1)] == [False, True]
+        assert [faults["pids"][r] == before[r] for r in (0, 1)] == [True, False]
+        assert nodes == nodes_before
+        again = llm.generate(PROMPTS, params, use_tqdm=False)  # the new ranks' takes
+    assert faults["healed_s"] > timeout_s  # seen when the peer's collective timed out
+    for index, expected in enumerate(fault_free):
+        (final,) = ends[index]  # ended exactly once
+        assert final.finish_reason == "length", final.finish_reason
+        assert final.output_token_ids == expected, index
+    assert streamed == fault_free
+    assert [o.output_token_ids for o in again] == fault_free
+    assert {o.dp_rank for o in again} == {0, 1}
+    # The greedy requests' first tokens are the single-rank run's.
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    assert [fault_free[i][: PARAMS.max_tokens] for i in greedy] == [reference[i] for i in greedy]
