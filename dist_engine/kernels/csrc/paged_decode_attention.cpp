@@ -66,9 +66,11 @@ void decode_kernel(
   const acc_t softmax_scale = static_cast<acc_t>(scale);
 
   // One sequence per task; inside it the cache is walked block by block, each block's rows in
-  // memory order (token, then kv head), so every block is one sequential read. (Software
-  // prefetch of the next block, which sits at a random place in the pool, was tried: no
-  // measurable gain on this CPU.)
+  // memory order (token, then kv head), so every block is one sequential read; the next
+  // block's pages are touched as one starts (lockstep::touch_pages).
+  const auto block_bytes = [&](int64_t token_stride) {
+    return block_size * token_stride * static_cast<int64_t>(sizeof(scalar_t));
+  };
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> scores;  // [H, L]
     std::vector<acc_t> q_scaled(num_heads * head_dim);
@@ -92,6 +94,9 @@ void decode_kernel(
                             int64_t head_stride, auto&& visit) {
         for (int64_t c = 0; c < num_blocks; ++c) {
           const scalar_t* block = cache + table[c] * block_stride;
+          if (c + 1 < num_blocks) {
+            lockstep::touch_pages(cache + table[c + 1] * block_stride, block_bytes(token_stride));
+          }
           const int64_t first = c * block_size;
           const int64_t last = std::min(length, first + block_size);
           for (int64_t t = first; t < last; ++t) {
@@ -127,6 +132,10 @@ void decode_kernel(
         }
         sums[h] = total;
       }
+      lockstep::touch_pages(v + table[0] * v_block, block_bytes(v_token));
+      if (seq + 1 < end) {
+        lockstep::touch_pages(k + tables[(seq + 1) * num_columns] * k_block, block_bytes(k_token));
+      }
 
       // Pass 2: probability-weighted sum of the values, same walk.
       std::fill(acc.begin(), acc.end(), acc_t(0));
@@ -159,8 +168,9 @@ void decode_kernel(
 // read by every query head of its group (widening per head cost more than the products). Scores
 // and sums in float32, exp by lockstep::vexp; the output is rounded once. Against the scalar path
 // in one process on the AMX host (float32 and bfloat16; 64 x 192 tokens at 8 x 32 heads, up to
-// 4 x 4,096 at 32 x 128): 0.56-0.92x its time on one or two threads. (Prefetching each chunk's
-// span before the strided reads was tried: slower in float32, even in bfloat16.)
+// 4 x 4,096 at 32 x 128): 0.56-0.92x its time on one or two threads. As a block starts, the
+// next one's pages are touched (lockstep::touch_pages). (Prefetching every line of each chunk's
+// span just before its reads was tried: slower in float32, even in bfloat16.)
 template <typename scalar_t, int kVectors>
 void decode_vectors(
     const torch::Tensor& query,
@@ -230,6 +240,10 @@ void decode_vectors(
         for (int64_t t0 = 0, n; t0 < length; t0 += n) {
           n = std::min({int64_t{16}, block_size - t0 % block_size, length - t0});
           const int64_t block = table[t0 / block_size], within = t0 % block_size;
+          if (within == 0 && t0 + block_size < length) {
+            lockstep::touch_pages(cache + table[t0 / block_size + 1] * bstride,
+                                  block_size * tstride * static_cast<int64_t>(sizeof(scalar_t)));
+          }
           visit(t0, n, block, within);
         }
       };
@@ -260,6 +274,13 @@ void decode_vectors(
           }
         }
       });
+      // The values' first block and the next sequence's first keys, ahead of their walks.
+      lockstep::touch_pages(v + table[0] * v_block,
+                            block_size * v_token * static_cast<int64_t>(sizeof(scalar_t)));
+      if (seq + 1 < end) {
+        lockstep::touch_pages(k + tables[(seq + 1) * num_columns] * k_block,
+                              block_size * k_token * static_cast<int64_t>(sizeof(scalar_t)));
+      }
       // Softmax numerators and sums, per query head.
       const int64_t full = length / 16 * 16;
       for (int64_t h = 0; h < num_heads; ++h) {
