@@ -25,9 +25,9 @@ inline void check_context_blocks(const char* kernel, int64_t seq, const int64_t*
 // it sees the first line, but it stops at page boundaries and cannot know where the next block
 // is, so each new block started cold. A prefetch never faults: a span that runs past the
 // cache's end costs nothing. On the Intel AVX-512 host a decode attention layer over a cache
-// that is out of the CPU's caches took 0.80-0.88x the time (0.96-0.99x at 64 KiB blocks) with
+// that is out of the CPU's caches took 0.79-0.89x the time (0.96-0.99x at 64 KiB blocks) with
 // this before each block (docs/benchmark_notes.md); prefetching every line of the block instead
-// took 0.87-0.93x cold but 1.08-1.23x when the block was already in cache.
+// took 0.87-0.96x cold but 1.07-1.23x when the block was already in cache.
 inline void touch_pages(const void* data, int64_t bytes) {
   const char* first = static_cast<const char*>(data);
   for (int64_t offset = 0; offset < bytes; offset += 4096) {
