@@ -120,7 +120,7 @@ def test_a_kill_then_a_stop_heal_while_outputs_come_by_takes(model_dir, referenc
     has given every unfinished request a token, rank 0 SIGSTOPped: its take stops coming back,
     its peer's collective times out, and the driver re-forms the group again. Every request
     ends once with the fault-free tokens (greedy and seeded sampling), each stream item reads
-    as every token so far, and the replacements' takes decode from a fresh start."""
+    as every token so far, and the healed group's takes serve those tokens again."""
     timeout_s = 4  # parallel.collective_timeout_s
     params = [
         SamplingParams(max_tokens=40, ignore_eos=True, temperature=float(i % 2), seed=70 + i)
