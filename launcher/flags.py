@@ -267,6 +267,8 @@ DESCRIPTIONS = {
     "scheduler.sync_policy": "how the ranks agree on each step's kind",
     "scheduler.prefill_deadline_steps": "deadline: decode steps a ready prompt waits at most "
     "(default: 0 for one rank, 2 in a group)",
+    "scheduler.prefill_deadline_cooldown": "deadline: once that many decode steps ran since the "
+    "last prefill step, start a ready prompt at once",
     "scheduler.mixed_steps": "prefill steps also decode the running sequences (default: on "
     "unless the policy is vote)",
     "scheduler.mixed_prompt_tokens": "mixed steps: prompt tokens per step while any rank decodes "

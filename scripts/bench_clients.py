@@ -9,8 +9,9 @@ time on a free loopback port, contenders interleaved round by round:
 - `vllm serve` (vLLM's CPU backend, float32, prefix caching off), `lockstep serve` at DP=1
   (local: the engine on a thread of the server) and at DP=2 (Ray); `lockstep-dpN-ray` runs
   DP=N under Ray whatever N (at DP=1 that is `lockstep serve`'s default, which heals a rank
-  that dies); a Lockstep contender may carry server flags after `+`, each `FLAG=VALUE`
-  (`lockstep-dp2+prefill-deadline-steps=0` runs `--prefill-deadline-steps 0`);
+  that dies); a Lockstep contender may carry server flags after `+`, each `FLAG=VALUE` or
+  a switch `FLAG` (`lockstep-dp2+prefill-deadline-steps=0` runs `--prefill-deadline-steps 0`,
+  `lockstep-dp2+prefill-deadline-cooldown` runs `--prefill-deadline-cooldown`);
 - `vllm bench serve` with its `openai` (completions) and `openai-chat` backends, random
   prompts, at request rate inf and at Poisson rates: completed/failed requests, throughput,
   TTFT and ITL p50/p99. A rate written `0.5x` is that fraction of the capacity of the first
@@ -133,8 +134,10 @@ def start(contender: str, model: str, port: int, log: Path, dtype: str) -> subpr
         dp = name.removeprefix("lockstep-dp").removesuffix("-ray")
         local = dp == "1" and not name.endswith("-ray")
         launcher = ["--launcher", "local" if local else "ray"]
-        extra = [part for flag in flags for part in (f"--{flag.partition('=')[0]}",
-                                                     flag.partition("=")[2])]  # fmt: skip
+        extra = []
+        for flag in flags:  # FLAG=VALUE, or a switch: FLAG
+            key, has_value, value = flag.partition("=")
+            extra += [f"--{key}", value] if has_value else [f"--{key}"]
         command = [str(ROOT / ".venv" / "bin" / "lockstep"), "serve", model, "--dtype", dtype,
                    "--data-parallel-size", dp, *launcher, *common, *extra]  # fmt: skip
         env = dict(os.environ)
