@@ -35,4 +35,10 @@ inline void touch_pages(const void* data, int64_t bytes) {
   }
 }
 
+// touch_pages over one cache block: `block_size` token rows `token_stride` elements apart.
+template <typename T>
+inline void touch_block(const T* block, int64_t block_size, int64_t token_stride) {
+  touch_pages(block, block_size * token_stride * static_cast<int64_t>(sizeof(T)));
+}
+
 }  // namespace lockstep

@@ -68,9 +68,6 @@ void decode_kernel(
   // One sequence per task; inside it the cache is walked block by block, each block's rows in
   // memory order (token, then kv head), so every block is one sequential read; the next
   // block's pages are touched as one starts (lockstep::touch_pages).
-  const auto block_bytes = [&](int64_t token_stride) {
-    return block_size * token_stride * static_cast<int64_t>(sizeof(scalar_t));
-  };
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> scores;  // [H, L]
     std::vector<acc_t> q_scaled(num_heads * head_dim);
@@ -95,7 +92,7 @@ void decode_kernel(
         for (int64_t c = 0; c < num_blocks; ++c) {
           const scalar_t* block = cache + table[c] * block_stride;
           if (c + 1 < num_blocks) {
-            lockstep::touch_pages(cache + table[c + 1] * block_stride, block_bytes(token_stride));
+            lockstep::touch_block(cache + table[c + 1] * block_stride, block_size, token_stride);
           }
           const int64_t first = c * block_size;
           const int64_t last = std::min(length, first + block_size);
@@ -132,9 +129,9 @@ void decode_kernel(
         }
         sums[h] = total;
       }
-      lockstep::touch_pages(v + table[0] * v_block, block_bytes(v_token));
+      lockstep::touch_block(v + table[0] * v_block, block_size, v_token);
       if (seq + 1 < end) {
-        lockstep::touch_pages(k + tables[(seq + 1) * num_columns] * k_block, block_bytes(k_token));
+        lockstep::touch_block(k + tables[(seq + 1) * num_columns] * k_block, block_size, k_token);
       }
 
       // Pass 2: probability-weighted sum of the values, same walk.
@@ -241,8 +238,8 @@ void decode_vectors(
           n = std::min({int64_t{16}, block_size - t0 % block_size, length - t0});
           const int64_t block = table[t0 / block_size], within = t0 % block_size;
           if (within == 0 && t0 + block_size < length) {
-            lockstep::touch_pages(cache + table[t0 / block_size + 1] * bstride,
-                                  block_size * tstride * static_cast<int64_t>(sizeof(scalar_t)));
+            const scalar_t* next = cache + table[t0 / block_size + 1] * bstride;
+            lockstep::touch_block(next, block_size, tstride);
           }
           visit(t0, n, block, within);
         }
@@ -275,11 +272,9 @@ void decode_vectors(
         }
       });
       // The values' first block and the next sequence's first keys, ahead of their walks.
-      lockstep::touch_pages(v + table[0] * v_block,
-                            block_size * v_token * static_cast<int64_t>(sizeof(scalar_t)));
+      lockstep::touch_block(v + table[0] * v_block, block_size, v_token);
       if (seq + 1 < end) {
-        lockstep::touch_pages(k + tables[(seq + 1) * num_columns] * k_block,
-                              block_size * k_token * static_cast<int64_t>(sizeof(scalar_t)));
+        lockstep::touch_block(k + tables[(seq + 1) * num_columns] * k_block, block_size, k_token);
       }
       // Softmax numerators and sums, per query head.
       const int64_t full = length / 16 * 16;
