@@ -240,8 +240,7 @@ def deadline_next_vote(
     no later than the decode step ``deadline`` (the first where any ready head starts), and at
     every step after it.
     """
-    wait = view.max_ready_wait
-    due = decided_on + max(1, deadline) if wait < 0 else decided_on + max(1, deadline - wait)
+    due = decided_on + max(1, deadline - max(view.max_ready_wait, 0))
     if cooldown:
         return min(due, max(decided_on + 1, deadline))
     return due
