@@ -104,7 +104,7 @@ class TuneShapes:
 # op; 1.0 where not named. The linears' timing (isolated calls) overstates small gains: on an
 # AVX2 EPYC the project's Qwen3-MoE timed oneDNN 2-7% faster per call and ran 5-10% slower end
 # to end with it, while Mixtral's LM head, timed 1.85x faster, ran 1.32x faster end to end
-# (bench_vs_vllm.py --variant; docs/benchmarks.md, "On the AVX2 host").
+# (bench_vs_vllm.py --variant; docs/benchmark_notes.md, "On the AVX2 host").
 REQUIRED_GAIN = {"linear": 1.15}
 
 

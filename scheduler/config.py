@@ -11,7 +11,7 @@ PREEMPTION_ORDERS = ("lcfs", "fcfs")
 # prompt chunks stretch every rank's step, and this is the TTFT / ITL point chosen for that
 # (docs/design.md, "Mixed steps"). A rank alone stretches only its own decoders: there fewer,
 # larger chunks gave more throughput and a shorter TTFT for a longer ITL p99, still well
-# below vLLM's (docs/benchmarks.md, "On the AVX-512 host: float32 and bf16 at DP=1, DP=2,
+# below vLLM's (docs/benchmark_notes.md, "On the AVX-512 host: float32 and bf16 at DP=1, DP=2,
 # and one rank's prompt chunks").
 MIXED_PROMPT_TOKENS_GROUP = 256
 # A multiple of GROUP: context parallelism's chunk alignment, met by GROUP, holds for it too.
@@ -73,7 +73,7 @@ class SchedulerConfig:
     cp_size: int = 1
     # deadline (the default: a ready prompt waits at most prefill_deadline_steps, so its TTFT
     # p99 is far below vote's, with fewer votes than every_step; docs/design.md, and the figures
-    # in docs/benchmarks.md, "Step policies") | vote (the reference) | every_step
+    # in docs/benchmark_notes.md, "Step policies") | vote (the reference) | every_step
     sync_policy: str = "deadline"
     # deadline policy: the most decode steps a ready head of waiting (schedulable, under the
     # watermark, admissible now) sits out before the group prefills; 0 votes at every step and

@@ -40,7 +40,7 @@ batch's row count (on the AVX2 host, M < 4 and M >= 4 differ by ~6e-5), so any c
 schedule (a resumed prefill, another arrival order) can flip an MoE router's top-k where two
 experts' scores are within ~1e-5, and the tokens after it then differ by model, not by noise.
 Check a differing request against an independent run (the single-process engine,
-transformers) before blaming the heal; docs/benchmarks.md records the case found this way.
+transformers) before blaming the heal; docs/benchmark_notes.md records the case found this way.
 Figures are this host's under whatever else runs on it, not properties of the code.
 """
 

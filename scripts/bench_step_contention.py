@@ -7,7 +7,7 @@
 
 Served, an engine shares the host's cores with its HTTP server and, under `vllm bench serve`
 on the same machine, with the client, and shares its own process's interpreter lock with the
-server's event loop (docs/benchmarks.md, "Where a served step's time goes"). This separates
+server's event loop (docs/benchmark_notes.md, "Where a served step's time goes"). This separates
 the two. `LLM(launcher="local")` on the built-in tiny Qwen3-MoE runs `vllm bench serve`'s
 rate-inf workload (64 prompts of 128 tokens, 64 output tokens each, all at once) offline while
 another process spins for `load` of every 2 ms and sleeps the rest, for each `--loads` value:

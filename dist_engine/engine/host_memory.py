@@ -6,7 +6,7 @@ kernel once more than twice that is free. A CPU engine allocates and frees the s
 tensors every step (a [64, 32000] float32 sampling row block is 8 MiB; a prefill step's expert
 activations are tens of MiB), so without this each step's first write to them page-faults again,
 4 KiB at a time: temperature 1.0 sampling at batch 64, vocabulary 32k, took 12.9-38.7 ms on
-an AMD EPYC with two threads, and 4.4 ms once the memory was kept (docs/benchmarks.md,
+an AMD EPYC with two threads, and 4.4 ms once the memory was kept (docs/benchmark_notes.md,
 "Sampler cost per step"). vLLM's CPU backend preloads tcmalloc for the same reason.
 
 `retain_freed_memory` raises both thresholds to 1 GiB with `mallopt`: blocks below it come

@@ -228,7 +228,7 @@ async def answer_stream(
     async def only(choice: Choice) -> tuple[Choice, Piece | None]:
         """The next event of a stream of one choice, read in place: no feeder task and no
         queue hop per token (the common case, n = 1; every hop is interpreter time the engine
-        thread waits for, docs/benchmarks.md, "Where a served step's time goes")."""
+        thread waits for, docs/benchmark_notes.md, "Where a served step's time goes")."""
         if choice.done:
             return choice, None
         return choice, choice.take(await choice.stream.next())

@@ -26,7 +26,7 @@
 // and the 6 x 64 blocking beat an 8 x 32 one most at decode sizes. On an AVX2 EPYC (8-lane
 // blocks, below) it is well ahead of PyTorch at decode sizes with two threads and behind it
 // with one thread at I = 512: `expert_backend: auto` times it on each host. The figures:
-// docs/benchmark_notes.md, "MoE layer"; docs/benchmarks.md, "One MoE layer" and "Backends".
+// docs/benchmark_notes.md, "MoE layer", "One MoE layer" and "Backends".
 //
 // Work is split by slot: slots are dealt to threads largest first, each to the least loaded
 // thread, and a thread runs its slots' two GEMMs and the activation in between on its own
@@ -211,8 +211,8 @@ constexpr int kRowBlock = 6;
 // `dot_gemm`). Without it a slot of 7+ rows is memory-bound in its first row block, compute-bound
 // in the others, never both: on a 2-core AMD EPYC with AVX-512 (Zen 4) one Mixtral layer's
 // experts at 12-16 rows per expert took 0.76-0.84x the time with it (float32), 0.69-0.75x in
-// bf16 dot products, 0.91-0.94x at 128 rows, the same at 1-5 (docs/benchmarks.md); on a 2-core
-// AMD EPYC with AVX2 only (8-lane blocks), 0.92-0.95x at 12-16 rows, 0.92-0.98x at 32,
+// bf16 dot products, 0.91-0.94x at 128 rows, the same at 1-5 (docs/benchmark_notes.md); on a
+// 2-core AMD EPYC with AVX2 only (8-lane blocks), 0.92-0.95x at 12-16 rows, 0.92-0.98x at 32,
 // 0.94-1.01x at 4-8 and 128 (float32, three runs of six). So on by default for every build;
 // LOCKSTEP_NEXT_PANEL=0 or 1, read at each call, turns it off or on (to measure it).
 inline bool next_panel_enabled() {
