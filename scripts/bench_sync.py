@@ -21,6 +21,10 @@ Runs (``--runs``):
   way ``LLM.generate_stream`` would, minus the launcher: ``generate_stream`` takes every prompt
   up front (an offline call), so it cannot play arrivals at given times; here each rank's driver
   submits to its engine at the arrival time, as a server's request handler would.
+  ``--capacity`` gives that rate instead of probing it (the probe moved 64-98 requests/s per
+  rank between three runs on one shared 2-core host, so runs of one probe each are not at the
+  same load), and ``--rounds`` repeats every job, the policies' order rotated each round, and
+  adds a table of medians and ranges over the rounds.
 
 Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outputs:
 
@@ -46,8 +50,8 @@ Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outpu
 - output tok/s: all ranks' output tokens over the time from the first arrival to the last token.
 
     .venv/bin/python scripts/bench_sync.py [--quick] [--runs skewed online]
-        [--policies vote deadline+mixed ...] [--dp 2 4] [--deadline-steps 0 ...]
-        [--out bench_results/sync.json]
+        [--policies vote deadline+mixed ...] [--dp 2 4] [--deadline-steps 0 ...] [--cooldown]
+        [--rounds N] [--capacity REQUESTS_PER_S_PER_RANK] [--out bench_results/sync.json]
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ WORLD_SIZES = (2, 4)
 RUNS = ("skewed", "online")
 ONLINE_LOADS = (0.5, 0.9)  # fractions of the measured capacity
 PROBE_POLICY = "deadline+mixed"
+COOLDOWN = "+cooldown"  # a policy name's suffix: prefill_deadline_cooldown on
 COLLECTIVE_TIMEOUT_S = 60.0
 BARE_CALLS = 200
 
@@ -183,9 +188,13 @@ class Collector:
 
 
 def _engine_config(model_dir: str, world: int, policy: str) -> EngineConfig:
-    """``policy``: a POLICY_VARIANTS name, or ``deadline+mixed@D`` (`--deadline-steps`)."""
+    """``policy``: a POLICY_VARIANTS name, ``deadline+mixed@D`` (`--deadline-steps`), or
+    ``deadline+mixed+cooldown`` (`--cooldown`: `prefill_deadline_cooldown` on)."""
     policy, _, deadline = policy.partition("@")
-    overrides = {"prefill_deadline_steps": int(deadline)} if deadline else {}
+    overrides: dict[str, Any] = {"prefill_deadline_steps": int(deadline)} if deadline else {}
+    if policy.endswith(COOLDOWN):
+        policy = policy.removesuffix(COOLDOWN)
+        overrides["prefill_deadline_cooldown"] = True
     scheduler = policy_variant(SchedulerConfig(**SCHEDULER, **overrides), policy)
     return EngineConfig(
         model=model_dir,
@@ -449,6 +458,7 @@ def summarise(run: str, policy: str, world: int, ranks: list[dict[str, Any]]) ->
 # -- output ------------------------------------------------------------------------------------
 COLUMNS = (
     ("run", "run", "{}"),
+    ("round", "round", "{}"),
     ("policy", "policy", "{}"),
     ("DP", "dp", "{}"),
     ("steps/s", "steps_per_s", "{:.1f}"),
@@ -482,7 +492,7 @@ def _cell(row: dict[str, Any], key: str | tuple[str, ...], fmt: str) -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| " + " | ".join(name for name, _, _ in COLUMNS) + " |",
-        "| " + " | ".join("---" if i < 3 else "---:" for i in range(len(COLUMNS))) + " |",
+        "| " + " | ".join("---" if i < 4 else "---:" for i in range(len(COLUMNS))) + " |",
     ]
     for row in rows:
         lines.append("| " + " | ".join(_cell(row, k, f) for _, k, f in COLUMNS) + " |")
@@ -511,13 +521,17 @@ def compare(rows: list[dict[str, Any]], policy: str = "deadline+mixed") -> list[
     issue's terms (TTFT p99 vs every_step's, ITL p99 vs vote's, output rate and placeholder
     share vs the better)."""
     lines = []
-    for run, world in sorted({(r["run"], r["dp"]) for r in rows}):
-        cell = {r["policy"]: r for r in rows if r["run"] == run and r["dp"] == world}
+    for run, world, round_ in sorted({(r["run"], r["dp"], r["round"]) for r in rows}):
+        cell = {
+            r["policy"]: r
+            for r in rows
+            if r["run"] == run and r["dp"] == world and r["round"] == round_
+        }
         if not {"vote", "every_step+separate", policy} <= set(cell):
             continue
         new, vote, every = cell[policy], cell["vote"], cell["every_step+separate"]
         lines.append(
-            f"{run} DP={world}: {policy} TTFT p99 {new['ttft_ms_p99']:.0f} ms = "
+            f"{run} DP={world} round {round_}: {policy} TTFT p99 {new['ttft_ms_p99']:.0f} ms = "
             f"{new['ttft_ms_p99'] / every['ttft_ms_p99']:.2f}x every_step+separate's; ITL p99 "
             f"{new['itl_ms_p99']:.1f} ms = {new['itl_ms_p99'] / vote['itl_ms_p99']:.2f}x vote's; "
             f"{new['output_tok_per_s']:.0f} tok/s vs best "
@@ -528,6 +542,33 @@ def compare(rows: list[dict[str, Any]], policy: str = "deadline+mixed") -> list[
             f"{every['sync_frac']:.2%})"
         )
     return lines
+
+
+ROUND_KEYS = (
+    ("TTFT p50 ms", "ttft_ms_p50"),
+    ("TTFT p99 ms", "ttft_ms_p99"),
+    ("ITL p50 ms", "itl_ms_p50"),
+    ("ITL p99 ms", "itl_ms_p99"),
+    ("out tok/s", "output_tok_per_s"),
+)
+
+
+def rounds_table(rows: list[dict[str, Any]]) -> str:
+    """Per run, DP and policy: the median over rounds of each ROUND_KEYS figure, its range."""
+    lines = [
+        "| run | DP | policy | rounds | " + " | ".join(n for n, _ in ROUND_KEYS) + " |",
+        "| --- | --- | --- | ---: | " + " | ".join("---:" for _ in ROUND_KEYS) + " |",
+    ]
+    cells: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        cells.setdefault((row["run"], row["dp"], row["policy"]), []).append(row)
+    for (run, world, policy), group in cells.items():
+        figures = []
+        for _, key in ROUND_KEYS:
+            values = sorted(r[key] for r in group)
+            figures.append(f"{statistics.median(values):.1f} ({values[0]:.1f}-{values[-1]:.1f})")
+        lines.append(f"| {run} | {world} | {policy} | {len(group)} | " + " | ".join(figures) + " |")
+    return "\n".join(lines)
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -549,8 +590,21 @@ def main() -> None:
         "--deadline-steps", type=int, nargs="+", default=[],
         help="also run deadline+mixed with these prefill_deadline_steps (as deadline+mixed@D)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cooldown", action="store_true",
+        help="also run deadline+mixed with prefill_deadline_cooldown (as deadline+mixed+cooldown)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every job this many times, the policies' order rotated each round",
+    )  # fmt: skip
+    parser.add_argument(
+        "--capacity", type=float, default=None,
+        help="online: requests/s per rank that 100%% stands for (default: probe it first)",
+    )  # fmt: skip
     args = parser.parse_args()
     args.policies += [f"deadline+mixed@{steps}" for steps in args.deadline_steps]
+    args.policies += [f"deadline+mixed{COOLDOWN}"] if args.cooldown else []
     duration = args.duration or (4.0 if args.quick else 12.0)
     skewed = Spec(duration_s=duration, rate_per_s=args.rate)
     probe = Spec(duration_s=0.0, rate_per_s=0.0, kind="batch", batch=12 if args.quick else 48)
@@ -565,28 +619,37 @@ def main() -> None:
                     f"note: DP={world} runs {world} rank processes on {cores} cores "
                     "(oversubscribed): ranks time-share cores, so waits grow"
                 )
-            jobs: list[tuple[str, str, Spec]] = []
+            runs: list[tuple[str, Spec]] = []
             if "skewed" in args.runs:
-                jobs += [("skewed", policy, skewed) for policy in args.policies]
+                runs.append(("skewed", skewed))
             if "online" in args.runs:
-                started = time.monotonic()
-                (probe_ranks,) = run_jobs(model_dir, world, [(PROBE_POLICY, probe)])
-                capacity = capacity_per_rank(probe_ranks)
+                capacity = args.capacity
+                if capacity is None:
+                    started = time.monotonic()
+                    (probe_ranks,) = run_jobs(model_dir, world, [(PROBE_POLICY, probe)])
+                    capacity = capacity_per_rank(probe_ranks)
+                    print(
+                        f"DP={world}: capacity {capacity:.2f} requests/s per rank "
+                        f"({time.monotonic() - started:.1f} s)",
+                        flush=True,
+                    )
                 capacities[world] = capacity
-                print(
-                    f"DP={world}: capacity {capacity:.2f} requests/s per rank "
-                    f"({time.monotonic() - started:.1f} s)",
-                    flush=True,
-                )
                 for load in ONLINE_LOADS:
                     spec = Spec(duration_s=duration, rate_per_s=load * capacity, kind="poisson")
-                    jobs += [(f"online{load:.0%}", policy, spec) for policy in args.policies]
+                    runs.append((f"online{load:.0%}", spec))
+            # Each round runs every run under every policy, the policies' order rotated by one
+            # a round, so no policy always follows the same one on a machine that drifts.
+            jobs: list[tuple[int, str, str, Spec]] = []
+            for round_ in range(args.rounds):
+                shift = round_ % len(args.policies)
+                order = args.policies[shift:] + args.policies[:shift]
+                jobs += [(round_, run, policy, spec) for run, spec in runs for policy in order]
             started = time.monotonic()
             results = run_jobs(
-                model_dir, world, [(p, s) for _, p, s in jobs], not args.no_cpu_binding
+                model_dir, world, [(p, s) for _, _, p, s in jobs], not args.no_cpu_binding
             )
-            for (run, policy, _), ranks in zip(jobs, results, strict=True):
-                row = summarise(run, policy, world, ranks)
+            for (round_, run, policy, _), ranks in zip(jobs, results, strict=True):
+                row = {**summarise(run, policy, world, ranks), "round": round_}
                 print(
                     f"{run} {policy} DP={world}: {row['steps']} steps, {row['requests']} requests",
                     flush=True,
@@ -596,8 +659,11 @@ def main() -> None:
     print()
     print(markdown_table(rows))
     print()
+    if args.rounds > 1:
+        print(rounds_table(rows))
+        print()
     print("\n".join(verdict(rows) + compare(rows)))
-    _write(args.out, skewed, rows, not args.no_cpu_binding, capacities)
+    _write(args.out, skewed, rows, not args.no_cpu_binding, capacities, args.rounds)
 
 
 def _write(
@@ -606,6 +672,7 @@ def _write(
     rows: list[dict[str, Any]],
     cpu_binding: bool,
     capacities: dict[int, float],
+    rounds: int,
 ) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -620,6 +687,7 @@ def _write(
         "mixed_prompt_tokens": SchedulerConfig().mixed_prompt_cap,
         "online_loads": ONLINE_LOADS,
         "capacity_requests_per_s_per_rank": capacities,
+        "rounds": rounds,
         "cpu_binding": cpu_binding,
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
