@@ -266,7 +266,7 @@ DESCRIPTIONS = {
     "scheduler.cp_size": "context parallelism (not served: keep 1)",
     "scheduler.sync_policy": "how the ranks agree on each step's kind",
     "scheduler.prefill_deadline_steps": "deadline: decode steps a ready prompt waits at most "
-    "(default: 0 for one rank, 2 in a group)",
+    "(default: 0 for one or two ranks, 2 for more)",
     "scheduler.prefill_deadline_cooldown": "deadline: once that many decode steps ran since the "
     "last prefill step, start a ready prompt at once",
     "scheduler.mixed_steps": "prefill steps also decode the running sequences (default: on "

@@ -16,17 +16,18 @@ PREEMPTION_ORDERS = ("lcfs", "fcfs")
 MIXED_PROMPT_TOKENS_GROUP = 256
 # A multiple of GROUP: context parallelism's chunk alignment, met by GROUP, holds for it too.
 MIXED_PROMPT_TOKENS_ALONE = 4 * MIXED_PROMPT_TOKENS_GROUP
-# The deadline policy's D (prefill_deadline_steps) unless set. In a group a vote is a collective
-# and a prefill step stretches every rank's step, so a ready prompt may sit out up to 2 decode
-# steps, votes come at most that often, and prompts arriving on several ranks meanwhile share
-# one prefill step (docs/design.md, "The deadline policy"); real DP=2 groups at 90% of capacity
-# fell behind their arrivals with 0 (docs/benchmark_notes.md). A rank alone votes without a
-# collective and stretches only its own decoders, as vLLM's and SGLang's schedulers do at every
-# step: there a ready prompt starts at the next step (0), which took 1-2 ms off the time from a
-# served request's arrival to its first token at half load (docs/benchmark_notes.md, "A
-# prompt's way to its first token").
+# The deadline policy's D (prefill_deadline_steps) unless set. In a group of more than
+# PREFILL_DEADLINE_SMALL_GROUP ranks a vote is a collective and each arrival's prompt chunk
+# stretches every rank's step, so a ready prompt may sit out up to 2 decode steps, votes come at
+# most that often, and prompts arriving on several ranks meanwhile share one step
+# (docs/design.md, "The deadline policy"); with 0 a real DP=4 group had a longer ITL at half
+# load and fell behind its arrivals at 90% in one round of three. A rank alone, or a pair,
+# starts a ready prompt at its next step (0), as vLLM's and SGLang's schedulers take waiting
+# prompts at every step: a real pair at half and 90% load got 0.5-0.6x the TTFT p50 of 2 at the
+# same throughput and ITL (docs/benchmark_notes.md, "The deadline at two and four ranks").
 PREFILL_DEADLINE_STEPS_GROUP = 2
-PREFILL_DEADLINE_STEPS_ALONE = 0
+PREFILL_DEADLINE_STEPS_SMALL = 0
+PREFILL_DEADLINE_SMALL_GROUP = 2  # the most ranks a group may have for PREFILL_DEADLINE_STEPS_SMALL
 # The contenders the sync benchmarks compare: vote (prefill-only steps, the reference), and the
 # two other policies with prefill-only ("+separate") or mixed ("+mixed", the default) steps.
 POLICY_VARIANTS = (
@@ -78,7 +79,8 @@ class SchedulerConfig:
     # deadline policy: the most decode steps a ready head of waiting (schedulable, under the
     # watermark, admissible now) sits out before the group prefills; 0 votes at every step and
     # prefills at the first a head is ready. None: PREFILL_DEADLINE_STEPS_GROUP, or
-    # PREFILL_DEADLINE_STEPS_ALONE where the engine runs as a group of one rank (`for_group`).
+    # PREFILL_DEADLINE_STEPS_SMALL where the engine runs as a group of at most
+    # PREFILL_DEADLINE_SMALL_GROUP ranks (`for_group`).
     prefill_deadline_steps: int | None = None
     # deadline policy: once the group has run prefill_deadline_steps decode steps since its last
     # prefill step, start a ready head at once rather than when it falls due, voting at every
@@ -202,16 +204,15 @@ class SchedulerConfig:
     def for_group(self, num_ranks: int) -> SchedulerConfig:
         """This config for a group of ``num_ranks`` DP ranks: for one rank, an unset
         ``mixed_prompt_tokens`` becomes MIXED_PROMPT_TOKENS_ALONE (aligned wherever the unset
-        config passed its check, since ALONE is a multiple of GROUP) and an unset
-        ``prefill_deadline_steps`` PREFILL_DEADLINE_STEPS_ALONE. A group that later shrinks to
-        one rank keeps what it started with: every rank resolved the same."""
-        if num_ranks != 1:
-            return self
+        config passed its check, since ALONE is a multiple of GROUP); for up to
+        PREFILL_DEADLINE_SMALL_GROUP ranks an unset ``prefill_deadline_steps`` becomes
+        PREFILL_DEADLINE_STEPS_SMALL. A group that later shrinks keeps what it started with:
+        every rank resolved the same."""
         config = self
-        if config.mixed_prompt_tokens is None:
+        if num_ranks == 1 and config.mixed_prompt_tokens is None:
             config = replace(config, mixed_prompt_tokens=MIXED_PROMPT_TOKENS_ALONE)
-        if config.prefill_deadline_steps is None:
-            config = replace(config, prefill_deadline_steps=PREFILL_DEADLINE_STEPS_ALONE)
+        if num_ranks <= PREFILL_DEADLINE_SMALL_GROUP and config.prefill_deadline_steps is None:
+            config = replace(config, prefill_deadline_steps=PREFILL_DEADLINE_STEPS_SMALL)
         return config
 
     @property

@@ -415,7 +415,7 @@ def simulate(
     cost: CostModel,
     max_steps: int = 1_000_000,
 ) -> RunResult:
-    config = policy_variant(config, policy)
+    config = policy_variant(config, policy).for_group(num_ranks)  # as the engine resolves it
     result = RunResult(num_ranks, workload, policy)
     stats, tracks = _Stats(), {}
     now, next_arrival = 0.0, 0
@@ -779,7 +779,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--mixed-prompt-tokens", type=int, default=MIXED_PROMPT_TOKENS_GROUP)
     s.add_argument(
         "--deadline-steps", type=int, default=None,
-        help="deadline policy: prefill_deadline_steps (default: a group's)",
+        help="deadline policy: prefill_deadline_steps (default: the engine's for N ranks)",
     )  # fmt: skip
     s.add_argument(
         "--deadline-cooldown", action="store_true",

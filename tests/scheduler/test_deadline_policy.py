@@ -157,15 +157,20 @@ def test_deadline_zero_votes_every_step_and_prefills_any_ready_head():
     assert not deadline_prefills(AttemptPoint.DUE, view(max_ready_wait=-1), 0)
 
 
-def test_a_rank_alone_defaults_to_no_deadline_and_a_group_to_two_steps():
+def test_a_rank_alone_or_a_pair_defaults_to_no_deadline_and_larger_groups_to_two_steps():
     assert SchedulerConfig().prefill_deadline_steps is None
     assert SchedulerConfig().deadline_steps == 2
-    assert SchedulerConfig().for_group(4).deadline_steps == 2
-    alone = SchedulerConfig().for_group(1)
-    assert alone.prefill_deadline_steps == 0 and alone.deadline_steps == 0
+    assert SchedulerConfig().for_group(3).deadline_steps == 2
+    assert SchedulerConfig().for_group(64).deadline_steps == 2
+    for ranks in (1, 2):
+        small = SchedulerConfig().for_group(ranks)
+        assert small.prefill_deadline_steps == 0 and small.deadline_steps == 0
+    # The mixed-step cap widens for a rank alone only.
+    assert SchedulerConfig().for_group(2).mixed_prompt_tokens is None
     # A value the user set is kept, alone or not.
     assert SchedulerConfig(prefill_deadline_steps=3).for_group(1).deadline_steps == 3
-    assert SchedulerConfig(prefill_deadline_steps=0).for_group(2).deadline_steps == 0
+    assert SchedulerConfig(prefill_deadline_steps=3).for_group(2).deadline_steps == 3
+    assert SchedulerConfig(prefill_deadline_steps=0).for_group(4).deadline_steps == 0
 
 
 def test_policy_and_deadline_are_checked_and_group_agreed():
