@@ -267,8 +267,6 @@ DESCRIPTIONS = {
     "scheduler.sync_policy": "how the ranks agree on each step's kind",
     "scheduler.prefill_deadline_steps": "deadline: decode steps a ready prompt waits at most "
     "(default: 0 for one or two ranks, 2 for more)",
-    "scheduler.prefill_deadline_cooldown": "deadline: once that many decode steps ran since the "
-    "last prefill step, start a ready prompt at once",
     "scheduler.mixed_steps": "prefill steps also decode the running sequences (default: on "
     "unless the policy is vote)",
     "scheduler.mixed_prompt_tokens": "mixed steps: prompt tokens per step while any rank decodes "

@@ -46,7 +46,6 @@ GROUP_AGREED_FIELDS = (
     "prefill_any_attempt_interval",
     "sync_policy",
     "prefill_deadline_steps",
-    "prefill_deadline_cooldown",
     "max_model_len",
 )
 
@@ -82,11 +81,6 @@ class SchedulerConfig:
     # PREFILL_DEADLINE_STEPS_SMALL where the engine runs as a group of at most
     # PREFILL_DEADLINE_SMALL_GROUP ranks (`for_group`).
     prefill_deadline_steps: int | None = None
-    # deadline policy: once the group has run prefill_deadline_steps decode steps since its last
-    # prefill step, start a ready head at once rather than when it falls due, voting at every
-    # step until then. A group below saturation gets a deadline of 0's TTFT, a busy one (whose
-    # prefill steps come every few steps) keeps the deadline's batching; the bound holds.
-    prefill_deadline_cooldown: bool = False
     # Mixed steps: a prefill step also carries one decode token for every running sequence, so
     # prompts never pause decoding; while any rank of the group decodes, a rank's prompt chunks
     # in one step total at most mixed_prompt_tokens (the head always gets its minimum chunk),
@@ -110,10 +104,6 @@ class SchedulerConfig:
             _require_int(name, getattr(self, name), minimum=1)
         if self.prefill_deadline_steps is not None:
             _require_int("prefill_deadline_steps", self.prefill_deadline_steps, minimum=0)
-        if not isinstance(self.prefill_deadline_cooldown, bool):
-            raise ValueError(
-                f"prefill_deadline_cooldown must be a bool, got {self.prefill_deadline_cooldown!r}"
-            )
         _require_int("num_blocks", self.num_blocks, minimum=2)
         _require_int("lookahead_tokens", self.lookahead_tokens, minimum=0)
         _require_int("num_state_slots", self.num_state_slots, minimum=0)

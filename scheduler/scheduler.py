@@ -329,7 +329,6 @@ class Scheduler:
             all_interval=config.prefill_attempt_interval,
             any_interval=config.prefill_any_attempt_interval,
             deadline=config.deadline_steps,
-            cooldown=config.prefill_deadline_cooldown,
         )
 
     def policy_state(self) -> tuple[int, int, bool, int | None, int, int]:

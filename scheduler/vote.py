@@ -41,11 +41,8 @@ otherwise only when the oldest ready head falls due (or, with none ready, every
 ``prefill_deadline_steps``, when every rank is ready, or when nobody decodes. So a head that
 stays ready from step ``r`` on starts its prefill by step ``r + prefill_deadline_steps``, and
 decoding is interrupted at most once per deadline by prompts that are not yet due. A deadline of
-0 (a rank alone, by default) votes at every step and prefills as soon as a head is ready. With
-the cooldown (``prefill_deadline_cooldown``) the group also prefills for any ready head once
-``prefill_deadline_steps`` decode steps have run since its last prefill step, voting at every
-step from then on: a group below saturation starts a prompt at its next step, a busy one still
-prefills at most every ``prefill_deadline_steps + 1`` steps, and the bound is unchanged.
+0 (a rank alone or a pair, by default) votes at every step and prefills as soon as a head is
+ready.
 """
 
 from __future__ import annotations
@@ -201,13 +198,7 @@ def deadline_point(
     return AttemptPoint.NONE
 
 
-def deadline_prefills(
-    point: AttemptPoint,
-    view: GroupView,
-    deadline: int,
-    *,
-    cooled: bool = False,
-) -> bool:
+def deadline_prefills(point: AttemptPoint, view: GroupView, deadline: int) -> bool:
     """The deadline policy's step-kind decision.
 
     With nobody decoding there is nothing to protect: any ready head suffices. Otherwise the
@@ -215,35 +206,24 @@ def deadline_prefills(
     or when every rank has a head to start (a prefill step without placeholder ranks). Right
     after a prefill step, while decoding is interrupted anyway, it goes on as long as some
     rank still has a ready head that was queued before the prefill steps began: one burst of
-    arrivals costs the decoding sequences one gap, not one per deadline. ``cooled`` (the
-    cooldown, `prefill_deadline_cooldown`): ``deadline`` decode steps have run since the last
-    prefill step, so any ready head starts now.
+    arrivals costs the decoding sequences one gap, not one per deadline.
     """
     if view.none_running:
         return view.max_ready_wait >= 0
     if view.max_ready_wait >= deadline or view.all_ready:
         return True
-    if cooled and view.max_ready_wait >= 0:
-        return True
     return point is AttemptPoint.FOLLOW and view.any_backlog
 
 
-def deadline_next_vote(
-    decided_on: int, view: GroupView, deadline: int, *, cooldown: bool = False
-) -> int:
+def deadline_next_vote(decided_on: int, view: GroupView, deadline: int) -> int:
     """After the group decoded on a vote taken at ``decided_on``: the decode step of the next.
 
     The oldest ready head falls due ``deadline - wait`` steps on; a head that is not ready
     yet, or arrives later, is seen at a vote at most ``deadline`` steps on (the next step
     where the deadline is 0). A head that is already due here was not admitted by any rank
-    after all (vote 2 found no batch): look again next step. Under the cooldown a vote comes
-    no later than the decode step ``deadline`` (the first where any ready head starts), and at
-    every step after it.
+    after all (vote 2 found no batch): look again next step.
     """
-    due = decided_on + max(1, deadline - max(view.max_ready_wait, 0))
-    if cooldown:
-        return min(due, max(decided_on + 1, deadline))
-    return due
+    return decided_on + max(1, deadline - max(view.max_ready_wait, 0))
 
 
 @dataclass(frozen=True)
@@ -257,7 +237,6 @@ class PolicyState:
     all_interval: int  # prefill_attempt_interval
     any_interval: int  # prefill_any_attempt_interval
     deadline: int  # prefill_deadline_steps
-    cooldown: bool = False  # prefill_deadline_cooldown
 
 
 class ReferencePolicy:
@@ -300,11 +279,10 @@ class DeadlinePolicy:
         )
 
     def prefills(self, point: AttemptPoint, view: GroupView, state: PolicyState) -> bool:
-        cooled = state.cooldown and state.decode_step >= state.deadline
-        return deadline_prefills(point, view, state.deadline, cooled=cooled)
+        return deadline_prefills(point, view, state.deadline)
 
     def next_vote(self, decided_on: int, view: GroupView, state: PolicyState) -> int:
-        return deadline_next_vote(decided_on, view, state.deadline, cooldown=state.cooldown)
+        return deadline_next_vote(decided_on, view, state.deadline)
 
 
 # sync_policy -> when the group votes and what it decides there.

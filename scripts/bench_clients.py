@@ -11,7 +11,7 @@ time on a free loopback port, contenders interleaved round by round:
   DP=N under Ray whatever N (at DP=1 that is `lockstep serve`'s default, which heals a rank
   that dies); a Lockstep contender may carry server flags after `+`, each `FLAG=VALUE` or
   a switch `FLAG` (`lockstep-dp2+prefill-deadline-steps=0` runs `--prefill-deadline-steps 0`,
-  `lockstep-dp2+prefill-deadline-cooldown` runs `--prefill-deadline-cooldown`);
+  `lockstep-dp2+no-mixed-steps` runs `--no-mixed-steps`);
 - `vllm bench serve` with its `openai` (completions) and `openai-chat` backends, random
   prompts, at request rate inf and at Poisson rates: completed/failed requests, throughput,
   TTFT and ITL p50/p99. A rate written `0.5x` is that fraction of the capacity of the first

@@ -50,7 +50,7 @@ Measured per (policy, DP), from every rank's ``engine.trace`` and streamed outpu
 - output tok/s: all ranks' output tokens over the time from the first arrival to the last token.
 
     .venv/bin/python scripts/bench_sync.py [--quick] [--runs skewed online]
-        [--policies vote deadline+mixed ...] [--dp 2 4] [--deadline-steps 0 ...] [--cooldown]
+        [--policies vote deadline+mixed ...] [--dp 2 4] [--deadline-steps 0 ...]
         [--rounds N] [--capacity REQUESTS_PER_S_PER_RANK] [--out bench_results/sync.json]
 """
 
@@ -108,7 +108,6 @@ WORLD_SIZES = (2, 4)
 RUNS = ("skewed", "online")
 ONLINE_LOADS = (0.5, 0.9)  # fractions of the measured capacity
 PROBE_POLICY = "deadline+mixed"
-COOLDOWN = "+cooldown"  # a policy name's suffix: prefill_deadline_cooldown on
 COLLECTIVE_TIMEOUT_S = 60.0
 BARE_CALLS = 200
 
@@ -188,13 +187,9 @@ class Collector:
 
 
 def _engine_config(model_dir: str, world: int, policy: str) -> EngineConfig:
-    """``policy``: a POLICY_VARIANTS name, ``deadline+mixed@D`` (`--deadline-steps`), or
-    ``deadline+mixed+cooldown`` (`--cooldown`: `prefill_deadline_cooldown` on)."""
+    """``policy``: a POLICY_VARIANTS name, or ``deadline+mixed@D`` (`--deadline-steps`)."""
     policy, _, deadline = policy.partition("@")
     overrides: dict[str, Any] = {"prefill_deadline_steps": int(deadline)} if deadline else {}
-    if policy.endswith(COOLDOWN):
-        policy = policy.removesuffix(COOLDOWN)
-        overrides["prefill_deadline_cooldown"] = True
     scheduler = policy_variant(SchedulerConfig(**SCHEDULER, **overrides), policy)
     return EngineConfig(
         model=model_dir,
@@ -591,10 +586,6 @@ def main() -> None:
         help="also run deadline+mixed with these prefill_deadline_steps (as deadline+mixed@D)",
     )  # fmt: skip
     parser.add_argument(
-        "--cooldown", action="store_true",
-        help="also run deadline+mixed with prefill_deadline_cooldown (as deadline+mixed+cooldown)",
-    )  # fmt: skip
-    parser.add_argument(
         "--rounds", type=int, default=1,
         help="run every job this many times, the policies' order rotated each round",
     )  # fmt: skip
@@ -604,7 +595,6 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     args.policies += [f"deadline+mixed@{steps}" for steps in args.deadline_steps]
-    args.policies += [f"deadline+mixed{COOLDOWN}"] if args.cooldown else []
     duration = args.duration or (4.0 if args.quick else 12.0)
     skewed = Spec(duration_s=duration, rate_per_s=args.rate)
     probe = Spec(duration_s=0.0, rate_per_s=0.0, kind="batch", batch=12 if args.quick else 48)

@@ -67,7 +67,7 @@ Limits, honestly
 Usage::
 
     .venv/bin/python scripts/simulate_vote.py [--quick] [--out bench_results/simulate_vote.json]
-        [--plot bench_results/simulate_vote.png] [--deadline-steps D] [--deadline-cooldown]
+        [--plot bench_results/simulate_vote.png] [--deadline-steps D]
 """
 
 from __future__ import annotations
@@ -782,11 +782,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="deadline policy: prefill_deadline_steps (default: the engine's for N ranks)",
     )  # fmt: skip
     s.add_argument(
-        "--deadline-cooldown", action="store_true",
-        help="deadline policy: prefill_deadline_cooldown (start a ready head at once once the "
-        "deadline has passed since the last prefill step)",
-    )  # fmt: skip
-    s.add_argument(
         "--goal-policy", choices=POLICIES, default="deadline+mixed", help="the policy checked"
     )
     return p.parse_args(argv)
@@ -815,7 +810,6 @@ def configs_from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, CostModel
         prefill_any_attempt_interval=args.any_interval,
         mixed_prompt_tokens=args.mixed_prompt_tokens,
         prefill_deadline_steps=args.deadline_steps,
-        prefill_deadline_cooldown=args.deadline_cooldown,
     )
     return spec, cost, config
 

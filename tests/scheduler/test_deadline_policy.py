@@ -105,28 +105,12 @@ def test_next_vote_is_when_the_oldest_ready_head_falls_due():
     assert deadline_next_vote(3, view(max_ready_wait=DEADLINE + 2), DEADLINE) == 4
 
 
-def test_the_cooldown_starts_any_ready_head_once_the_deadline_has_passed_since_a_prefill():
-    due = AttemptPoint.DUE
-    waiting = view(max_ready_wait=0)  # a head ready since this step, nowhere near due
-    assert not deadline_prefills(due, waiting, DEADLINE)
-    assert not deadline_prefills(due, waiting, DEADLINE, cooled=False)
-    assert deadline_prefills(due, waiting, DEADLINE, cooled=True)
-    assert not deadline_prefills(due, view(max_ready_wait=-1), DEADLINE, cooled=True)
-    # Votes: no later than the decode step DEADLINE after a prefill step, then at every step.
-    nobody = view(max_ready_wait=-1)
-    assert deadline_next_vote(0, nobody, DEADLINE, cooldown=True) == DEADLINE
-    assert deadline_next_vote(1, nobody, DEADLINE, cooldown=True) == DEADLINE
-    assert deadline_next_vote(DEADLINE, nobody, DEADLINE, cooldown=True) == DEADLINE + 1
-    assert deadline_next_vote(9, view(max_ready_wait=1), DEADLINE, cooldown=True) == 10
-    assert deadline_next_vote(0, view(max_ready_wait=3), DEADLINE, cooldown=True) == 1
-
-
-@pytest.mark.parametrize("cooldown", [False, True])
-def test_a_lone_late_prompt_starts_at_once_under_the_cooldown(cooldown):
+@pytest.mark.parametrize("deadline", [0, DEADLINE])
+def test_a_lone_late_prompt_sits_out_exactly_the_deadline(deadline):
     """Two ranks decoding long requests; a prompt arrives on rank 1 well after the last
-    prefill step. Without the cooldown it sits out the deadline; with it, it starts at the
-    first step after it is ready, and the votes between come at every step."""
-    group = Group(2, prefill_deadline_cooldown=cooldown)
+    prefill step, with nothing else to batch it with: it sits out the deadline, no more and
+    no less (at 0 it starts at the first step after it is ready)."""
+    group = Group(2, prefill_deadline_steps=deadline)
     for rank in range(2):
         group.ranks[rank].add_sequence(make_seq(f"long{rank}", 8, max_tokens=60))
     late = make_seq("late", 8, max_tokens=4)
@@ -145,7 +129,7 @@ def test_a_lone_late_prompt_starts_at_once_under_the_cooldown(cooldown):
 
     group.run(40, before_step=before_step, check_step=check_step)
     waited = started["at"] - 20
-    assert waited == (0 if cooldown else DEADLINE), waited
+    assert waited == deadline, waited
 
 
 def test_deadline_zero_votes_every_step_and_prefills_any_ready_head():
@@ -410,7 +394,6 @@ pools = st.fixed_dictionaries(
         "stop_preempted_request": st.booleans(),
         "prefill_watermark": st.sampled_from([0.6, 0.9, 1.0]),
         "prefill_deadline_steps": st.integers(0, 6),
-        "prefill_deadline_cooldown": st.booleans(),
         "mixed_steps": st.booleans(),
         "mixed_prompt_tokens": st.sampled_from([4, 8, 64]),
     }
