@@ -299,7 +299,7 @@ DESCRIPTIONS = {
     "server.enable_auto_tool_choice": "let chat requests use tool_choice auto (needs "
     "--tool-call-parser)",
     "server.tool_call_parser": "how the model writes tool calls, for tool_choice auto "
-    "(hermes, deepseek_v3, deepseek_v31)",
+    "(hermes, deepseek_v3, deepseek_v31, kimi_k2, qwen3_coder, glm45, mistral)",
 }
 
 

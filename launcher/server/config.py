@@ -24,7 +24,8 @@
       reasoning_parser: null       # deepseek_r1 or qwen3: chat replies carry the model's
                                    # <think> block as `reasoning` (launcher/server/reasoning.py)
       enable_auto_tool_choice: false  # tool_choice "auto" (with tool_call_parser), as vLLM's
-      tool_call_parser: null       # hermes, deepseek_v3 or deepseek_v31: how "auto" replies'
+      tool_call_parser: null       # hermes, deepseek_v3, deepseek_v31, kimi_k2, qwen3_coder,
+                                   # glm45 or mistral (vLLM's names): how "auto" replies'
                                    # tool calls are read (launcher/server/tools.py)
 
 The engine's sections are left to `EngineConfig`; nothing here reaches a rank. Every field is

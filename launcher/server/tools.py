@@ -6,12 +6,23 @@ variable, and `tool_choice` says what the reply may do with them:
 - "none": the reply is text; nothing is parsed.
 - "auto" (the default when tools are given): the model decides. Its reply is read by the
   server's tool-call parser (`server.tool_call_parser`, which, as in vLLM, needs
-  `server.enable_auto_tool_choice` too): `hermes`, the format of Qwen2.5 / Qwen3 / Hermes
-  models, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after any text;
-  `deepseek_v3` and `deepseek_v31`, DeepSeek-V3's and V3.1's (below). The text before the
-  first call is the message's `content`; a reply whose calls do not parse is all content,
-  with no calls. Their markers can be special tokens, so such replies are decoded with
-  special tokens kept (as vLLM's parsers ask).
+  `server.enable_auto_tool_choice` too), named as vLLM names them:
+  - `hermes`, the format of Qwen2.5 / Qwen3 / Hermes models: `<tool_call>{"name": ...,
+    "arguments": {...}}</tool_call>` blocks after any text;
+  - `deepseek_v3` and `deepseek_v31`, DeepSeek-V3's and V3.1's marker tokens;
+  - `kimi_k2`, Kimi-K2's marker tokens, its calls keeping the model's own ids
+    (`functions.NAME:INDEX`, which its template writes back in later turns);
+  - `qwen3_coder`, Qwen3-Coder's `<tool_call><function=NAME><parameter=KEY>` blocks;
+  - `glm45`, GLM-4.5 / 4.6's `<tool_call>NAME<arg_key>..<arg_value>..` blocks;
+  - `mistral`, Mistral / Mixtral's `[TOOL_CALLS]`: a JSON list of calls (older
+    tokenizers), or one `NAME[ARGS]{...}` per call (newer), its calls with 9-character
+    ids as Mistral's chat templates require.
+  The formats are written out by their patterns below. qwen3_coder's and glm45's argument
+  values are text; each is read by the type the request's tool declares for it (below).
+  The text before the first call is the message's `content`; a reply whose calls do not
+  parse (one cut off by max_tokens) is all content, with no calls. The markers can be
+  special tokens, so such replies are decoded with special tokens kept (as vLLM's parsers
+  ask).
 - "required": the reply is constrained (the structured-output grammar) to a JSON list of
   `{"name", "parameters"}` objects, one of the tools each; every item is a call.
 - a named function (`{"type": "function", "function": {"name": ...}}`): the reply is
@@ -21,8 +32,8 @@ With `parallel_tool_calls: false` a reply keeps its first call only ("required" 
 constrained to one). Calls come back as OpenAI's `tool_calls` (`id`, `type` "function",
 `function.name`, `function.arguments` as JSON text), with finish reason "tool_calls" where
 the model chose them ("auto", "required"); a named function keeps "stop", as OpenAI's API
-does. Streamed, text before a call streams as it comes (a possible `<tool_call>` start held
-back); the calls, whole, ride the choice's last content chunk.
+does. Streamed, text before a call streams as it comes (a possible start of the parser's
+opening marker held back); the calls, whole, ride the choice's last content chunk.
 """
 
 from __future__ import annotations
@@ -49,8 +60,61 @@ _DEEPSEEK_V31_CALL = re.compile(
     r"<｜tool▁call▁begin｜>(?P<name>.*?)<｜tool▁sep｜>(?P<arguments>.*?)<｜tool▁call▁end｜>",
     re.DOTALL,
 )
+# Kimi-K2's calls (its chat template; MoonshotAI/Kimi-K2 docs/tool_call_guidance.md):
+# <|tool_calls_section_begin|>, then per call <|tool_call_begin|>ID<|tool_call_argument_begin|>
+# ARGS (JSON)<|tool_call_end|>, then <|tool_calls_section_end|>. ID is functions.NAME:INDEX.
+_KIMI_OPEN = "<|tool_calls_section_begin|>"
+_KIMI_CLOSE = "<|tool_calls_section_end|>"
+_KIMI_CALL = re.compile(
+    r"\s*<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>"
+    r"(?P<arguments>.*?)<\|tool_call_end\|>",
+    re.DOTALL,
+)
+_KIMI_ID = re.compile(r"(?:functions\.)?(?P<name>\S+?)(?P<index>:\d+)?")
+# Qwen3-Coder's calls (the system prompt of its chat template shows the form):
+# <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n...</function>\n
+# </tool_call>, one block a call. A value is raw text (a newline either side is the
+# format's); a parameter whose </parameter> the model left out ends at the next one, or at
+# </function>.
+_QWEN3_CODER_CALL = re.compile(
+    r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>(?P<body>.*?)</function>\s*(?:</tool_call>)?",
+    re.DOTALL,
+)
+_QWEN3_CODER_PARAMETER = re.compile(
+    r"\s*<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|\Z)",
+    re.DOTALL,
+)
+# GLM-4.5 / 4.6's calls (their chat template; zai-org/GLM-4.5 resources/glm_4.6_tir_guide.md):
+# <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n...</tool_call>, one
+# block a call, the whitespace between tags varying (GLM-4.7 writes none). A value is raw
+# text, its surrounding whitespace not part of it.
+_GLM45_CALL = re.compile(
+    r"\s*<tool_call>(?P<name>[^<]*)(?P<body>(?:\s*<arg_key>(?:(?!</arg_key>).)*</arg_key>"
+    r"\s*<arg_value>(?:(?!</arg_value>).)*</arg_value>)*)\s*</tool_call>",
+    re.DOTALL,
+)
+_GLM45_ARGUMENT = re.compile(
+    r"\s*<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.DOTALL
+)
+# Mistral's calls (mistral-common's instruct tokenizers; the models' chat templates): up to
+# tokenizer v7 (Mixtral-8x22B-Instruct-v0.1, Mistral-7B-Instruct-v0.3, ...) one [TOOL_CALLS]
+# and a JSON list [{"name": ..., "arguments": {...}}, ...]; from v11 [TOOL_CALLS]NAME[ARGS]
+# {...} per call (v11 may put [CALL_ID]ID before [ARGS]; mistral-common's own decoding, which
+# vLLM reads, drops those markers: NAME{...}).
+_MISTRAL_OPEN = "[TOOL_CALLS]"
+_MISTRAL_CALL = re.compile(
+    r"\s*(?P<name>[^\s\[\]{}]+)\s*(?:\[CALL_ID\]\s*[^\s\[\]{}]*\s*)?(?:\[ARGS\])?\s*"
+)
 # Where a parser's calls start in a reply.
-_OPENING = {"hermes": "<tool_call>", "deepseek_v3": _DEEPSEEK_OPEN, "deepseek_v31": _DEEPSEEK_OPEN}
+_OPENING = {
+    "hermes": "<tool_call>",
+    "deepseek_v3": _DEEPSEEK_OPEN,
+    "deepseek_v31": _DEEPSEEK_OPEN,
+    "kimi_k2": _KIMI_OPEN,
+    "qwen3_coder": "<tool_call>",
+    "glm45": "<tool_call>",
+    "mistral": _MISTRAL_OPEN,
+}
 TOOL_CALL_PARSERS = tuple(_OPENING)
 
 
@@ -233,10 +297,11 @@ class ToolCallReader:
             return [_call(item["name"], json.dumps(item["parameters"])) for item in items]
         if not self._in_calls:
             return []
-        if self.tools.parser in ("deepseek_v3", "deepseek_v31"):
-            pattern = (
-                _DEEPSEEK_V3_CALL if self.tools.parser == "deepseek_v3" else _DEEPSEEK_V31_CALL
-            )
+        parser = self.tools.parser
+        if parser in _READERS:  # the text starts with the parser's opening marker
+            return _READERS[parser](text, self.tools)
+        if parser in ("deepseek_v3", "deepseek_v31"):
+            pattern = _DEEPSEEK_V3_CALL if parser == "deepseek_v3" else _DEEPSEEK_V31_CALL
             calls = []
             for found in pattern.finditer(text):
                 arguments = found.group("arguments").strip()
@@ -251,6 +316,165 @@ class ToolCallReader:
                 arguments = json.dumps(arguments, ensure_ascii=False)
             calls.append(_call(str(value["name"]), arguments))
         return calls
+
+
+def _kimi_calls(text: str, tools: Tools) -> list[ToolCall]:
+    """Kimi-K2's section: its calls, each keeping the model's id where the reply's ids are
+    NAME:INDEX ones, distinct (vLLM keeps them too; the template writes them back)."""
+    section = text[len(_KIMI_OPEN) :].split(_KIMI_CLOSE, 1)[0]
+    found_calls, at = [], 0
+    while found := _KIMI_CALL.match(section, at):
+        found_calls.append(found)
+        at = found.end()
+    if section[at:].strip():
+        raise ValueError("a Kimi-K2 call that does not parse (cut off?)")
+    calls, ids = [], []
+    for found in found_calls:
+        call_id = _KIMI_ID.fullmatch(found.group("id"))
+        if call_id is None:
+            raise ValueError(f"not a Kimi-K2 call id: {found.group('id')!r}")
+        arguments = found.group("arguments").strip()
+        json.loads(arguments)  # arguments that are not JSON are not a call
+        calls.append(_call(call_id.group("name"), arguments))
+        ids.append(found.group("id") if call_id.group("index") else None)
+    if None not in ids and len(set(ids)) == len(ids):
+        calls = [
+            ToolCall(call.name, call.arguments, str(id_))
+            for call, id_ in zip(calls, ids, strict=True)
+        ]
+    return calls
+
+
+def _qwen3_coder_calls(text: str, tools: Tools) -> list[ToolCall]:
+    """Qwen3-Coder's blocks, each value read by its declared type; a parameter the tool
+    does not declare stays text (vLLM's rule)."""
+    calls, at = [], 0
+    while found := _QWEN3_CODER_CALL.match(text, at):
+        name = found.group("name").strip()
+        properties = _properties(tools, name)
+        body, arguments, inner = found.group("body"), {}, 0
+        while parameter := _QWEN3_CODER_PARAMETER.match(body, inner):
+            value = parameter.group("value")
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            key = parameter.group("key").strip()
+            arguments[key] = _typed(value, properties.get(key), untyped_as_json=False)
+            inner = parameter.end()
+        if body[inner:].strip():
+            raise ValueError("text inside a Qwen3-Coder call that is not a parameter")
+        calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
+        at = found.end()
+    if text[at:].lstrip().startswith("<tool_call>"):
+        raise ValueError("a Qwen3-Coder call that does not parse (cut off?)")
+    return calls
+
+
+def _glm45_calls(text: str, tools: Tools) -> list[ToolCall]:
+    """GLM-4.5's blocks, each value read by its declared type; a parameter the tool does
+    not declare is read as JSON where it is JSON (GLM's own parsing guide, and vLLM)."""
+    calls, at = [], 0
+    while found := _GLM45_CALL.match(text, at):
+        name = found.group("name").strip()
+        if not name or len(name.split()) != 1:
+            raise ValueError(f"not a GLM-4.5 function name: {name!r}")
+        properties = _properties(tools, name)
+        arguments = {}
+        for argument in _GLM45_ARGUMENT.finditer(found.group("body")):
+            key = argument.group("key").strip()
+            value = argument.group("value").strip()
+            arguments[key] = _typed(value, properties.get(key), untyped_as_json=True)
+        calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
+        at = found.end()
+    if text[at:].lstrip().startswith("<tool_call>"):
+        raise ValueError("a GLM-4.5 call that does not parse (cut off?)")
+    return calls
+
+
+def _mistral_calls(text: str, tools: Tools) -> list[ToolCall]:
+    """Mistral's calls: after [TOOL_CALLS] a JSON list, or NAME[ARGS]{...} segments each
+    after its own [TOOL_CALLS]. Ids are 9 letters and digits: Mistral's chat templates
+    refuse others when the calls come back in the next request (vLLM's ids are so too)."""
+    text = text[len(_MISTRAL_OPEN) :]
+    items: list[tuple[str, Any]] = []
+    if text.lstrip().startswith("["):
+        listed = json.loads(text)
+        if not isinstance(listed, list):
+            raise ValueError("[TOOL_CALLS] not followed by a list")
+        items = [(item["name"], item.get("arguments", {})) for item in listed]
+    else:
+        decoder = json.JSONDecoder()
+        for segment in text.split(_MISTRAL_OPEN):
+            head = _MISTRAL_CALL.match(segment)
+            if head is None:
+                raise ValueError(f"not a Mistral call: {segment[:80]!r}")
+            arguments, end = decoder.raw_decode(segment, head.end())
+            if segment[end:].strip():
+                raise ValueError("text after a Mistral call's arguments")
+            items.append((head.group("name"), arguments))
+    calls = []
+    for name, arguments in items:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"not a function name: {name!r}")
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)  # JSON text: kept only where it is JSON
+        if not isinstance(arguments, dict):
+            raise ValueError("a Mistral call's arguments must be an object")
+        calls.append(
+            ToolCall(name, json.dumps(arguments, ensure_ascii=False), uuid.uuid4().hex[:9])
+        )
+    return calls
+
+
+def _properties(tools: Tools, name: str) -> dict[str, Any]:
+    """The JSON schemas of the named tool's parameters ({} for a tool not in the request)."""
+    for tool in tools.definitions:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties")
+            return properties if isinstance(properties, dict) else {}
+    return {}
+
+
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+               (dict, "object"), (list, "array"), (type(None), "null"))  # fmt: skip
+
+
+def _typed(raw: str, schema: Any, *, untyped_as_json: bool) -> Any:
+    """An argument written as text, as the value its JSON schema's `type` declares: a
+    string stays the text; any other type is the text read as JSON (`True` / `False` too
+    for a boolean), or the text itself where it is not JSON of a declared type (a text
+    that does not parse is kept, as vLLM keeps it). With no type declared: the text, or
+    (`untyped_as_json`) its JSON where it parses."""
+    declared = schema.get("type") if isinstance(schema, dict) else None
+    listed = declared if isinstance(declared, list) else [declared]
+    types = {kind for kind in listed if isinstance(kind, str)}
+    if (not types and not untyped_as_json) or types == {"string"}:
+        return raw
+    if "boolean" in types and raw.strip() in ("True", "False"):
+        return raw.strip() == "True"
+    try:
+        value = json.loads(raw, parse_constant=_no_constant)
+    except ValueError:
+        return raw
+    if "string" in types:  # a union with string: the parsed value only where declared
+        kind = next(label for cls, label in _JSON_TYPES if isinstance(value, cls))
+        fits = kind in types or (kind == "integer" and "number" in types)
+        return value if fits and kind != "string" else raw
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# The parsers that read their calls with a function of their own (the text from the opening
+# marker on, the request's tools).
+_READERS = {
+    "kimi_k2": _kimi_calls,
+    "qwen3_coder": _qwen3_coder_calls,
+    "glm45": _glm45_calls,
+    "mistral": _mistral_calls,
+}
 
 
 def finish_reason(tools: Tools | None, reason: str | None, calls: list[ToolCall]) -> str | None:
