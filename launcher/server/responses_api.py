@@ -36,7 +36,7 @@ from launcher.server.protocol import (
     refuse_unsupported,
 )
 from launcher.server.responses import sse
-from launcher.server.tools import ToolCall
+from launcher.server.tools import CALL_ID_PREFIX, ToolCall
 
 # Fields of a Responses request that are its own (the rest go to the chat path as they are).
 _OWN = {
@@ -275,7 +275,7 @@ class ResponseWriter:
         return {
             "type": "function_call",
             "id": f"fc_{call.id.rsplit('-', 1)[-1]}",
-            "call_id": f"call_{call.id.rsplit('-', 1)[-1]}",
+            "call_id": _call_id(call.id),
             "name": call.name,
             "arguments": call.arguments if status == "completed" else "",
             "status": status,
@@ -297,6 +297,15 @@ class ResponseWriter:
         body = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\n".encode() + sse(body)
+
+
+def _call_id(chat_id: str) -> str:
+    """A call's `call_id`: `call_` and the hex of an id this server made; an id the model
+    gave (kimi_k2's `functions.NAME:N`, mistral's 9 characters) as it is, since the model's
+    template checks or writes back that id when the call returns in a later request."""
+    if chat_id.startswith(CALL_ID_PREFIX):
+        return f"call_{chat_id.removeprefix(CALL_ID_PREFIX)}"
+    return chat_id
 
 
 def _usage(choice: Choice) -> dict[str, Any]:

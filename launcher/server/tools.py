@@ -484,5 +484,8 @@ def finish_reason(tools: Tools | None, reason: str | None, calls: list[ToolCall]
     return reason
 
 
+CALL_ID_PREFIX = "chatcmpl-tool-"  # the ids this server makes (a model's own are kept)
+
+
 def _call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(name, arguments, f"chatcmpl-tool-{uuid.uuid4().hex}")
+    return ToolCall(name, arguments, f"{CALL_ID_PREFIX}{uuid.uuid4().hex}")

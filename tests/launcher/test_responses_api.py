@@ -221,3 +221,15 @@ def test_a_calls_output_continues_the_conversation_as_chat_does(servers):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
     assert info.value.body["param"] == "tools[0]"
+
+
+def test_a_calls_call_id_keeps_an_id_the_model_gave():
+    """Ids this server made become `call_` + their hex; a model's own (Kimi-K2's
+    `functions.NAME:N`, Mistral's 9 characters) stay as they are: its template checks or
+    writes back that id when the call returns."""
+    from launcher.server.responses_api import _call_id
+    from launcher.server.tools import CALL_ID_PREFIX
+
+    assert _call_id(f"{CALL_ID_PREFIX}0123abcd") == "call_0123abcd"
+    assert _call_id("functions.get_weather:0") == "functions.get_weather:0"
+    assert _call_id("a1B2c3D4e") == "a1B2c3D4e"
