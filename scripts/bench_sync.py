@@ -1,5 +1,7 @@
 """What step synchronisation costs a DP group: sync policies ``vote``, ``every_step`` and
 ``deadline``, the latter two with prefill-only (``+separate``) or mixed (``+mixed``) prefill steps.
+``deadline`` runs at the engine's default deadline for the group's size (0 for a pair, 2 for
+more); ``--deadline-steps`` adds runs at others.
 
 The same seeded workloads run under each policy at DP=2 and DP=4, in real multi-process gloo
 groups (one spawned process per rank, CPU, float32) serving a small random Qwen3-MoE written by
@@ -673,7 +675,11 @@ def _write(
         "model": MODEL_SIZES,
         "scheduler": SCHEDULER,
         "spec": asdict(spec),
-        "prefill_deadline_steps": SchedulerConfig().deadline_steps,
+        # deadline+mixed's D: the engine's default for each group size (`for_group`)
+        "prefill_deadline_steps": {
+            world: SchedulerConfig().for_group(world).deadline_steps
+            for world in sorted({row["dp"] for row in rows})
+        },
         "mixed_prompt_tokens": SchedulerConfig().mixed_prompt_cap,
         "online_loads": ONLINE_LOADS,
         "capacity_requests_per_s_per_rank": capacities,
