@@ -196,12 +196,7 @@ def test_auto_replies_carry_the_models_calls_whole_and_streamed(servers):
     assert (call.type, call.function.name) == ("function", "get_weather")
     assert json.loads(call.function.arguments) == {"city": city}
     stream = _chat(tooled, tools=[WEATHER], stream=True, **forced)
-    content, calls, reasons = "", [], []
-    for chunk in stream:
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        calls += delta.tool_calls or []
-        reasons.append(chunk.choices[0].finish_reason)
+    content, calls, reasons = _streamed(stream)
     assert content == "Let me check." and reasons[-1] == "tool_calls"
     assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         (0, "get_weather", {"city": city})
@@ -285,6 +280,17 @@ def coder(model_dir):
     server.stop()
 
 
+def _streamed(stream):
+    """A streamed chat reply's content, tool-call deltas and finish reasons, chunk by chunk."""
+    content, calls, reasons = "", [], []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    return content, calls, reasons
+
+
 def test_a_qwen3_coder_server_reads_its_calls_with_the_requests_types(coder):
     forced = {"extra_body": {"structured_outputs": {"regex": FORCED_CODER_CALL}}}
     reply = _chat(coder, max_tokens=200, tools=[DAYS], **forced).choices[0]
@@ -294,12 +300,7 @@ def test_a_qwen3_coder_server_reads_its_calls_with_the_requests_types(coder):
     assert call.function.name == "forecast" and set(arguments) == {"city", "days"}
     assert re.fullmatch("[a-z]{4}", arguments["city"]) and arguments["days"] in range(1, 10)
     stream = _chat(coder, max_tokens=200, tools=[DAYS], stream=True, **forced)
-    content, calls, reasons = "", [], []
-    for chunk in stream:
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        calls += delta.tool_calls or []
-        reasons.append(chunk.choices[0].finish_reason)
+    content, calls, reasons = _streamed(stream)
     assert content == "Let me check.\n" and reasons[-1] == "tool_calls"
     assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         (0, "forecast", arguments)  # the same seed: the same reply
