@@ -63,8 +63,10 @@ _DEEPSEEK_V31_CALL = re.compile(
 # Kimi-K2's calls (its chat template; MoonshotAI/Kimi-K2 docs/tool_call_guidance.md):
 # <|tool_calls_section_begin|>, then per call <|tool_call_begin|>ID<|tool_call_argument_begin|>
 # ARGS (JSON)<|tool_call_end|>, then <|tool_calls_section_end|>. ID is functions.NAME:INDEX.
-_KIMI_OPEN = "<|tool_calls_section_begin|>"
-_KIMI_CLOSE = "<|tool_calls_section_end|>"
+# The model also writes the section markers in the singular (<|tool_call_section_begin|>,
+# <|tool_call_section_end|>) at times; vLLM's parser takes both, and so does this one.
+_KIMI_OPEN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+_KIMI_CLOSE = re.compile(r"<\|tool_calls?_section_end\|>")
 _KIMI_CALL = re.compile(
     r"\s*<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>"
     r"(?P<arguments>.*?)<\|tool_call_end\|>",
@@ -105,15 +107,15 @@ _MISTRAL_OPEN = "[TOOL_CALLS]"
 _MISTRAL_CALL = re.compile(
     r"\s*(?P<name>[^\s\[\]{}]+)\s*(?:\[CALL_ID\]\s*[^\s\[\]{}]*\s*)?(?:\[ARGS\])?\s*"
 )
-# Where a parser's calls start in a reply.
-_OPENING = {
-    "hermes": "<tool_call>",
-    "deepseek_v3": _DEEPSEEK_OPEN,
-    "deepseek_v31": _DEEPSEEK_OPEN,
+# Where a parser's calls start in a reply (the first of its markers to appear).
+_OPENING: dict[str, tuple[str, ...]] = {
+    "hermes": ("<tool_call>",),
+    "deepseek_v3": (_DEEPSEEK_OPEN,),
+    "deepseek_v31": (_DEEPSEEK_OPEN,),
     "kimi_k2": _KIMI_OPEN,
-    "qwen3_coder": "<tool_call>",
-    "glm45": "<tool_call>",
-    "mistral": _MISTRAL_OPEN,
+    "qwen3_coder": ("<tool_call>",),
+    "glm45": ("<tool_call>",),
+    "mistral": (_MISTRAL_OPEN,),
 }
 TOOL_CALL_PARSERS = tuple(_OPENING)
 
@@ -264,13 +266,14 @@ class ToolCallReader:
             self._pending += text
             return ""
         self._pending += text
-        opening = _OPENING[self.tools.parser or "hermes"]
-        start = self._pending.find(opening)
-        if start >= 0:
+        openings = _OPENING[self.tools.parser or "hermes"]
+        starts = [at for at in map(self._pending.find, openings) if at >= 0]
+        if starts:
+            start = min(starts)
             shown, self._pending = self._pending[:start], self._pending[start:]
             self._in_calls = True
             return shown
-        keep = partial_suffix(self._pending, opening)
+        keep = max(partial_suffix(self._pending, opening) for opening in openings)
         shown = self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(self._pending) - keep :]
         return shown
@@ -321,7 +324,8 @@ class ToolCallReader:
 def _kimi_calls(text: str, tools: Tools) -> list[ToolCall]:
     """Kimi-K2's section: its calls, each keeping the model's id where the reply's ids are
     NAME:INDEX ones, distinct (vLLM keeps them too; the template writes them back)."""
-    section = text[len(_KIMI_OPEN) :].split(_KIMI_CLOSE, 1)[0]
+    opening = next(marker for marker in _KIMI_OPEN if text.startswith(marker))
+    section = _KIMI_CLOSE.split(text[len(opening) :], maxsplit=1)[0]
     found_calls, at = [], 0
     while found := _KIMI_CALL.match(section, at):
         found_calls.append(found)

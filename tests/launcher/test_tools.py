@@ -369,8 +369,15 @@ MISTRAL_V11 = (
     "[ARGS]{}",
     "Sure [",
 )
-CASES = [*REPLIES.items(), ("mistral", MISTRAL_V11)]
-CASE_IDS = [*REPLIES, "mistral_v11"]
+# Kimi-K2 at times writes its section markers in the singular; the reply reads the same.
+KIMI_SINGULAR = (
+    REPLIES["kimi_k2"][0]
+    .replace("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+    .replace("<|tool_calls_section_end|>", "<|tool_call_section_end|>"),
+    "Sure.",
+)
+CASES = [*REPLIES.items(), ("mistral", MISTRAL_V11), ("kimi_k2", KIMI_SINGULAR)]
+CASE_IDS = [*REPLIES, "mistral_v11", "kimi_k2_singular"]
 
 
 def _pieces(text: str, seed: int) -> list[str]:
