@@ -434,6 +434,7 @@ def simulate(
                 now = _sleep_until_arrival(requests, next_arrival, now, result)
     result.metrics = _metrics(stats, tracks, requests, now, num_ranks)
     result.metrics["wall_s"] = time.perf_counter() - started
+    result.metrics["deadline_steps"] = config.deadline_steps  # as resolved for N ranks
     result.ttft_ms = [t.first_ms - t.arrival_ms for t in tracks.values() if t.first_ms is not None]
     return result
 
@@ -599,6 +600,7 @@ _MD_COLUMNS = (
     ("N", lambda m: f"{m['num_ranks']}"),
     ("workload", lambda m: m["workload"]),
     ("policy", lambda m: m["policy"]),
+    ("D", lambda m: f"{m['deadline_steps']}" if m["policy"].startswith("deadline") else "-"),
     ("placeholder", lambda m: f"{m['placeholder_frac']:.3f}"),
     ("idle ranks", lambda m: f"{m['idle_rank_frac']:.3f}"),
     ("votes/step", lambda m: f"{m['collectives_per_step']:.2f}"),
