@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,49 +350,68 @@ def _kimi_calls(text: str, tools: Tools) -> list[ToolCall]:
     return calls
 
 
-def _qwen3_coder_calls(text: str, tools: Tools) -> list[ToolCall]:
-    """Qwen3-Coder's blocks, each value read by its declared type; a parameter the tool
-    does not declare stays text (vLLM's rule)."""
+def _tagged_calls(
+    text: str,
+    tools: Tools,
+    block: re.Pattern[str],
+    read: Callable[[re.Match[str]], tuple[str, list[tuple[str, str]]]],
+    untyped_as_json: bool,
+    label: str,
+) -> list[ToolCall]:
+    """The consecutive `<tool_call>` blocks of an XML-like format (qwen3_coder, glm45), each
+    matched by `block` and read by `read` into its function's name and (key, text value)
+    pairs; each value is read by the type the tool declares for it (`_typed`). A block left
+    that does not match is a call cut off or malformed."""
     calls, at = [], 0
-    while found := _QWEN3_CODER_CALL.match(text, at):
-        name = found.group("name").strip()
+    while found := block.match(text, at):
+        name, pairs = read(found)
         properties = _properties(tools, name)
-        body, arguments, inner = found.group("body"), {}, 0
-        while parameter := _QWEN3_CODER_PARAMETER.match(body, inner):
-            value = parameter.group("value")
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            key = parameter.group("key").strip()
-            arguments[key] = _typed(value, properties.get(key), untyped_as_json=False)
-            inner = parameter.end()
-        if body[inner:].strip():
-            raise ValueError("text inside a Qwen3-Coder call that is not a parameter")
+        arguments = {
+            key: _typed(value, properties.get(key), untyped_as_json=untyped_as_json)
+            for key, value in pairs
+        }
         calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
         at = found.end()
     if text[at:].lstrip().startswith("<tool_call>"):
-        raise ValueError("a Qwen3-Coder call that does not parse (cut off?)")
+        raise ValueError(f"a {label} call that does not parse (cut off?)")
     return calls
+
+
+def _qwen3_coder_block(found: re.Match[str]) -> tuple[str, list[tuple[str, str]]]:
+    """A Qwen3-Coder block's name and parameters, each value less the newline either side."""
+    body, pairs, inner = found.group("body"), [], 0
+    while parameter := _QWEN3_CODER_PARAMETER.match(body, inner):
+        value = parameter.group("value")
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        pairs.append((parameter.group("key").strip(), value))
+        inner = parameter.end()
+    if body[inner:].strip():
+        raise ValueError("text inside a Qwen3-Coder call that is not a parameter")
+    return found.group("name").strip(), pairs
+
+
+def _glm45_block(found: re.Match[str]) -> tuple[str, list[tuple[str, str]]]:
+    """A GLM-4.5 block's name and arguments, each value less its surrounding whitespace."""
+    name = found.group("name").strip()
+    if not name or len(name.split()) != 1:
+        raise ValueError(f"not a GLM-4.5 function name: {name!r}")
+    pairs = [
+        (argument.group("key").strip(), argument.group("value").strip())
+        for argument in _GLM45_ARGUMENT.finditer(found.group("body"))
+    ]
+    return name, pairs
+
+
+def _qwen3_coder_calls(text: str, tools: Tools) -> list[ToolCall]:
+    """Qwen3-Coder's blocks; a parameter the tool does not declare stays text (vLLM's rule)."""
+    return _tagged_calls(text, tools, _QWEN3_CODER_CALL, _qwen3_coder_block, False, "Qwen3-Coder")
 
 
 def _glm45_calls(text: str, tools: Tools) -> list[ToolCall]:
-    """GLM-4.5's blocks, each value read by its declared type; a parameter the tool does
-    not declare is read as JSON where it is JSON (GLM's own parsing guide, and vLLM)."""
-    calls, at = [], 0
-    while found := _GLM45_CALL.match(text, at):
-        name = found.group("name").strip()
-        if not name or len(name.split()) != 1:
-            raise ValueError(f"not a GLM-4.5 function name: {name!r}")
-        properties = _properties(tools, name)
-        arguments = {}
-        for argument in _GLM45_ARGUMENT.finditer(found.group("body")):
-            key = argument.group("key").strip()
-            value = argument.group("value").strip()
-            arguments[key] = _typed(value, properties.get(key), untyped_as_json=True)
-        calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
-        at = found.end()
-    if text[at:].lstrip().startswith("<tool_call>"):
-        raise ValueError("a GLM-4.5 call that does not parse (cut off?)")
-    return calls
+    """GLM-4.5's blocks; a parameter the tool does not declare is read as JSON where it is
+    JSON (GLM's own parsing guide, and vLLM)."""
+    return _tagged_calls(text, tools, _GLM45_CALL, _glm45_block, True, "GLM-4.5")
 
 
 def _mistral_calls(text: str, tools: Tools) -> list[ToolCall]:
